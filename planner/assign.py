@@ -1,0 +1,72 @@
+"""Pass ``assign``: stochastic token assignment (RHEOSAMPLING.md §3-4).
+
+For every expanded node whose sampled slot is still pending, draw ``Y ~ q~`` (the
+tail law over ranks ``m+1..S``, ``rheoplan.distributions.tail_law``) and fill the
+slots that depend on it: the SAMPLED child's token (and, for the ``true_q`` proxy,
+its weight ``q(Y)``), then the PAD children: the best tail tokens other than ``Y``,
+in rank order.
+
+The draw goes through ``ctx.sampler(tree, node, qtilde) -> tail index``; the default
+sampler is Gumbel-max over the tail with noise from the counter-based draft stream
+(``rheoplan.rng``), so a draw is reproducible and can be injected (the exact oracle
+injects every possible ``Y`` in turn).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rheoplan.distributions import tail_law
+from rheoplan.ir import DraftTree
+from rheoplan.pipeline import PassContext, SamplerFn
+from rheoplan.planner.expand import log_weight
+from rheoplan.rng import Purpose, Streams
+
+
+def gumbel_sampler(streams: Streams, step: int) -> SamplerFn:
+    """Gumbel-max draw from ``qtilde`` with noise from the draft stream of ``(step, tree, node)``."""
+
+    def draw(b: int, node: int, qtilde: torch.Tensor) -> int:
+        g = streams.gumbel(step, b, node, Purpose.DRAFT_SAMPLE, qtilde.numel())
+        return int(torch.argmax(torch.log(qtilde) + g))
+
+    return draw
+
+
+def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
+    if ctx.sampler is None:
+        raise ValueError("assign needs ctx.sampler (e.g. gumbel_sampler(Streams(seed), step))")
+    K, m = tree.slots, tree.rheostat
+    if m >= K:  # no sampled slot: nothing is stochastic
+        return tree
+    t = tree.clone()
+    for b in range(t.batch):
+        for row in range(int(t.n_expanded[b])):
+            if int(t.y_token[b, row]) >= 0:
+                continue  # drawn at an earlier depth
+            v = int(t.exp_node[b, row])
+            n = int(t.sup_n[b, row])
+            sup_tok, sup_q = t.sup_token[b, row], t.sup_q[b, row]
+            qt = tail_law(sup_q, m, n)
+            i = ctx.sampler(b, v, qt)
+            if not 0 <= i < qt.numel():
+                raise ValueError(f"sampler returned tail index {i}, allowed [0, {qt.numel()})")
+            y_rank = m + i
+            t.y_token[b, row] = sup_tok[y_rank]
+            t.y_qtilde[b, row] = float(qt[i])
+            base = float(t.score[b, v])
+            c = int(t.y_node[b, row])
+            t.token[b, c] = sup_tok[y_rank]
+            t.q[b, c] = sup_q[y_rank]
+            if ctx.tree_cfg.proxy == "true_q":
+                t.weight[b, c] = sup_q[y_rank]
+                t.score[b, c] = base + log_weight(float(sup_q[y_rank]))
+            # PAD slots follow the sampled one; they take tail ranks in order, skipping Y.
+            pad_ranks = [r for r in range(m, n) if r != y_rank][: K - m - 1]
+            for j, r in enumerate(pad_ranks):
+                p = c + 1 + j
+                t.token[b, p] = sup_tok[r]
+                t.q[b, p] = sup_q[r]
+                t.weight[b, p] = sup_q[r]
+                t.score[b, p] = base + log_weight(float(sup_q[r]))
+    return t

@@ -1,0 +1,124 @@
+"""Pass ``expand``: structure-distribution expansion (RHEOSAMPLING.md §3, §4 steps 1-2).
+
+Creates the next level: picks the frontier (the root at the first call, else the
+``k`` best nodes of the deepest level), asks the draft for their distributions
+through ``ctx.draft`` and gives each ``K`` child slots:
+
+* DET   ranks ``1..m``: token and q known now, weight = q.
+* SAMPLED (one, when ``m < K``): token pending; weight = the proxy pi (known now for
+  ``default`` / ``next_rank``, pending for ``true_q`` because it needs the token).
+* PAD   (``K-m-1``): tokens pending, since they skip the sampled token.
+
+Pending slots have ``token == -1``; the ``assign`` pass fills them. Scores are
+``score(parent) + log(weight)`` in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rheoplan.distributions import draft_probs, rank_support
+from rheoplan.ir import DraftTree, NodeKind, rank_key_order
+from rheoplan.pipeline import PassContext
+
+
+def proxy_weight(policy: str, sup_q: torch.Tensor, m: int, n: int) -> float | None:
+    """Shaping weight pi of the sampled slot, or None when it needs the drawn token.
+
+    ``sup_q`` is one node's ranked support probabilities (``n`` valid entries).
+
+    * ``default``:   ``min(q(r_m), z)`` for ``m >= 1``, ``q(r_1)`` for ``m = 0``
+    * ``next_rank``: ``q(r_{m+1})``
+    * ``true_q``:    ``q(Y)`` (None here; ``assign`` sets it)
+
+    Example: sup_q [0.5, 0.3, 0.2], m = 1: default -> min(0.5, 0.5) = 0.5,
+    next_rank -> 0.3.
+    """
+    if policy == "default":
+        if m == 0:
+            return float(sup_q[0])
+        z = float(sup_q[m:n].to(torch.float64).sum())
+        return min(float(sup_q[m - 1]), z)
+    if policy == "next_rank":
+        return float(sup_q[m])
+    if policy == "true_q":
+        return None
+    raise ValueError(f"proxy={policy!r} is not one of ('default', 'next_rank', 'true_q')")
+
+
+def log_weight(w: float) -> float:
+    """log of a weight in float32 (``-inf`` for 0), the one place scores get their logs."""
+    return float(torch.log(torch.tensor(w, dtype=torch.float32)))
+
+
+def select_frontier(tree: DraftTree, b: int, k: int) -> list[int]:
+    """Node ids of the ``k`` best nodes at the deepest level of tree ``b`` (root at depth 0)."""
+    n = int(tree.n_nodes[b])
+    ids = torch.nonzero(tree.depth[b, :n] == tree.cur_depth).flatten()
+    order = rank_key_order(tree.score[b, ids], ids)
+    return [int(i) for i in ids[order[:k]]]
+
+
+def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
+    cfg = ctx.tree_cfg
+    if tree.cur_depth >= cfg.depth:
+        raise ValueError(f"tree already has depth {tree.cur_depth} = depth={cfg.depth}")
+    if ctx.draft is None:
+        raise ValueError("expand needs ctx.draft, the draft-forward callback")
+    K, m = tree.slots, tree.rheostat
+    B = tree.batch
+    frontiers = [select_frontier(tree, b, 1 if tree.cur_depth == 0 else cfg.frontier) for b in range(B)]
+    width = max(len(f) for f in frontiers)
+    nodes = torch.full((B, width), -1, dtype=torch.int64)
+    for b, f in enumerate(frontiers):
+        nodes[b, :len(f)] = torch.tensor(f, dtype=torch.int64)
+    logits = ctx.draft(tree, nodes)
+    if logits.dim() != 3 or logits.shape[:2] != (B, width):
+        raise ValueError(f"draft returned logits of shape {tuple(logits.shape)}, expected ({B}, {width}, V)")
+    V = logits.shape[-1]
+    if K > min(cfg.support, V):
+        raise ValueError(f"slots={K} exceeds the draft support min(support={cfg.support}, vocab={V})")
+
+    t = tree.clone()
+    for b, frontier in enumerate(frontiers):
+        q = draft_probs(logits[b, :len(frontier)], ctx.sampling)
+        sup_tok, sup_q = rank_support(q, cfg.support)
+        n_sup = sup_tok.shape[-1]
+        for j, v in enumerate(frontier):
+            row = int(t.n_expanded[b])
+            t.n_expanded[b] += 1
+            t.expanded[b, v] = True
+            t.exp_row[b, v] = row
+            t.exp_node[b, row] = v
+            t.sup_token[b, row, :n_sup] = sup_tok[j]
+            t.sup_q[b, row, :n_sup] = sup_q[j]
+            t.sup_n[b, row] = n_sup
+            t.z[b, row] = float(sup_q[j, m:n_sup].to(torch.float64).sum())
+            base = float(t.score[b, v])
+            pi = proxy_weight(ctx.tree_cfg.proxy, sup_q[j], m, n_sup) if m < K else None
+            for s in range(K):
+                c = int(t.n_nodes[b])
+                t.n_nodes[b] += 1
+                t.parent[b, c] = v
+                t.depth[b, c] = tree.cur_depth + 1
+                t.slot[b, c] = s
+                if s < m:  # DET: the s-th best token
+                    t.kind[b, c] = int(NodeKind.DET)
+                    t.token[b, c] = sup_tok[j, s]
+                    t.q[b, c] = sup_q[j, s]
+                    t.weight[b, c] = sup_q[j, s]
+                    t.score[b, c] = base + log_weight(float(sup_q[j, s]))
+                elif s == m:  # SAMPLED: token drawn by assign
+                    t.kind[b, c] = int(NodeKind.SAMPLED)
+                    t.y_node[b, row] = c
+                    if pi is not None:
+                        t.weight[b, c] = pi
+                        t.score[b, c] = base + log_weight(pi)
+                    else:
+                        t.score[b, c] = math.nan  # pending: true_q needs the token
+                else:  # PAD: token chosen by assign (it skips the sampled token)
+                    t.kind[b, c] = int(NodeKind.PAD)
+                    t.score[b, c] = math.nan
+    return t.replace(cur_depth=tree.cur_depth + 1)

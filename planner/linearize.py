@@ -1,0 +1,88 @@
+"""Pass ``linearize``: order the kept nodes and emit what the verify forward and the
+verifier read (RHEOSAMPLING.md §4 step 4), as a ``LinearTree`` on ``tree.linear``.
+
+Order: root at 0, then kept nodes by creation id. Ids are assigned depth by depth,
+so this is a depth-major BFS: parents precede children and each node's kept
+children are contiguous (they were created together).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rheoplan.ir import DraftTree, LinearTree
+from rheoplan.pipeline import PassContext
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a bool mask ``[..., L]`` into int64 words ``[..., ceil(L/64)]``.
+
+    Bit ``j % 64`` of word ``j // 64`` is ``mask[..., j]`` (bit 63 is the sign bit).
+    Example: ``[True, False, True]`` -> ``[0b101] = [5]``.
+    """
+    L = mask.shape[-1]
+    W = (L + 63) // 64
+    padded = torch.zeros(*mask.shape[:-1], W * 64, dtype=torch.int64)
+    padded[..., :L] = mask.to(torch.int64)
+    shifts = torch.arange(64, dtype=torch.int64)
+    # Sum of distinct powers of two == bitwise or; int64 wraps bit 63 to the sign bit.
+    return (padded.view(*mask.shape[:-1], W, 64) << shifts).sum(dim=-1)
+
+
+def unpack_bits(bits: torch.Tensor, length: int) -> torch.Tensor:
+    """Inverse of ``pack_bits``: int64 words ``[..., W]`` -> bool ``[..., length]``."""
+    shifts = torch.arange(64, dtype=torch.int64)
+    out = ((bits.unsqueeze(-1) >> shifts) & 1).bool()
+    return out.flatten(-2)[..., :length]
+
+
+def linearize(tree: DraftTree, ctx: PassContext) -> DraftTree:
+    B = tree.batch
+    L = 1 + ctx.tree_cfg.budget
+    D = ctx.tree_cfg.depth
+    node = torch.full((B, L), -1, dtype=torch.int64)
+    token, position, parent, depth, exp_row, first_child = (node.clone() for _ in range(6))
+    n_children = torch.zeros(B, L, dtype=torch.int64)
+    mask = torch.zeros(B, L, L, dtype=torch.bool)
+    n = torch.zeros(B, dtype=torch.int64)
+    all_paths = []
+    for b in range(B):
+        kept = torch.nonzero(tree.kept[b, : int(tree.n_nodes[b])]).flatten()  # ascending ids
+        k = kept.numel()
+        n[b] = k
+        lin_of = {int(v): i for i, v in enumerate(kept)}
+        node[b, :k] = kept
+        token[b, :k] = tree.token[b, kept]
+        depth[b, :k] = tree.depth[b, kept]
+        position[b, :k] = tree.prefix_len[b] + tree.depth[b, kept]
+        exp_row[b, :k] = tree.exp_row[b, kept]
+        for i, v in enumerate(kept.tolist()):
+            pv = int(tree.parent[b, v])
+            parent[b, i] = lin_of[pv] if pv >= 0 else -1
+            if pv >= 0:
+                mask[b, i] = mask[b, lin_of[pv]]
+                if first_child[b, lin_of[pv]] < 0:
+                    first_child[b, lin_of[pv]] = i
+                n_children[b, lin_of[pv]] += 1
+            mask[b, i, i] = True
+        leaves = [i for i in range(k) if n_children[b, i] == 0]
+        paths = []
+        for leaf in leaves:
+            p, i = [], leaf
+            while i >= 0:
+                p.append(i)
+                i = int(parent[b, i])
+            paths.append(p[::-1])
+        all_paths.append(paths)
+    P = max(len(p) for p in all_paths)
+    paths_t = torch.full((B, P, D + 1), -1, dtype=torch.int64)
+    for b, paths in enumerate(all_paths):
+        for j, p in enumerate(paths):
+            paths_t[b, j, : len(p)] = torch.tensor(p)
+    lin = LinearTree(
+        n=n, node=node, token=token, position=position, parent=parent, depth=depth,
+        ancestor_mask=mask, ancestor_bits=pack_bits(mask), paths=paths_t,
+        n_paths=torch.tensor([len(p) for p in all_paths], dtype=torch.int64),
+        first_child=first_child, n_children=n_children, exp_row=exp_row,
+    )
+    return tree.replace(linear=lin)

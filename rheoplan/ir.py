@@ -1,0 +1,189 @@
+"""The draft-tree IR: one struct of arrays for B trees, and its linearised form.
+
+Every pass (``planner/*.py``) takes a ``DraftTree`` and returns a new one; nothing
+here is mutated in place by a pass. Node ids are *creation order*: the root is 0,
+then children in the order they were created (depth by depth; within a depth the
+parents in frontier order, best first; within a parent DET by rank, SAMPLED, PAD
+by rank). Creation order therefore is also the final tie-breaker of the ranking
+"higher score, then shallower, then created earlier" (RHEOSAMPLING.md §3): since
+creation is depth-major, ``(-score, node_id)`` sorts exactly by that rule.
+
+Shapes: ``B`` trees, ``M`` node capacity, ``E`` expanded-node capacity, ``S``
+sparse support. Unused entries hold -1 (ints), 0 (floats) or False.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from enum import IntEnum
+
+import torch
+
+
+class NodeKind(IntEnum):
+    """The four kinds of node. This is the only place they are defined."""
+
+    #: The last emitted token. Its KV is not cached yet; it is never pruned.
+    ROOT = 0
+    #: One of the ``m`` top-ranked draft tokens of its parent; weight = its q.
+    DET = 1
+    #: The one child drawn from the parent's tail law q~ (ranks m+1..S);
+    #: weight = the proxy score pi, which does not depend on the drawn token.
+    SAMPLED = 2
+    #: Fills the remaining slots: best tail tokens other than the sampled one; weight = q.
+    PAD = 3
+
+
+@dataclass(frozen=True)
+class LinearTree:
+    """What the verify forward and the verifier need, in linear order (root = 0).
+
+    Order is depth-major BFS over kept nodes: by depth, then by creation id. This is
+    topological (parents before children) and identical to sorting by node id,
+    because ids are assigned depth by depth.
+
+    Shapes: ``B`` trees, ``L`` = 1 + budget linear slots, ``W`` = ceil(L / 64)
+    words. Trees with fewer kept nodes are padded (``n`` says how many are real).
+    """
+
+    n: torch.Tensor  #: [B] int64, number of real linear nodes (root included)
+    node: torch.Tensor  #: [B, L] int64, creation id of each linear node
+    token: torch.Tensor  #: [B, L] int64
+    position: torch.Tensor  #: [B, L] int64, prefix_len + depth
+    parent: torch.Tensor  #: [B, L] int64, linear index of the parent (-1 for root)
+    depth: torch.Tensor  #: [B, L] int64
+    ancestor_mask: torch.Tensor  #: [B, L, L] bool: row i attends to j (j ancestor of i or i itself)
+    ancestor_bits: torch.Tensor  #: [B, L, W] int64 bit-words of ancestor_mask (bit j%64 of word j//64)
+    paths: torch.Tensor  #: [B, P, D+1] int64 root-to-leaf paths of linear indices, -1 padded
+    n_paths: torch.Tensor  #: [B] int64
+    first_child: torch.Tensor  #: [B, L] int64, linear index of the first kept child or -1
+    n_children: torch.Tensor  #: [B, L] int64, number of kept children
+    exp_row: torch.Tensor  #: [B, L] int64, row in the DraftTree expansion tables or -1
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """B draft trees as a struct of arrays (see the module docstring for ids)."""
+
+    # -- per tree -----------------------------------------------------------------
+    prefix_len: torch.Tensor  #: [B] int64, cached tokens before the root
+    n_nodes: torch.Tensor  #: [B] int64, nodes created so far (root included)
+    n_expanded: torch.Tensor  #: [B] int64, rows used in the expansion tables
+    cur_depth: int  #: deepest level created so far (0 = only the root)
+    rheostat: int  #: m actually used (slots when greedy)
+    slots: int  #: K
+
+    # -- per node [B, M] ---------------------------------------------------------------
+    parent: torch.Tensor  #: int64, node id of the parent, -1 for root / unused
+    depth: torch.Tensor  #: int64, 0 for root
+    token: torch.Tensor  #: int64, -1 for unused
+    kind: torch.Tensor  #: int8, a NodeKind, -1 for unused
+    slot: torch.Tensor  #: int64, slot index 0..K-1 in the parent's expansion, -1 for root
+    q: torch.Tensor  #: float32, true draft probability of token under the parent's q
+    weight: torch.Tensor  #: float32, shaping weight (q, or the proxy for SAMPLED)
+    score: torch.Tensor  #: float32, cumulative log weight; 0 for root
+    expanded: torch.Tensor  #: bool, has an expansion row (children were created)
+    kept: torch.Tensor  #: bool, survives global pruning (root always)
+    exp_row: torch.Tensor  #: int64, row in the expansion tables, -1 if not expanded
+
+    # -- per expanded node [B, E] / [B, E, S] ---------------------------------------------
+    exp_node: torch.Tensor  #: [B, E] int64, node id of the expanded node
+    sup_token: torch.Tensor  #: [B, E, S] int64, sparse support ranked by q desc (ties: lower id)
+    sup_q: torch.Tensor  #: [B, E, S] float32, draft q of each support token
+    sup_n: torch.Tensor  #: [B, E] int64, valid support entries (min(S, V))
+    z: torch.Tensor  #: [B, E] float32, tail mass: sum of sup_q over ranks m+1..sup_n
+    y_token: torch.Tensor  #: [B, E] int64, realised sampled token (-1: no sampled slot / not drawn yet)
+    y_qtilde: torch.Tensor  #: [B, E] float32, q~(Y), its tail-law probability
+    y_node: torch.Tensor  #: [B, E] int64, node id of the sampled child (-1 if none)
+
+    # -- filled by linearize --------------------------------------------------------------
+    linear: LinearTree | None = field(default=None)
+
+    # ---------------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self.parent.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.parent.shape[1]
+
+    def replace(self, **changes) -> "DraftTree":
+        return replace(self, **changes)
+
+    def clone(self) -> "DraftTree":
+        """Deep copy of every tensor (passes clone what they change, then edit the clone)."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.clone() if isinstance(v, torch.Tensor) else v
+        return DraftTree(**out)
+
+    def children(self, b: int, node: int) -> list[int]:
+        """Node ids of all created children of ``node`` in tree ``b`` (kept or not)."""
+        n = int(self.n_nodes[b])
+        return [int(i) for i in torch.nonzero(self.parent[b, :n] == node).flatten()]
+
+    def path_tokens(self, b: int, node: int) -> list[int]:
+        """Tokens from the root's child down to ``node`` (root token excluded)."""
+        out = []
+        while node > 0:
+            out.append(int(self.token[b, node]))
+            node = int(self.parent[b, node])
+        return out[::-1]
+
+
+def empty_tree(batch: int, capacity: int, max_expanded: int, support: int,
+               root_tokens: torch.Tensor, prefix_len: torch.Tensor,
+               rheostat: int, slots: int) -> DraftTree:
+    """A tree holding only its root (node 0, depth 0, score 0, kept)."""
+    B, M, E, S = batch, capacity, max_expanded, support
+    ilong = lambda *s: torch.full(s, -1, dtype=torch.int64)  # noqa: E731
+    t = DraftTree(
+        prefix_len=prefix_len.to(torch.int64).clone(),
+        n_nodes=torch.ones(B, dtype=torch.int64),
+        n_expanded=torch.zeros(B, dtype=torch.int64),
+        cur_depth=0,
+        rheostat=rheostat,
+        slots=slots,
+        parent=ilong(B, M),
+        depth=ilong(B, M),
+        token=ilong(B, M),
+        kind=torch.full((B, M), -1, dtype=torch.int8),
+        slot=ilong(B, M),
+        q=torch.zeros(B, M, dtype=torch.float32),
+        weight=torch.zeros(B, M, dtype=torch.float32),
+        score=torch.zeros(B, M, dtype=torch.float32),
+        expanded=torch.zeros(B, M, dtype=torch.bool),
+        kept=torch.zeros(B, M, dtype=torch.bool),
+        exp_row=ilong(B, M),
+        exp_node=ilong(B, E),
+        sup_token=ilong(B, E, S),
+        sup_q=torch.zeros(B, E, S, dtype=torch.float32),
+        sup_n=torch.zeros(B, E, dtype=torch.int64),
+        z=torch.zeros(B, E, dtype=torch.float32),
+        y_token=ilong(B, E),
+        y_qtilde=torch.zeros(B, E, dtype=torch.float32),
+        y_node=ilong(B, E),
+    )
+    t.depth[:, 0] = 0
+    t.token[:, 0] = root_tokens.to(torch.int64)
+    t.kind[:, 0] = int(NodeKind.ROOT)
+    t.q[:, 0] = 1.0
+    t.weight[:, 0] = 1.0
+    t.kept[:, 0] = True
+    return t
+
+
+def rank_key_order(score: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Order of ``ids`` by the global ranking: higher score first, then lower id.
+
+    Lower id means shallower or created earlier (ids are depth-major), which is the
+    tie rule of RHEOSAMPLING.md §3. ``-inf`` scores sort last, ties among them by id.
+
+    Example: scores [-1, -0.5, -1] for ids [4, 5, 6] -> order [1, 0, 2] (ids 5, 4, 6).
+    """
+    # Stable sort by id first, then stable sort by descending score keeps id order on ties.
+    by_id = torch.argsort(ids, stable=True)
+    by_score = torch.argsort(-score[by_id].to(torch.float64), stable=True)
+    return by_id[by_score]

@@ -1,0 +1,117 @@
+"""Helpers shared by the Hugging Face adapters: masks, cache surgery, base-model calls.
+
+Everything here is batch 1. Cache tensors are ``[1, kv_heads, seq, head_dim]``; the
+sequence dimension is ``-2``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Turn a bool ``[q, kv]`` mask into the float ``[1, 1, q, kv]`` mask attention adds.
+
+    Allowed entries are 0, the others the dtype's most negative finite value (not -inf,
+    so a fully masked row could never produce NaN in fp16 kernels).
+
+    Example: ``[[True, False]]`` -> ``[[[[0., -3.4e38]]]]`` for float32.
+    """
+    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    out.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return out[None, None]
+
+
+def prefix_and_block_mask(prefix: int, block: torch.Tensor) -> torch.Tensor:
+    """Bool mask ``[q, prefix + q]``: every row sees the whole cached prefix, then ``block``.
+
+    Example: prefix 2, block ``[[1,0],[1,1]]`` -> ``[[1,1,1,0],[1,1,1,1]]``.
+    """
+    q = block.shape[0]
+    seen = torch.ones(q, prefix, dtype=torch.bool, device=block.device)
+    return torch.cat([seen, block.to(torch.bool)], dim=1)
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a causal LM (``model.model`` for Llama), without the lm_head."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    base = getattr(model, prefix, None)
+    if base is None:
+        raise TypeError(f"model {type(model).__name__} has no base model attribute {prefix!r}; "
+                        "expected a transformers *ForCausalLM")
+    return base
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The output projection (lm_head) of a causal LM."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise TypeError(f"model {type(model).__name__} has no output embeddings (lm_head)")
+    return head
+
+
+def new_cache(model: torch.nn.Module):
+    """An empty dynamic KV cache for ``model`` (transformers 5.x ``DynamicCache``)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for layer in getattr(cache, "layers", []):
+        # Compaction rewrites the sequence dimension in place; a sliding-window layer keeps a
+        # window offset that index_select would corrupt, so refuse it before any work.
+        if getattr(layer, "is_sliding", False):
+            raise NotImplementedError(
+                f"model {type(model).__name__} uses sliding-window attention layers; "
+                "tree KV compaction supports full-attention layers only")
+    return cache
+
+
+def _cache_kwarg(base: torch.nn.Module) -> str:
+    # transformers 5.x names the argument ``cache``; 4.x called it ``past_key_values``.
+    params = inspect.signature(base.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def run_base(base: torch.nn.Module, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+             allowed: torch.Tensor) -> torch.Tensor:
+    """One forward of the decoder stack; appends to ``cache``; returns hidden ``[q, H]``.
+
+    ``allowed`` is the bool mask ``[q, cached + q]`` (rows: new tokens, columns: cached then
+    new entries); it is passed as a 4D additive mask so any tree shape works.
+    """
+    dtype = next(base.parameters()).dtype
+    mask = additive_mask(allowed, dtype)
+    out = base(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask,
+               use_cache=True, **{_cache_kwarg(base): cache})
+    return out.last_hidden_state[0]
+
+
+def _layer_tensors(cache) -> list[tuple[object, str, str]]:
+    """(holder, key attr, value attr) per layer, for 5.x layer objects or 4.x lists."""
+    if hasattr(cache, "layers"):
+        return [(layer, "keys", "values") for layer in cache.layers]
+    raise TypeError(f"unsupported cache type {type(cache).__name__}: expected a transformers "
+                    "DynamicCache with .layers (transformers >= 5)")
+
+
+def cache_length(cache) -> int:
+    """Number of cached positions (0 for a fresh cache)."""
+    return int(cache.get_seq_length())
+
+
+def select_cache(cache, keep: torch.Tensor) -> None:
+    """Keep only sequence entries ``keep`` (int64, in that order) of every layer, in place."""
+    for holder, k, v in _layer_tensors(cache):
+        keys = getattr(holder, k)
+        if keys is None or keys.numel() == 0:
+            continue
+        idx = keep.to(keys.device)
+        setattr(holder, k, keys.index_select(-2, idx))
+        setattr(holder, v, getattr(holder, v).index_select(-2, idx))
+
+
+def crop_cache(cache, length: int) -> None:
+    """Drop every cached entry at or after ``length``, in place."""
+    if cache_length(cache) > length:
+        select_cache(cache, torch.arange(length, dtype=torch.int64))
