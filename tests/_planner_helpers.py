@@ -1,0 +1,121 @@
+"""Shared helpers for the planner / IR tests: synthetic drafts, hypothesis strategies,
+and brute-force versions of the tree facts the passes compute.
+
+Drafts here are pure functions of the token path (hashed context), like the oracle's
+models, so context matters at every depth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import strategies as st
+
+from rheoplan import SamplingConfig, TreeConfig
+from rheoplan.ir import DraftTree
+
+NEG_INF = float("-inf")
+
+
+class PathDraft:
+    """``draft(tree, nodes)`` whose logits are ``rows[hash(root, path) % len(rows)]``."""
+
+    def __init__(self, rows: list[list[float]]):
+        self.rows = torch.tensor(rows, dtype=torch.float32)
+        self.calls = 0
+
+    def logits_for_path(self, path: tuple[int, ...]) -> torch.Tensor:
+        return self.rows[hash(path) % self.rows.shape[0]]
+
+    def __call__(self, tree: DraftTree, nodes: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        B, n = nodes.shape
+        out = torch.zeros(B, n, self.rows.shape[1])
+        for b in range(B):
+            for j in range(n):
+                v = int(nodes[b, j])
+                if v >= 0:
+                    out[b, j] = self.logits_for_path((int(tree.token[b, 0]), *tree.path_tokens(b, v)))
+        return out
+
+
+class NodeIdDraft(PathDraft):
+    """Logits depend on the node id only (not on tokens): the same draft for every draw of Y."""
+
+    def __call__(self, tree, nodes):
+        idx = nodes.clamp(min=0) % self.rows.shape[0]
+        return self.rows[idx]
+
+
+# A small menu of logit values: integers give exact ties, -inf gives zero-probability
+# tokens, 30 makes rows near-one-hot.
+LOGIT_VALUES = st.sampled_from([0.0, 0.0, 1.0, 1.0, 2.0, -1.5, 0.25, 30.0, NEG_INF, NEG_INF])
+
+
+@st.composite
+def logit_rows(draw, V: int, n_rows: int):
+    rows = []
+    for _ in range(n_rows):
+        row = draw(st.one_of(
+            st.lists(LOGIT_VALUES, min_size=V, max_size=V),
+            st.lists(st.floats(-4, 4, allow_nan=False, width=32), min_size=V, max_size=V),
+        ))
+        if all(math.isinf(x) for x in row):
+            row[draw(st.integers(0, V - 1))] = 0.0
+        rows.append(row)
+    return rows
+
+
+@st.composite
+def tree_configs(draw, V: int, max_depth: int = 4, proxies=("default", "next_rank", "true_q")):
+    slots = draw(st.integers(1, min(V, 5)))
+    return TreeConfig(
+        depth=draw(st.integers(1, max_depth)),
+        frontier=draw(st.integers(1, 4)),
+        slots=slots,
+        budget=draw(st.integers(1, 24)),
+        rheostat=draw(st.integers(0, slots)),
+        support=draw(st.integers(slots, V + 2)),
+        proxy=draw(st.sampled_from(proxies)),
+    )
+
+
+SAMPLINGS = st.sampled_from([SamplingConfig(temperature=t) for t in (0.0, 0.5, 1.0, 2.0)])
+
+
+@st.composite
+def planning_problems(draw, max_depth: int = 4, proxies=("default", "next_rank", "true_q")):
+    """(draft, cfg, sampling, roots, seed) for plan_tree."""
+    V = draw(st.integers(2, 9))
+    cfg = draw(tree_configs(V, max_depth, proxies))
+    rows = draw(logit_rows(V, draw(st.integers(1, 6))))
+    B = draw(st.integers(1, 2))
+    roots = draw(st.lists(st.integers(0, V - 1), min_size=B, max_size=B))
+    return PathDraft(rows), cfg, draw(SAMPLINGS), roots, draw(st.integers(0, 2**32))
+
+
+def rank_key(tree: DraftTree, b: int, v: int) -> tuple[float, int, int]:
+    """The global ranking key written out: higher score, shallower, created earlier."""
+    return (-float(tree.score[b, v]), int(tree.depth[b, v]), v)
+
+
+def ancestors(tree: DraftTree, b: int, v: int) -> list[int]:
+    out = []
+    while v >= 0:
+        out.append(v)
+        v = int(tree.parent[b, v])
+    return out
+
+
+def shape_of(tree: DraftTree) -> dict:
+    """What 'tree shape' means in the rank-invariance tests (tokens excluded)."""
+    n = int(tree.n_nodes.max())
+    return {
+        "parent": tree.parent[:, :n].tolist(),
+        "kind": tree.kind[:, :n].tolist(),
+        "kept": tree.kept[:, :n].tolist(),
+        "expanded": tree.expanded[:, :n].tolist(),
+        "position": tree.linear.position.tolist() if tree.linear is not None else None,
+        "linear_node": tree.linear.node.tolist() if tree.linear is not None else None,
+    }

@@ -1,0 +1,52 @@
+"""The IR: empty trees, clone, helpers and the ranking order."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _planner_helpers import PathDraft
+from rheoplan import SamplingConfig, TreeConfig, plan_tree
+from rheoplan.ir import NodeKind, empty_tree, rank_key_order
+
+
+def test_empty_tree_holds_only_a_kept_root():
+    t = empty_tree(2, 7, 3, 4, torch.tensor([5, 6]), torch.tensor([10, 20]), rheostat=1, slots=2)
+    assert t.batch == 2 and t.capacity == 7 and t.cur_depth == 0
+    assert t.token[:, 0].tolist() == [5, 6] and t.prefix_len.tolist() == [10, 20]
+    assert t.kind[:, 0].tolist() == [int(NodeKind.ROOT)] * 2 and t.kept[:, 0].all()
+    assert (t.kind[:, 1:] == -1).all() and (t.parent == -1).all() and t.linear is None
+
+
+def test_rank_key_order_docstring_example():
+    order = rank_key_order(torch.tensor([-1.0, -0.5, -1.0]), torch.tensor([4, 5, 6]))
+    assert order.tolist() == [1, 0, 2]
+
+
+@given(st.lists(st.sampled_from([0.0, -1.0, -2.5, float("-inf")]), min_size=1, max_size=30))
+@settings(max_examples=100)
+def test_rank_key_order_is_score_desc_then_id(scores):
+    ids = torch.randperm(len(scores), generator=torch.Generator().manual_seed(len(scores)))
+    order = rank_key_order(torch.tensor(scores), ids)
+    want = sorted(range(len(scores)), key=lambda i: (-scores[i], int(ids[i])))
+    assert order.tolist() == want
+
+
+def test_clone_is_deep_and_helpers_read_the_tree():
+    cfg = TreeConfig(depth=2, frontier=1, slots=2, budget=3, rheostat=1, support=3)
+    t = plan_tree(PathDraft([[2.0, 1.0, 0.0]]), [1], tree=cfg, sampling=SamplingConfig(), seed=2)
+    c = t.clone()
+    c.token[0, 1] = 99
+    assert int(t.token[0, 1]) != 99
+    assert t.children(0, 0) == [1, 2]
+    v = t.children(0, 1)[0]
+    assert t.path_tokens(0, v) == [int(t.token[0, 1]), int(t.token[0, v])]
+    assert t.path_tokens(0, 0) == []
+
+
+def test_capacity_bounds_hold():
+    cfg = TreeConfig(depth=3, frontier=2, slots=3, budget=30, rheostat=1, support=4)
+    t = plan_tree(PathDraft([[0.0, 1.0, 2.0, 3.0]]), [0], tree=cfg, sampling=SamplingConfig())
+    assert int(t.n_nodes[0]) == cfg.capacity == 1 + 3 * (1 + 2 * 2)
+    assert int(t.n_expanded[0]) == cfg.max_expanded
