@@ -114,6 +114,24 @@ class TreeConfig:
         if self.proxy not in PROXIES:
             raise ConfigError(f"proxy={self.proxy!r} is not one of {PROXIES}")
 
+    @classmethod
+    def eagle(cls, depth: int = 6, frontier: int = 8, slots: int = 8, budget: int = 48,
+              support: int = 128) -> "TreeConfig":
+        """EAGLE-2/3's dynamic top-K tree with one-hot verification (the baseline)."""
+        return cls(depth=depth, frontier=frontier, slots=slots, budget=budget, rheostat=slots,
+                   support=support, verifier="onehot")
+
+    @classmethod
+    def chain(cls, depth: int = 4, support: int = 128) -> "TreeConfig":
+        """Chain speculative sampling: one sampled token per depth, standard verification.
+
+        With one slot and ``m = 0`` the only child is drawn from the draft's (sparse
+        top-``support``) law and verified with its exact probability; pass ``support``
+        = vocabulary size for the textbook algorithm over the full vocabulary.
+        """
+        return cls(depth=depth, frontier=1, slots=1, budget=depth, rheostat=0, support=support,
+                   verifier="rheo")
+
     def with_(self, **changes) -> "TreeConfig":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

