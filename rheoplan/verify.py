@@ -1,0 +1,292 @@
+"""Reference verification (RHEOSAMPLING.md §5): the couplings, the walk, acceptance.
+
+Pure torch, probabilities in float64. This module is the ground truth the kernels are
+parity-tested against, and what the exact oracle (``rheoplan.testing``) enumerates.
+
+Three layers:
+
+* ``coupling_law``: the exact conditional law of the emitted token ``X`` at one
+  expanded node, given the realised sampled token ``Y``. Averaged over
+  ``Y ~ q~`` it is exactly ``p`` for every verifier (the losslessness lemma).
+* ``coupling_sample``: draws from that same law with injected random numbers (one
+  accept/reject uniform, then Gumbel-max over the log residual), so a kernel given the
+  same numbers must return the same token.
+* ``walk``: the verification walk over one linearised tree, with numbers from the
+  counter-based streams (``rheoplan.rng``).
+
+Mutation switches (test-only, ``mutations`` frozenset of strings) reproduce lossy
+variants for the power checks of §7:
+
+* ``"skip_pruned_sampled"`` (control (a)): when the sampled child was pruned, ignore
+  ``Y`` and draw ``X ~ p``. Exact only with a ``Y``-independent proxy; lossy with
+  ``proxy='true_q'``.
+* ``"raw_q_ratio"`` (control (b)): use the raw draft ``q`` instead of the tail law
+  ``q~`` in the acceptance ratio and in the residual.
+* control (c) (one uniform reused for drafting and verifying) is a switch of the
+  streams: ``Streams.reuse_draft_stream = True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from rheoplan.config import SamplingConfig, VERIFIERS
+from rheoplan.distributions import tail_law, target_probs
+from rheoplan.ir import DraftTree
+from rheoplan.rng import Purpose, Streams
+
+#: the mutation switches this module understands
+MUTATIONS = ("skip_pruned_sampled", "raw_q_ratio")
+
+#: residual mass at or below this is treated as zero (acceptance is then certain)
+_RESIDUAL_EPS = 1e-300
+
+
+def _check_verifier(verifier: str) -> None:
+    if verifier not in VERIFIERS:
+        raise ValueError(f"verifier={verifier!r} is not one of {VERIFIERS}")
+
+
+def _proposal(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, n: int, m: int,
+              mutations: frozenset) -> torch.Tensor:
+    """The proposal law of ``Y`` as a dense ``[V]`` float64 vector: ``q~`` over ranks
+    ``m+1..n`` (or, under ``raw_q_ratio``, the raw draft ``q`` over the whole support)."""
+    law = torch.zeros_like(p)
+    if "raw_q_ratio" in mutations:
+        law[sup_token[:n]] = sup_q[:n].to(torch.float64)
+    else:
+        law[sup_token[m:n]] = tail_law(sup_q, m, n)
+    return law
+
+
+def _speculative(p: torch.Tensor, law: torch.Tensor, e: int) -> tuple[float, torch.Tensor | None]:
+    """Accept probability of proposal ``e`` against ``p`` under proposal ``law``, and the
+    normalised residual ``norm(max(0, p - law))`` (None when it has no mass: accept = 1)."""
+    resid = torch.clamp(p - law, min=0.0)
+    mass = float(resid.sum())
+    if mass <= _RESIDUAL_EPS:
+        return 1.0, None
+    le = float(law[e])
+    a = 1.0 if le <= 0.0 else min(1.0, float(p[e]) / le)
+    return a, resid / mass
+
+
+def _ot_proposal(law: torch.Tensor, sup_token: torch.Tensor, K: int, y: int) -> tuple[int, torch.Tensor]:
+    """``E = e(Y)`` and its law ``e~`` for the 'ot' coupling (RHEOSAMPLING.md §5)."""
+    A = sup_token[: K - 1]
+    rK = int(sup_token[K - 1])
+    e = rK if bool((A == y).any()) else y
+    et = law.clone()
+    et[rK] = law[rK] + law[A].sum()
+    et[A] = 0.0
+    return e, et
+
+
+def _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, mutations):
+    """(proposal token, accept probability, residual law or None); proposal None = X ~ p."""
+    _check_verifier(verifier)
+    p = p.to(torch.float64)
+    if verifier == "onehot" or m >= K or y_token is None or int(y_token) < 0:
+        return None, 0.0, p
+    n = int(sup_n)
+    y = int(y_token)
+    law = _proposal(p, sup_token, sup_q, n, m, frozenset(mutations))
+    if verifier == "rheo":
+        e = y
+    else:
+        e, law = _ot_proposal(law, sup_token, K, y)
+    a, resid = _speculative(p, law, e)
+    return e, a, resid
+
+
+def coupling_law(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, sup_n: int,
+                 m: int, K: int, y_token: int, verifier: str,
+                 mutations: frozenset[str] = frozenset()) -> torch.Tensor:
+    """Exact law ``[V]`` (float64) of the emitted ``X`` at an expanded node given ``Y``.
+
+    Args:
+        p: processed target law at the node, ``[V]``.
+        sup_token, sup_q, sup_n: the node's ranked sparse draft support (``DraftTree``).
+        m, K: rheostat and slots; ``m >= K`` means no sampled slot and ``X ~ p``.
+        y_token: the realised sampled token ``Y`` (ignored by 'onehot'; -1 / None = none).
+        verifier: 'onehot' (``X ~ p``), 'rheo' (test ``Y`` against ``q~``) or 'ot'
+            (test ``E = e(Y)`` against ``e~``).
+        mutations: test-only lossy variants (see the module docstring).
+
+    Example:
+        >>> p = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+        >>> tok, q = torch.tensor([0, 1, 2]), torch.tensor([0.5, 0.3, 0.2])
+        >>> law = coupling_law(p, tok, q, 3, 1, 2, 1, "rheo")  # q~ = [0, .6, .4]: accept w.p. 5/6
+        >>> [round(x, 4) for x in law.tolist()]  # rejected mass goes to max(0, p - q~) = token 0
+        [0.1667, 0.8333, 0.0]
+    """
+    e, a, resid = _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, mutations)
+    if e is None:
+        return resid.clone()
+    out = torch.zeros_like(p, dtype=torch.float64)
+    if resid is not None:
+        out += (1.0 - a) * resid
+    out[e] += a
+    return out
+
+
+def coupling_sample(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, sup_n: int,
+                    m: int, K: int, y_token: int, verifier: str, u_accept: float,
+                    residual_gumbel: torch.Tensor, mutations: frozenset[str] = frozenset()) -> int:
+    """One draw of ``X`` from ``coupling_law`` with injected randomness.
+
+    Accept the proposal iff ``u_accept < accept probability``; otherwise (or when there is
+    no proposal, e.g. 'onehot') ``X = argmax(log residual + residual_gumbel)``, with
+    ``residual_gumbel`` i.i.d. standard Gumbel ``[V]``. Kernels must match this bit for bit
+    given the same ``u_accept`` and ``residual_gumbel``.
+    """
+    e, a, resid = _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, mutations)
+    if e is not None and (resid is None or float(u_accept) < a):
+        return int(e)
+    return int(torch.argmax(torch.log(resid) + residual_gumbel.to(torch.float64)))
+
+
+def node_y(tree: DraftTree, b: int, row: int, mutations: frozenset[str] = frozenset()) -> int:
+    """The ``Y`` the verifier uses at expansion row ``row`` (-1: none / ignored).
+
+    Phantom rule: ``Y`` is used even when its sampled child was pruned. Mutation (a),
+    ``"skip_pruned_sampled"``, instead ignores ``Y`` when the sampled child was pruned.
+    """
+    y = int(tree.y_token[b, row])
+    if y >= 0 and "skip_pruned_sampled" in mutations:
+        c = int(tree.y_node[b, row])
+        if c >= 0 and not bool(tree.kept[b, c]):
+            return -1
+    return y
+
+
+def node_law(tree: DraftTree, b: int, row: int, p: torch.Tensor, verifier: str,
+             mutations: frozenset[str] = frozenset()) -> torch.Tensor:
+    """``coupling_law`` at expansion row ``row`` of tree ``b`` (reads the tables of the IR)."""
+    return coupling_law(p, tree.sup_token[b, row], tree.sup_q[b, row], int(tree.sup_n[b, row]),
+                        tree.rheostat, tree.slots, node_y(tree, b, row, mutations), verifier, mutations)
+
+
+def kept_children(tree: DraftTree, b: int, i: int) -> dict[int, int]:
+    """``{token: linear index}`` of the kept children of linear node ``i``."""
+    lin = tree.linear
+    f, k = int(lin.first_child[b, i]), int(lin.n_children[b, i])
+    if f < 0:
+        return {}
+    return {int(lin.token[b, c]): c for c in range(f, f + k)}
+
+
+@dataclass(frozen=True)
+class WalkResult:
+    """Outcome of one verification walk."""
+
+    path: list[int]  #: linear indices: root, then the accepted nodes
+    nodes: list[int]  #: creation ids of the same nodes
+    emitted: list[int]  #: accepted drafted tokens, then the one extra token
+    visited: int  #: nodes whose target logits were read
+
+
+def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], sampling: SamplingConfig,
+         verifier: str, streams: Streams, step: int,
+         mutations: frozenset[str] = frozenset(), key: int | None = None) -> WalkResult:
+    """Verify tree ``b`` (RHEOSAMPLING.md §5), reading target logits only where the walk goes.
+
+    ``logits_at(i)`` returns the raw target logits ``[V]`` at linear node ``i``; they are
+    processed with ``target_probs``. Randomness: at node ``v`` (creation id) the accept
+    uniform is ``streams.uniform(step, b, v, VERIFY_ACCEPT, 1)`` and the Gumbel noise
+    ``streams.gumbel(step, b, v, VERIFY_RESIDUAL, V)``. ``key`` replaces ``b`` in those
+    counters when the tree's index in the batch is not its stream id (default: ``b``);
+    the draft sampler must use the same id.
+
+    Example (one node, nothing drafted below the root: emits one target sample):
+        >>> import torch
+        >>> from rheoplan import plan_tree, TreeConfig, SamplingConfig
+        >>> s = SamplingConfig(temperature=0)
+        >>> t = plan_tree(lambda tr, nd: torch.zeros(1, nd.shape[1], 4), [0],
+        ...               tree=TreeConfig(depth=1, frontier=1, slots=2, budget=2, support=4), sampling=s)
+        >>> walk(t, 0, lambda i: torch.tensor([0., 0., 3., 0.]), s, "ot", Streams(0), 0).emitted
+        [2]
+    """
+    _check_verifier(verifier)
+    mutations = frozenset(mutations)
+    if tree.linear is None:
+        raise ValueError("tree has no linear form: run the linearize pass (plan_tree does)")
+    lin = tree.linear
+    sk = b if key is None else int(key)
+    i = 0
+    path, nodes, emitted = [0], [int(lin.node[b, 0])], []
+    visited = 0
+    while True:
+        p = target_probs(logits_at(i), sampling)
+        visited += 1
+        V = p.shape[-1]
+        v = int(lin.node[b, i])
+        row = int(lin.exp_row[b, i])
+        g = streams.gumbel(step, sk, v, Purpose.VERIFY_RESIDUAL, V)
+        if row < 0:
+            x = int(torch.argmax(torch.log(p) + g))
+        else:
+            u = float(streams.uniform(step, sk, v, Purpose.VERIFY_ACCEPT, 1)[0])
+            x = coupling_sample(p, tree.sup_token[b, row], tree.sup_q[b, row], int(tree.sup_n[b, row]),
+                                tree.rheostat, tree.slots, node_y(tree, b, row, mutations), verifier,
+                                u, g, mutations)
+        emitted.append(x)
+        c = kept_children(tree, b, i).get(x)
+        if c is None:
+            return WalkResult(path, nodes, emitted, visited)
+        i = c
+        path.append(c)
+        nodes.append(int(lin.node[b, c]))
+
+
+# --------------------------------------------------------------------------------------
+# Acceptance
+# --------------------------------------------------------------------------------------
+
+def children_tokens(sup_token: torch.Tensor, m: int, K: int, n: int, y_rank: int) -> list[int]:
+    """Tokens of all ``K`` children (before pruning) when ``Y`` has rank index ``y_rank``."""
+    pads = [r for r in range(m, n) if r != y_rank][: K - m - 1]
+    return [int(sup_token[r]) for r in list(range(m)) + [y_rank] + pads]
+
+
+def accept_prob(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, sup_n: int,
+                m: int, K: int, verifier: str) -> float:
+    """P(X is a child of the node), averaged over ``Y ~ q~`` (children before pruning).
+
+    Closed forms (``r`` the residual ``max(0, p - law)``, ``R`` its mass):
+
+    * 'onehot': ``sum_Y q~(Y) p(children(Y))``;
+    * 'rheo':   ``sum_Y q~(Y) [a(Y) + (1 - a(Y)) r(children(Y)) / R]``, ``a = min(1, p/q~)``;
+    * 'ot':     ``p(A) + sum_t min(p(t), e~(t))``.
+
+    With no sampled slot (``m >= K``) every verifier is one-hot on the top-``K``.
+    """
+    _check_verifier(verifier)
+    p = p.to(torch.float64)
+    n = int(sup_n)
+    if m >= K:
+        return float(p[sup_token[:K]].sum())
+    qt = tail_law(sup_q, m, n)
+    if verifier == "ot":
+        law = _proposal(p, sup_token, sup_q, n, m, frozenset())
+        _, et = _ot_proposal(law, sup_token, K, int(sup_token[K - 1]))
+        return float(p[sup_token[: K - 1]].sum() + torch.minimum(p, et).sum())
+    total = 0.0
+    law = _proposal(p, sup_token, sup_q, n, m, frozenset())
+    resid = torch.clamp(p - law, min=0.0)
+    R = float(resid.sum())
+    for i in range(n - m):
+        if float(qt[i]) <= 0.0:
+            continue
+        ch = children_tokens(sup_token, m, K, n, m + i)
+        if verifier == "onehot":
+            got = float(p[ch].sum())
+        else:
+            y = ch[m]
+            a = 1.0 if R <= _RESIDUAL_EPS else min(1.0, float(p[y]) / float(qt[i]))
+            got = a + ((1.0 - a) * float(resid[ch].sum()) / R if R > _RESIDUAL_EPS else 0.0)
+        total += float(qt[i]) * got
+    return total

@@ -1,0 +1,225 @@
+"""rheoplan.verify: the couplings keep p, the sampler draws the coupling's law, the
+closed-form acceptance is right, ot dominates onehot, and the walk behaves."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rheoplan import SamplingConfig, TreeConfig, plan_tree
+from rheoplan.distributions import draft_probs, rank_support, tail_law, target_probs
+from rheoplan.rng import Streams
+from rheoplan.testing import strategies as rst
+from rheoplan.verify import (accept_prob, children_tokens, coupling_law, coupling_sample,
+                             walk)
+
+FAST = settings(max_examples=60, deadline=None)
+
+
+@st.composite
+def node_cases(draw):
+    """A processed target p, a ranked draft support and (m, K) for one expanded node."""
+    V = draw(rst.vocab_sizes())
+    s = draw(rst.sampling_configs(V, temperatures=(0.5, 1.0, 1.5)))
+    p = target_probs(draw(rst.logit_rows(V)), s)
+    q = draft_probs(draw(rst.logit_rows(V)), s)
+    S = draw(st.integers(1, V))
+    K = draw(st.integers(1, S))
+    m = draw(st.integers(0, K))
+    tok, sq = rank_support(q.unsqueeze(0), S)
+    return p, tok[0], sq[0], S, m, K
+
+
+def _laws_over_y(p, tok, sq, n, m, K, verifier, mutations=frozenset()):
+    """[(q~(Y), Y, law of X given Y)] for every Y of the tail."""
+    if m >= K:
+        return [(1.0, -1, coupling_law(p, tok, sq, n, m, K, -1, verifier, mutations))]
+    qt = tail_law(sq, m, n)
+    return [(float(qt[i]), int(tok[m + i]), coupling_law(p, tok, sq, n, m, K, int(tok[m + i]), verifier, mutations))
+            for i in range(n - m) if float(qt[i]) > 0]
+
+
+@FAST
+@given(node_cases(), rst.verifiers())
+def test_coupling_marginal_is_p(case, verifier):
+    p, tok, sq, n, m, K = case
+    mix = torch.zeros_like(p)
+    for w, _, law in _laws_over_y(p, tok, sq, n, m, K, verifier):
+        assert law.dtype == torch.float64
+        assert abs(float(law.sum()) - 1.0) < 1e-12 and bool((law >= 0).all())
+        mix += w * law
+    assert float((mix - p).abs().max()) < 1e-12
+
+
+@FAST
+@given(node_cases(), rst.verifiers(), st.integers(0, 2**31 - 1))
+def test_coupling_sample_support_and_accept_rule(case, verifier, seed):
+    """The two-stage sampler: the proposal is returned iff u < accept; otherwise the draw
+    is the Gumbel-max of the residual, which lies in the law's support."""
+    p, tok, sq, n, m, K = case
+    g = torch.Generator().manual_seed(seed)
+    for _, y, law in _laws_over_y(p, tok, sq, n, m, K, verifier):
+        gum = -torch.log(-torch.log(torch.rand(p.numel(), generator=g, dtype=torch.float64)))
+        u = float(torch.rand(1, generator=g, dtype=torch.float64))
+        x = coupling_sample(p, tok, sq, n, m, K, y, verifier, u, gum)
+        assert float(law[x]) > 0
+        # u = 0 always accepts a proposal that has positive acceptance
+        x0 = coupling_sample(p, tok, sq, n, m, K, y, verifier, 0.0, gum)
+        assert float(law[x0]) > 0
+
+
+def test_coupling_sample_matches_law_monte_carlo():
+    V = 5
+    p = target_probs(torch.tensor([1.0, 0.2, -0.5, 0.7, 0.0]), SamplingConfig())
+    q = draft_probs(torch.tensor([0.1, 1.2, 0.4, -1.0, 0.3]), SamplingConfig())
+    tok, sq = rank_support(q.unsqueeze(0), V)
+    tok, sq = tok[0], sq[0]
+    g = torch.Generator().manual_seed(0)
+    n_draws = 20000
+    for verifier in ("rheo", "ot"):
+        y = int(tok[3])
+        law = coupling_law(p, tok, sq, V, 1, 3, y, verifier)
+        us = torch.rand(n_draws, generator=g, dtype=torch.float64)
+        gs = -torch.log(-torch.log(torch.rand(n_draws, V, generator=g, dtype=torch.float64)))
+        counts = torch.zeros(V, dtype=torch.float64)
+        for i in range(n_draws):
+            counts[coupling_sample(p, tok, sq, V, 1, 3, y, verifier, float(us[i]), gs[i])] += 1
+        # 5 sigma per cell
+        sd = torch.sqrt(law * (1 - law) / n_draws)
+        assert bool(((counts / n_draws - law).abs() <= 5 * sd + 1e-12).all()), (verifier, counts / n_draws, law)
+
+
+def test_coupling_edge_cases():
+    tok = torch.tensor([2, 0, 1])
+    sq = torch.tensor([0.6, 0.3, 0.1])
+    # p == q~ on the tail: the residual is all zero, acceptance is certain
+    qt = tail_law(sq, 1, 3)
+    p = torch.zeros(3, dtype=torch.float64)
+    p[tok[1:]] = qt
+    law = coupling_law(p, tok, sq, 3, 1, 3, 0, "rheo")
+    assert law.tolist() == [1.0, 0.0, 0.0]
+    assert coupling_sample(p, tok, sq, 3, 1, 3, 0, "rheo", 0.999999, torch.zeros(3)) == 0
+    # m == K: X ~ p for every verifier, Y ignored
+    p2 = torch.tensor([0.1, 0.2, 0.7], dtype=torch.float64)
+    for v in ("onehot", "rheo", "ot"):
+        assert torch.equal(coupling_law(p2, tok, sq, 3, 3, 3, -1, v), p2)
+    # Y outside p's support is never accepted
+    p3 = torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64)
+    assert float(coupling_law(p3, tok, sq, 3, 1, 2, 0, "rheo")[0]) == 0.0
+    with pytest.raises(ValueError, match="verifier"):
+        coupling_law(p2, tok, sq, 3, 1, 2, 0, "nope")
+
+
+@FAST
+@given(node_cases())
+def test_accept_prob_closed_form_equals_enumeration(case):
+    p, tok, sq, n, m, K = case
+    for verifier in ("onehot", "rheo", "ot"):
+        exact = 0.0
+        if m >= K:
+            exact = float(p[tok[:K]].sum())
+        else:
+            qt = tail_law(sq, m, n)
+            for i in range(n - m):
+                if float(qt[i]) > 0:
+                    ch = children_tokens(tok, m, K, n, m + i)
+                    law = coupling_law(p, tok, sq, n, m, K, ch[m], verifier)
+                    exact += float(qt[i]) * float(law[ch].sum())
+        assert abs(accept_prob(p, tok, sq, n, m, K, verifier) - exact) < 1e-12, verifier
+
+
+@FAST
+@given(node_cases())
+def test_ot_never_below_onehot_and_equals_rheo_without_pad(case):
+    p, tok, sq, n, m, K = case
+    a_ot = accept_prob(p, tok, sq, n, m, K, "ot")
+    a_1h = accept_prob(p, tok, sq, n, m, K, "onehot")
+    a_rh = accept_prob(p, tok, sq, n, m, K, "rheo")
+    assert a_ot >= a_1h - 1e-12
+    assert a_ot >= a_rh - 1e-12  # ot is optimal for this slot structure
+    if m == K - 1:
+        assert abs(a_ot - a_rh) < 1e-12
+        for _, y, law in _laws_over_y(p, tok, sq, n, m, K, "ot"):
+            assert float((law - coupling_law(p, tok, sq, n, m, K, y, "rheo")).abs().max()) < 1e-12
+
+
+def test_accept_prob_monte_carlo():
+    """Closed form vs sampling Y ~ q~ and X with coupling_sample."""
+    V, m, K = 6, 1, 3
+    s = SamplingConfig()
+    p = target_probs(torch.tensor([0.5, 1.0, -0.3, 0.2, 0.9, -1.0]), s)
+    q = draft_probs(torch.tensor([1.1, 0.7, 0.0, 0.4, 0.2, -0.5]), s)
+    tok, sq = rank_support(q.unsqueeze(0), V)
+    tok, sq = tok[0], sq[0]
+    qt = tail_law(sq, m, V)
+    g = torch.Generator().manual_seed(1)
+    n_draws = 20000
+    ys = torch.multinomial(qt, n_draws, replacement=True, generator=g)
+    us = torch.rand(n_draws, generator=g, dtype=torch.float64)
+    gs = -torch.log(-torch.log(torch.rand(n_draws, V, generator=g, dtype=torch.float64)))
+    for verifier in ("onehot", "rheo", "ot"):
+        hits = 0
+        for i in range(n_draws):
+            ch = children_tokens(tok, m, K, V, m + int(ys[i]))
+            x = coupling_sample(p, tok, sq, V, m, K, ch[m], verifier, float(us[i]), gs[i])
+            hits += x in ch
+        a = accept_prob(p, tok, sq, V, m, K, verifier)
+        sd = math.sqrt(a * (1 - a) / n_draws)
+        assert abs(hits / n_draws - a) < 5 * sd, (verifier, hits / n_draws, a)
+
+
+def _tree_and_logits(V=5, seed=0, T=1.0, **cfg):
+    from rheoplan.models.functional import hashed_context_lm
+    from rheoplan.testing.oracle import functional_draft_fn
+
+    tgt, drf = hashed_context_lm(V, seed=seed), hashed_context_lm(V, seed=seed + 100)
+    ctx = (0, 1)
+    s = SamplingConfig(temperature=T)
+    tc = TreeConfig(**{"depth": 3, "frontier": 2, "slots": 3, "budget": 6, "support": V, **cfg})
+    t = plan_tree(functional_draft_fn(drf, ctx), [ctx[-1]], tree=tc, sampling=s, seed=seed)
+    calls = []
+
+    def logits_at(i):
+        calls.append(i)
+        toks, j = [], i
+        while j > 0:
+            toks.append(int(t.linear.token[0, j]))
+            j = int(t.linear.parent[0, j])
+        return tgt([ctx + tuple(toks[::-1])])[0]
+
+    return t, logits_at, calls, s, tc, tgt
+
+
+@pytest.mark.parametrize("verifier", ["onehot", "rheo", "ot"])
+def test_walk_is_a_kept_path_and_lazy(verifier):
+    for seed in range(5):
+        t, logits_at, calls, s, tc, _ = _tree_and_logits(seed=seed, verifier=verifier)
+        r = walk(t, 0, logits_at, s, verifier, Streams(seed), 0)
+        lin = t.linear
+        assert r.path[0] == 0 and r.nodes[0] == 0
+        assert calls == r.path and r.visited == len(r.path)
+        for a, c in zip(r.path, r.path[1:]):
+            assert int(lin.parent[0, c]) == a
+        assert r.nodes == [int(lin.node[0, i]) for i in r.path]
+        assert r.emitted[:-1] == [int(lin.token[0, i]) for i in r.path[1:]]
+        assert len(r.emitted) == len(r.path)
+        # the extra token is not a kept child of the last node
+        last = r.path[-1]
+        f, k = int(lin.first_child[0, last]), int(lin.n_children[0, last])
+        assert r.emitted[-1] not in [int(lin.token[0, c]) for c in range(f, f + k)] if f >= 0 else True
+        # reproducible from the seed
+        assert walk(t, 0, logits_at, s, verifier, Streams(seed), 0).emitted == r.emitted
+
+
+def test_walk_greedy_parity_one_step():
+    for seed in range(5):
+        t, logits_at, _, s, _, tgt = _tree_and_logits(seed=seed, T=0.0)
+        r = walk(t, 0, logits_at, s, "ot", Streams(seed), 0)
+        ctx = (0, 1)
+        for x in r.emitted:
+            assert x == int(torch.argmax(tgt([ctx])[0]))
+            ctx = ctx + (x,)
