@@ -1,0 +1,196 @@
+"""Benchmark the planner and verifier kernels (a script, not a test).
+
+    python examples/bench_kernels.py                 # CPU: numba vs reference per step
+    python examples/bench_kernels.py --cuda          # + Triton kernels vs torch on CUDA
+    python examples/bench_kernels.py --vocab 49152 --reps 20 --out results.txt
+
+CPU section: one draft-verify step's bookkeeping for a tree of N=60 nodes, depth 8,
+frontier 10, slots 10, support 128 (RheoSampling's paper setting), model forwards
+excluded: the draft returns precomputed logits, the verifier gets precomputed target
+laws. "planner" is the whole pass pipeline (it includes the draft softmax and the top-S
+over the vocabulary); "vocab part" is that softmax + top-S alone; "verify" is the walk
+with the coupling at every visited node (target laws and noise given).
+
+CUDA section: per-kernel microseconds (CUDA events, median of reps) of the Triton
+kernels vs their torch references at batch 1, 8, 64, and tree attention vs SDPA with a
+dense mask. ``main(argv)`` lets a CLI call it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _time_cpu(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _tree_cfg():
+    from rheoplan import TreeConfig
+
+    return TreeConfig(depth=8, frontier=10, slots=10, budget=60, rheostat=1, support=128)
+
+
+def cpu_section(vocabs, reps: int, ref_reps: int, out) -> None:
+    from rheoplan import SamplingConfig, plan_tree
+    from rheoplan.kernels.pipeline import kernel_pipeline
+    from rheoplan.kernels.slot_expansion.cpu import rank_support_rows
+    from rheoplan.kernels.verify import cpu as vcpu, reference as vref
+    from rheoplan.verify import node_y
+
+    cfg, sampling = _tree_cfg(), SamplingConfig(temperature=1.0)
+    print(f"# CPU, torch threads={torch.get_num_threads()}; N=60 depth=8 frontier=10 slots=10 S=128, B=1",
+          file=out)
+    print(f"{'vocab':>7} {'impl':>9} {'planner ms':>11} {'vocab part ms':>14} {'tree bookkeeping ms':>20} "
+          f"{'verify ms':>10}", file=out)
+    for V in vocabs:
+        g = torch.Generator().manual_seed(0)
+        bank = torch.randn(1, cfg.frontier, V, generator=g) * 3
+        draft = lambda t, nodes: bank[:, : nodes.shape[1]]  # noqa: E731
+        P = kernel_pipeline()
+        step = [0]
+
+        def plan(passes):
+            step[0] += 1
+            return plan_tree(draft, [1], tree=cfg, sampling=sampling, passes=passes, step=step[0])
+
+        def vocab_part():
+            x = torch.softmax(bank[0], dim=-1)
+            tok = torch.empty(x.shape[0], 128, dtype=torch.int64).numpy()
+            val = torch.empty(x.shape[0], 128).numpy()
+            for _ in range(1 + (cfg.depth - 1)):  # root row + 7 frontier batches (approx. 71 rows)
+                rank_support_rows(x.numpy(), 128, tok, val)
+                x = torch.softmax(bank[0], dim=-1)
+
+        tree = plan(P)
+        lin = tree.linear
+        L = lin.token.shape[1]
+        p = torch.softmax(torch.randn(1, L, V, generator=g, dtype=torch.float64) * 3, dim=-1)
+        u = torch.rand(1, L, generator=g, dtype=torch.float64)
+        gum = -torch.log(-torch.log(torch.rand(1, L, V, generator=g, dtype=torch.float64)))
+        y = torch.tensor([[node_y(tree, 0, r) for r in range(tree.y_token.shape[1])]])
+        vargs = (p, u, gum, lin.token, lin.first_child, lin.n_children, lin.exp_row, tree.sup_token,
+                 tree.sup_q, tree.sup_n, y, tree.rheostat, tree.slots, "ot")
+        t_vocab = _time_cpu(vocab_part, reps)
+        for name, passes, walk, r in (("numba", P, vcpu.verify_walk, reps),
+                                      ("reference", None, vref.verify_walk, ref_reps)):
+            t_plan = _time_cpu(lambda: plan(passes), r)
+            t_verify = _time_cpu(lambda: walk(*vargs), r)
+            vp = f"{1e3 * t_vocab:14.2f}" if name == "numba" else f"{'-':>14}"
+            tb = f"{1e3 * (t_plan - t_vocab):20.2f}" if name == "numba" else f"{'-':>20}"
+            print(f"{V:>7} {name:>9} {1e3 * t_plan:11.2f} {vp} {tb} {1e3 * t_verify:10.2f}", file=out)
+        out.flush()
+
+
+def _time_cuda(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def cuda_section(vocab: int, reps: int, out) -> None:
+    from rheoplan import SamplingConfig, plan_tree
+    from rheoplan.kernels.plan import reference as pref, triton as ptk
+    from rheoplan.kernels.slot_expansion import triton as stk
+    from rheoplan.kernels.tree_attention import reference as aref, triton as atk
+    from rheoplan.kernels.verify import reference as vref, triton as vtk
+
+    dev = "cuda"
+    cfg = _tree_cfg()
+    print(f"\n# CUDA {torch.cuda.get_device_name()}; vocab={vocab}; median us over {reps} reps", file=out)
+    print(f"{'kernel':<22} {'batch':>5} {'triton us':>10} {'torch ref us':>13}", file=out)
+    for B in (1, 8, 64):
+        g = torch.Generator().manual_seed(B)
+        n = B * cfg.frontier
+        logits = (torch.randn(n, vocab, generator=g) * 3).to(dev)
+        parent = torch.zeros(n, device=dev)
+        noise = torch.zeros(n, 128, dtype=torch.float64, device=dev)
+        kw = dict(temperature=1.0, support=128, rheostat=1, slots=10)
+        t_k = _time_cuda(lambda: stk.slot_expansion(logits, parent, noise, **kw), reps)
+        t_r = _time_cuda(lambda: torch.sort(torch.softmax(logits, -1), dim=-1, descending=True, stable=True),
+                         reps)
+        print(f"{'slot_expansion':<22} {B:>5} {t_k:10.1f} {t_r:13.1f}  (ref: softmax + stable sort only)", file=out)
+        bank = torch.randn(64, 512, generator=g)
+        tree = plan_tree(lambda t, nd: bank[(nd.clamp(min=0) + t.cur_depth) % 64], list(range(B)), tree=cfg,
+                         sampling=SamplingConfig())
+        d = lambda x: x.to(dev)  # noqa: E731
+        t_k = _time_cuda(lambda: ptk.prune_topn(d(tree.score), d(tree.n_nodes), 60), reps)
+        t_r = _time_cuda(lambda: pref.prune_topn(tree.score, tree.n_nodes, 60), max(3, reps // 10))
+        print(f"{'prune_topn':<22} {B:>5} {t_k:10.1f} {t_r:13.1f}  (ref on CPU)", file=out)
+        la = (d(tree.kept), d(tree.n_nodes), d(tree.parent), d(tree.token), d(tree.depth), d(tree.exp_row),
+              d(tree.prefix_len))
+        t_k = _time_cuda(lambda: ptk.linearize(*la, 60, 8), reps)
+        print(f"{'linearize':<22} {B:>5} {t_k:10.1f} {'-':>13}", file=out)
+        p = torch.softmax(torch.randn(n, vocab, generator=g, dtype=torch.float64), -1).to(dev)
+        tok = torch.arange(128).repeat(n, 1).to(dev)
+        q = torch.full((n, 128), 1 / 128).to(dev)
+        sn = torch.full((n,), 128, device=dev)
+        yy = torch.full((n,), 5, device=dev)
+        u = torch.rand(n, dtype=torch.float64).to(dev)
+        gg = torch.randn(n, vocab, dtype=torch.float64).to(dev)
+        t_k = _time_cuda(lambda: vtk.coupling_rows(p, tok, q, sn, 1, 10, yy, "ot", u, gg), reps)
+        print(f"{'coupling_rows (ot)':<22} {B:>5} {t_k:10.1f} {'-':>13}", file=out)
+        Hq, Hkv, Lq, P, dh = 32, 8, 61, 1024, 128
+        qa = torch.randn(B, Hq, Lq, dh, device=dev, dtype=torch.float16)
+        kc = torch.randn(B, Hkv, P, dh, device=dev, dtype=torch.float16)
+        kt = torch.randn(B, Hkv, Lq, dh, device=dev, dtype=torch.float16)
+        bits = d(tree.linear.ancestor_bits) if tree.linear.ancestor_bits.shape[1] == Lq else \
+            torch.full((B, Lq, 1), -1, dtype=torch.int64, device=dev)
+        plen = torch.full((B,), P, device=dev)
+        t_k = _time_cuda(lambda: atk.tree_attention(qa, kc, kc, kt, kt, plen, bits, block_m=64, block_n=64), reps)
+        t_r = _time_cuda(lambda: aref.tree_attention(qa, kc, kc, kt, kt, plen, bits), reps)
+        print(f"{'tree_attention':<22} {B:>5} {t_k:10.1f} {t_r:13.1f}  (SDPA, dense mask; P=1024 Hq=32 Hkv=8)",
+              file=out)
+        out.flush()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vocab", type=int, nargs="*", default=[256, 49152, 128256],
+                    help="vocab sizes; 256 ~ the tree bookkeeping alone (vocab work negligible)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--ref-reps", type=int, default=1, help="reps of the (slow) torch reference pipeline")
+    ap.add_argument("--cuda", action="store_true", help="also run the CUDA section (needs a GPU)")
+    ap.add_argument("--no-cpu", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: the planner's ops are tiny, and on a busy machine "
+                         "OpenMP waits for descheduled threads cost milliseconds per op)")
+    ap.add_argument("--out", default=None, help="append results to this file (default: stdout)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = open(args.out, "a") if args.out else sys.stdout
+    try:
+        if not args.no_cpu:
+            cpu_section(args.vocab, args.reps, args.ref_reps, out)
+        if args.cuda:
+            if not torch.cuda.is_available():
+                print("--cuda: no CUDA device; skipped", file=out)
+            else:
+                cuda_section(max(args.vocab), max(args.reps, 20), out)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""numba CPU path of the planner bookkeeping kernels (same signatures as ``reference``).
+
+The ``*_rows`` kernels work on numpy views of the IR's tensors and write into
+preallocated outputs; the CPU pipeline calls them directly. Selection is by insertion
+into a sorted buffer of size k (k, N <= a few hundred: cheaper than sorting all nodes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from rheoplan.kernels.plan.reference import Linear
+
+
+@njit(cache=True, inline="always")
+def _better(sa, ia, sb, ib):
+    """Node a ranks before b: higher score, then lower id; NaN ranks after everything."""
+    na, nb = np.isnan(sa), np.isnan(sb)
+    if na or nb:
+        return (nb and not na) or (na and nb and ia < ib)
+    return sa > sb or (sa == sb and ia < ib)
+
+
+@njit(cache=True)
+def _select(score_row, lo, hi, level, depth_row, k, out):
+    """Best ``k`` ids in ``[lo, hi)`` (only depth == level when level >= 0) into ``out``,
+    best first; returns how many."""
+    cnt = 0
+    for i in range(lo, hi):
+        if level >= 0 and depth_row[i] != level:
+            continue
+        s = score_row[i]
+        if cnt == k and not _better(s, i, score_row[out[k - 1]], out[k - 1]):
+            continue
+        j = cnt if cnt < k else k - 1
+        while j > 0 and _better(s, i, score_row[out[j - 1]], out[j - 1]):
+            out[j] = out[j - 1]
+            j -= 1
+        out[j] = i
+        if cnt < k:
+            cnt += 1
+    return cnt
+
+
+@njit(cache=True)
+def frontier_rows(score, depth, n_nodes, level, k, nodes, count):
+    """``nodes[b, :count[b]]`` = the ``k`` best ids at depth ``level`` (rest -1)."""
+    for b in range(score.shape[0]):
+        nodes[b, :] = -1
+        count[b] = _select(score[b], 0, n_nodes[b], level, depth[b], k, nodes[b])
+
+
+@njit(cache=True)
+def prune_rows(score, n_nodes, budget, kept):
+    buf = np.empty(max(budget, 1), dtype=np.int64)
+    for b in range(score.shape[0]):
+        kept[b, :] = False
+        kept[b, 0] = True
+        c = _select(score[b], 1, n_nodes[b], -1, score[b], budget, buf)  # depth unused
+        for j in range(c):
+            kept[b, buf[j]] = True
+
+
+@njit(cache=True)
+def linearize_rows(kept, n_nodes, parent, token, depth, exp_row, prefix_len,
+                   n, node, tok, pos, par, dep, erow, first, n_children, mask, bits, paths, n_paths):
+    """Fill the linear tables (outputs preset to -1 / 0 / False by the caller)."""
+    M = kept.shape[1]
+    lin_of = np.empty(M, dtype=np.int64)
+    for b in range(kept.shape[0]):
+        k = 0
+        for v in range(n_nodes[b]):
+            lin_of[v] = -1
+            if not kept[b, v]:
+                continue
+            lin_of[v] = k
+            node[b, k] = v
+            tok[b, k] = token[b, v]
+            dep[b, k] = depth[b, v]
+            pos[b, k] = prefix_len[b] + depth[b, v]
+            erow[b, k] = exp_row[b, v]
+            pv = parent[b, v]
+            if pv >= 0:
+                pi = lin_of[pv]
+                par[b, k] = pi
+                mask[b, k, :k] = mask[b, pi, :k]
+                for w in range(bits.shape[2]):
+                    bits[b, k, w] = bits[b, pi, w]
+                if first[b, pi] < 0:
+                    first[b, pi] = k
+                n_children[b, pi] += 1
+            mask[b, k, k] = True
+            bits[b, k, k // 64] |= np.int64(1) << np.int64(k % 64)
+            k += 1
+        n[b] = k
+        p = 0
+        for leaf in range(k):
+            if n_children[b, leaf] != 0:
+                continue
+            i = leaf
+            while i >= 0:  # depth of linear node i is its column in the path
+                paths[b, p, dep[b, i]] = i
+                i = par[b, i]
+            p += 1
+        n_paths[b] = p
+
+
+def frontier_topk(score, depth, n_nodes, level, k):
+    """Same contract as ``reference.frontier_topk``."""
+    B = score.shape[0]
+    nodes = np.empty((B, k), dtype=np.int64)
+    count = np.empty(B, dtype=np.int64)
+    frontier_rows(score.numpy(), depth.numpy(), n_nodes.numpy(), int(level), int(k), nodes, count)
+    return torch.from_numpy(nodes), torch.from_numpy(count)
+
+
+def prune_topn(score, n_nodes, budget):
+    """Same contract as ``reference.prune_topn``."""
+    kept = np.zeros(tuple(score.shape), dtype=np.bool_)
+    prune_rows(score.numpy(), n_nodes.numpy(), int(budget), kept)
+    return torch.from_numpy(kept)
+
+
+def linearize(kept, n_nodes, parent, token, depth, exp_row, prefix_len, budget, max_depth) -> Linear:
+    """Same contract as ``reference.linearize``."""
+    B = kept.shape[0]
+    L, D = 1 + budget, max_depth
+    W = (L + 63) // 64
+    out = {name: np.full((B, L), -1, dtype=np.int64) for name in
+           ("node", "tok", "pos", "par", "dep", "erow", "first")}
+    n = np.zeros(B, dtype=np.int64)
+    n_children = np.zeros((B, L), dtype=np.int64)
+    mask = np.zeros((B, L, L), dtype=np.bool_)
+    bits = np.zeros((B, L, W), dtype=np.int64)
+    paths = np.full((B, L, D + 1), -1, dtype=np.int64)
+    n_paths = np.zeros(B, dtype=np.int64)
+    linearize_rows(kept.numpy(), n_nodes.numpy(), parent.numpy(), token.numpy(), depth.numpy(),
+                   exp_row.numpy(), prefix_len.numpy(), n, out["node"], out["tok"], out["pos"],
+                   out["par"], out["dep"], out["erow"], out["first"], n_children, mask, bits, paths, n_paths)
+    P = int(n_paths.max())
+    t = torch.from_numpy
+    return Linear(t(n), t(out["node"]), t(out["tok"]), t(out["pos"]), t(out["par"]), t(out["dep"]),
+                  t(mask), t(bits), t(paths[:, :P].copy()), t(n_paths), t(out["first"]), t(n_children),
+                  t(out["erow"]))

@@ -1,0 +1,215 @@
+"""numba CPU path of the slot-expansion kernel (same signature as ``reference``).
+
+Split into row kernels that the CPU pipeline (``rheoplan.kernels.pipeline``) also calls:
+
+* ``rank_support_rows``: top-S by q (ties lower id) by radix select on the float32
+  bits, O(V) per row instead of a full sort.
+* ``tail_stats_rows``: tail mass z, proxy pi and the tail law q~ (float64).
+* ``fill_children_rows``: child tokens / q / weights given the drawn tail index.
+
+Three steps deliberately stay in torch, because the reference computes them with
+torch's vectorised (SLEEF) ``exp``/``log`` and the pipeline must be bit-identical:
+the draft softmax, ``log(q~) + noise`` before the Gumbel argmax, and the scores
+``parent_score + log(weight)``. numba's ``log`` is glibc's, which differs from SLEEF in
+the last bit for ~0.1% of float32 inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from rheoplan.kernels.slot_expansion.reference import PROXY_CODES, SlotExpansion, check_args
+
+
+@njit(cache=True, inline="always")
+def _worse(qa, ia, qb, ib):
+    """Whether support entry a ranks below b (lower q, or equal q and higher id)."""
+    return qa < qb or (qa == qb and ia > ib)
+
+
+@njit(cache=True)
+def _sift_down(hq, hi, start, size):
+    i = start
+    while True:
+        l = 2 * i + 1
+        if l >= size:
+            return
+        w = l
+        r = l + 1
+        if r < size and _worse(hq[r], hi[r], hq[l], hi[l]):
+            w = r
+        if _worse(hq[w], hi[w], hq[i], hi[i]):
+            hq[i], hq[w] = hq[w], hq[i]
+            hi[i], hi[w] = hi[w], hi[i]
+            i = w
+        else:
+            return
+
+
+@njit(cache=True)
+def _heap_topk(cq, cid, c, s, tok, val):
+    """Top-``s`` of candidates ``(cq[:c], cid[:c])`` (ids ascending) with a size-s heap."""
+    hq = np.empty(s, dtype=np.float32)  # min-heap whose root is the worst kept entry
+    hi = np.empty(s, dtype=np.int64)
+    for i in range(s):
+        hq[i] = cq[i]
+        hi[i] = cid[i]
+    for i in range(s // 2 - 1, -1, -1):
+        _sift_down(hq, hi, i, s)
+    for i in range(s, c):
+        if cq[i] > hq[0]:  # ids arrive ascending, so an equal q never beats a kept entry
+            hq[0] = cq[i]
+            hi[0] = cid[i]
+            _sift_down(hq, hi, 0, s)
+    size = s
+    while size > 0:  # pop worst first, fill from the back
+        size -= 1
+        tok[size] = hi[0]
+        val[size] = hq[0]
+        hq[0] = hq[size]
+        hi[0] = hi[size]
+        _sift_down(hq, hi, 0, size)
+
+
+_RADIX_SHIFT = 19  # 4096 bins over the top 12 bits of a non-negative float32
+
+
+@njit(cache=True)
+def rank_support_rows(q, s, tok, val):
+    """Top-``s`` of each row of ``q [R, V]`` (float32, >= 0) into ``tok [R, s]`` / ``val``,
+    ranked by q descending, ties lower id (as ``rheoplan.distributions.rank_support``).
+
+    Radix select: a histogram of the top 12 bits of the float32 bit patterns (monotone
+    for q >= 0) finds the bin holding the s-th largest value; only entries in that bin
+    or above are candidates (usually a few hundred), ordered by a stable sort on -q
+    (ids ascending on ties). Near-flat rows put most of V in one bin: then a size-s
+    heap over the candidates, O(c log s), replaces the sort.
+    """
+    V = q.shape[1]
+    hist = np.zeros(1 << (31 - _RADIX_SHIFT), dtype=np.int64)
+    cid = np.empty(V, dtype=np.int64)
+    cq = np.empty(V, dtype=np.float32)
+    for r in range(q.shape[0]):
+        row = q[r]
+        bits = row.view(np.int32)
+        hist[:] = 0
+        for i in range(V):
+            hist[max(bits[i] >> _RADIX_SHIFT, 0)] += 1
+        acc = 0
+        t = hist.shape[0] - 1
+        while t > 0:
+            acc += hist[t]
+            if acc >= s:
+                break
+            t -= 1
+        c = 0
+        for i in range(V):
+            if (bits[i] >> _RADIX_SHIFT) >= t:
+                cid[c] = i
+                cq[c] = row[i]
+                c += 1
+        if c > 8 * s:
+            _heap_topk(cq, cid, c, s, tok[r], val[r])
+            continue
+        order = np.argsort(-cq[:c], kind="mergesort")  # stable: lower id first on ties
+        for j in range(s):
+            tok[r, j] = cid[order[j]]
+            val[r, j] = cq[order[j]]
+
+
+@njit(cache=True)
+def tail_stats_rows(sup_q, s, m, K, proxy_code, z, pi, qt):
+    """Per row, given the tail mass ``z`` (float64, from ``tail_mass``): ``pi`` = proxy
+    weight (NaN for 'true_q', which needs Y) and ``qt[r, :s-m]`` = the tail law q~
+    (uniform when z == 0; skipped when ``qt`` has no columns)."""
+    for r in range(sup_q.shape[0]):
+        acc = z[r]
+        if m < K:
+            if proxy_code == 0:
+                pi[r] = np.float64(sup_q[r, 0]) if m == 0 else min(np.float64(sup_q[r, m - 1]), acc)
+            elif proxy_code == 1:
+                pi[r] = np.float64(sup_q[r, m])
+            else:
+                pi[r] = np.nan
+            for i in range(min(s - m, qt.shape[1])):
+                qt[r, i] = np.float64(sup_q[r, m + i]) / acc if acc > 0 else 1.0 / (s - m)
+
+
+@njit(cache=True)
+def fill_children_rows(sup_tok, sup_q, s, m, K, y_rank, pi, child_token, child_q, child_weight):
+    """Children of each row: DET ranks 0..m-1, then (m < K) the sampled rank ``y_rank[r]``
+    with weight ``pi[r]`` (its own q when pi is NaN), then PAD: tail ranks skipping Y."""
+    for r in range(sup_tok.shape[0]):
+        c = 0
+        for k in range(min(m, K)):
+            child_token[r, c] = sup_tok[r, k]
+            child_q[r, c] = sup_q[r, k]
+            child_weight[r, c] = sup_q[r, k]
+            c += 1
+        if m < K:
+            y = y_rank[r]
+            child_token[r, c] = sup_tok[r, y]
+            child_q[r, c] = sup_q[r, y]
+            child_weight[r, c] = sup_q[r, y] if np.isnan(pi[r]) else np.float32(pi[r])
+            c += 1
+            k = m
+            while c < K:
+                if k != y:
+                    child_token[r, c] = sup_tok[r, k]
+                    child_q[r, c] = sup_q[r, k]
+                    child_weight[r, c] = sup_q[r, k]
+                    c += 1
+                k += 1
+
+
+def tail_mass(sup_q: torch.Tensor, m: int, s: int) -> torch.Tensor:
+    """``z`` per row in float64 with torch's reduction: its summation order differs from a
+    sequential loop in the last bit now and then, and the reference sums with torch."""
+    return sup_q[:, m:s].to(torch.float64).sum(dim=1)
+
+
+def draw_tail(qt: torch.Tensor, noise: torch.Tensor, n_tail: int) -> torch.Tensor:
+    """Gumbel-max tail index per row: ``argmax(log(q~) + noise)`` (torch, see module doc)."""
+    return torch.argmax(torch.log(qt[:, :n_tail]) + noise[:, :n_tail].to(torch.float64), dim=1)
+
+
+def add_log_weight(base: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``float32(float64(base) + float64(log(weight)))``, the reference's score rule."""
+    return (base.to(torch.float64) + torch.log(weight).to(torch.float64)).to(torch.float32)
+
+
+def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torch.Tensor, *,
+                   temperature: float, support: int, rheostat: int, slots: int,
+                   proxy: str = "default") -> SlotExpansion:
+    """Same contract as ``reference.slot_expansion`` (numba row kernels + torch exp/log)."""
+    check_args(logits, parent_score, noise, support, rheostat, slots, proxy)
+    m, K = rheostat, slots
+    q = torch.softmax(logits.to(torch.float32) / temperature, dim=-1).contiguous()
+    n, V = q.shape
+    s = min(support, V)
+    sup_token = torch.empty(n, s, dtype=torch.int64)
+    sup_q = torch.empty(n, s, dtype=torch.float32)
+    rank_support_rows(q.numpy(), s, sup_token.numpy(), sup_q.numpy())
+    z64 = tail_mass(sup_q, m, s).numpy()
+    pi = np.full(n, np.nan)
+    qt = torch.zeros(n, max(s - m, 1), dtype=torch.float64)
+    tail_stats_rows(sup_q.numpy(), s, m, K, PROXY_CODES[proxy], z64, pi, qt.numpy())
+    y_rank = torch.full((n,), -1, dtype=torch.int64)
+    y_token = torch.full((n,), -1, dtype=torch.int64)
+    y_qtilde = torch.zeros(n, dtype=torch.float32)
+    if m < K and n > 0:
+        i = draw_tail(qt, noise, s - m)
+        y_rank = i + m
+        y_token = sup_token.gather(1, y_rank[:, None])[:, 0]
+        y_qtilde = qt.gather(1, i[:, None])[:, 0].to(torch.float32)
+    child_token = torch.full((n, K), -1, dtype=torch.int64)
+    child_q = torch.zeros(n, K, dtype=torch.float32)
+    child_weight = torch.zeros(n, K, dtype=torch.float32)
+    fill_children_rows(sup_token.numpy(), sup_q.numpy(), s, m, K, y_rank.numpy(), pi,
+                       child_token.numpy(), child_q.numpy(), child_weight.numpy())
+    child_score = add_log_weight(parent_score.to(torch.float32)[:, None].expand(n, K), child_weight)
+    return SlotExpansion(sup_token, sup_q, torch.full((n,), s, dtype=torch.int64),
+                         torch.from_numpy(z64).to(torch.float32), y_rank, y_token, y_qtilde,
+                         child_token, child_q, child_weight, child_score)

@@ -1,0 +1,159 @@
+"""Triton slot-expansion kernel: one program per expanded node (same signature as
+``reference.slot_expansion``).
+
+Per program: softmax statistics over V in blocks; the exact top-S by a 31-step binary
+search on the float32 bit pattern of q (monotone for q >= 0) for the S-th largest value,
+a compaction pass (entries above it, then the lowest ids equal to it, in id order) and
+a ranking of the S candidates by pairwise comparison (q desc, id asc); then tail mass,
+proxy, tail law, the Gumbel-max draw from the injected noise, and the K children.
+
+Float parity: q comes from Triton's exp, not torch's, so q and scores match the
+reference to ~1e-6 relative, not bitwise; tokens match exactly unless two distinct
+logits give q values within that rounding (never in the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rheoplan.kernels.slot_expansion.reference import PROXY_CODES, SlotExpansion, check_args
+
+
+@triton.jit
+def _q_block(logits_ptr, row, offs, V, INV_T, mx, ssum):
+    x = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    return tl.where(offs < V, tl.exp(x * INV_T - mx) / ssum, -1.0)  # -1 marks padding
+
+
+@triton.jit
+def slot_expansion_kernel(logits_ptr, parent_score_ptr, noise_ptr, cand_tok_ptr, cand_q_ptr,
+                          sup_token_ptr, sup_q_ptr, z_ptr, y_rank_ptr, y_token_ptr, y_qtilde_ptr,
+                          child_token_ptr, child_q_ptr, child_weight_ptr, child_score_ptr,
+                          V, noise_stride, INV_T: tl.constexpr, S: tl.constexpr, S_BLOCK: tl.constexpr,
+                          M: tl.constexpr, K: tl.constexpr, PROXY: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs0 = tl.arange(0, BLOCK)
+    # -- softmax statistics (online max / sum) -------------------------------------------
+    mx = tl.full((), float("-inf"), tl.float32)
+    ssum = tl.full((), 0.0, tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + offs0
+        x = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * INV_T
+        new_mx = tl.maximum(mx, tl.max(x, axis=0))
+        ssum = ssum * tl.exp(mx - new_mx) + tl.sum(tl.exp(x - new_mx), axis=0)
+        mx = new_mx
+    # -- S-th largest bit pattern: largest t with #{bits >= t} >= S ----------------------
+    t = tl.full((), 0, tl.int32)
+    for i in range(0, 31):
+        cand = t | (1 << (30 - i))
+        cnt = tl.full((), 0, tl.int32)
+        for start in range(0, V, BLOCK):
+            q = _q_block(logits_ptr, row, start + offs0, V, INV_T, mx, ssum)
+            bits = q.to(tl.int32, bitcast=True)
+            cnt += tl.sum(((bits >= cand) & (q >= 0)).to(tl.int32), axis=0)
+        t = tl.where(cnt >= S, cand, t)
+    # -- compaction in id order: all above t, then the first (S - above) equal to t -------
+    above = 0
+    for start in range(0, V, BLOCK):
+        q = _q_block(logits_ptr, row, start + offs0, V, INV_T, mx, ssum)
+        bits = q.to(tl.int32, bitcast=True)
+        above += tl.sum(((bits > t) & (q >= 0)).to(tl.int32), axis=0)
+    taken = 0
+    eq_seen = 0
+    for start in range(0, V, BLOCK):
+        offs = start + offs0
+        q = _q_block(logits_ptr, row, offs, V, INV_T, mx, ssum)
+        bits = q.to(tl.int32, bitcast=True)
+        valid = q >= 0
+        eq = (bits == t) & valid
+        eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+        sel = ((bits > t) & valid) | (eq & (eq_rank < S - above))
+        pos = taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(cand_tok_ptr + row * S + pos, offs.to(tl.int64), mask=sel)
+        tl.store(cand_q_ptr + row * S + pos, q, mask=sel)
+        taken += tl.sum(sel.to(tl.int32), axis=0)
+        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+    # -- rank the S candidates: q desc, id asc --------------------------------------------
+    si = tl.arange(0, S_BLOCK)
+    smask = si < S
+    ctok = tl.load(cand_tok_ptr + row * S + si, mask=smask, other=0)
+    cq = tl.load(cand_q_ptr + row * S + si, mask=smask, other=-1.0)
+    better = ((cq[None, :] > cq[:, None]) | ((cq[None, :] == cq[:, None]) & (ctok[None, :] < ctok[:, None]))) \
+        & smask[None, :]
+    rank = tl.sum(better.to(tl.int32), axis=1)
+    tl.store(sup_token_ptr + row * S + rank, ctok, mask=smask)
+    tl.store(sup_q_ptr + row * S + rank, cq, mask=smask)
+    tl.debug_barrier()
+    stok = tl.load(sup_token_ptr + row * S + si, mask=smask, other=-1)
+    sq = tl.load(sup_q_ptr + row * S + si, mask=smask, other=0.0)
+    sq64 = sq.to(tl.float64)
+    tail = (si >= M) & smask
+    z = tl.sum(tl.where(tail, sq64, 0.0), axis=0)
+    tl.store(z_ptr + row, z.to(tl.float32))
+    base = tl.load(parent_score_ptr + row).to(tl.float64)
+    ki = tl.arange(0, S_BLOCK)
+    if M < K:
+        n_tail = S - M
+        qt = tl.where(z > 0, sq64 / z, 1.0 / n_tail)
+        g = tl.load(noise_ptr + row * noise_stride + (si - M), mask=tail, other=0.0).to(tl.float64)
+        key = tl.where(tail, tl.log(qt) + g, float("-inf"))
+        yr = tl.argmax(key, axis=0)
+        y_tok = tl.sum(tl.where(si == yr, stok, 0), axis=0)
+        y_q = tl.sum(tl.where(si == yr, sq, 0.0), axis=0)
+        y_qt = tl.sum(tl.where(si == yr, qt, 0.0), axis=0)
+        tl.store(y_rank_ptr + row, yr.to(tl.int64))
+        tl.store(y_token_ptr + row, y_tok)
+        tl.store(y_qtilde_ptr + row, y_qt.to(tl.float32))
+        if PROXY == 0:
+            q_m = tl.sum(tl.where(si == M - 1, sq64, 0.0), axis=0)
+            q_1 = tl.sum(tl.where(si == 0, sq, 0.0), axis=0)
+            pi = tl.minimum(q_m, z).to(tl.float32) if M > 0 else q_1
+        elif PROXY == 1:
+            pi = tl.sum(tl.where(si == M, sq, 0.0), axis=0)
+        else:
+            pi = y_q
+        # slot of each support rank: DET ranks 0..M-1 -> their rank; Y -> M;
+        # other tail ranks r -> M + 1 + (r - M) - [r > Y] (PAD), kept while < K
+        slot = tl.where(si < M, si, M + 1 + (si - M) - (si > yr).to(tl.int32))
+        slot = tl.where(si == yr, M, slot)
+        w = tl.where(si == yr, pi, sq)
+        keep = (slot < K) & smask
+    else:
+        slot = si
+        w = sq
+        keep = (si < K) & smask
+    score = (base + tl.log(w).to(tl.float64)).to(tl.float32)
+    tl.store(child_token_ptr + row * K + slot, stok, mask=keep)
+    tl.store(child_q_ptr + row * K + slot, sq, mask=keep)
+    tl.store(child_weight_ptr + row * K + slot, w, mask=keep)
+    tl.store(child_score_ptr + row * K + slot, score, mask=keep)
+
+
+def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torch.Tensor, *,
+                   temperature: float, support: int, rheostat: int, slots: int,
+                   proxy: str = "default", block: int = 1024) -> SlotExpansion:
+    """Same contract as ``reference.slot_expansion``; tensors on the kernel's device."""
+    check_args(logits, parent_score, noise, support, rheostat, slots, proxy)
+    n, V = logits.shape
+    s, m, K = min(support, V), rheostat, slots
+    dev = logits.device
+    logits = logits.contiguous()
+    if noise.dim() != 2 or noise.shape[0] != n:
+        noise = torch.zeros(n, 1, dtype=torch.float64, device=dev)
+    noise = noise.to(torch.float64).contiguous()
+    ilong = lambda *sh: torch.full(sh, -1, dtype=torch.int64, device=dev)  # noqa: E731
+    f32 = lambda *sh: torch.zeros(sh, dtype=torch.float32, device=dev)  # noqa: E731
+    out = SlotExpansion(ilong(n, s), f32(n, s), torch.full((n,), s, dtype=torch.int64, device=dev), f32(n),
+                        ilong(n), ilong(n), f32(n), ilong(n, K), f32(n, K), f32(n, K), f32(n, K))
+    if n == 0:
+        return out
+    cand_tok, cand_q = ilong(n, s), f32(n, s)
+    slot_expansion_kernel[(n,)](
+        logits, parent_score.to(torch.float32).contiguous(), noise, cand_tok, cand_q,
+        out.sup_token, out.sup_q, out.z, out.y_rank, out.y_token, out.y_qtilde,
+        out.child_token, out.child_q, out.child_weight, out.child_score,
+        V, noise.shape[1], INV_T=1.0 / temperature, S=s, S_BLOCK=triton.next_power_of_2(s), M=m, K=K,
+        PROXY=PROXY_CODES[proxy], BLOCK=min(block, triton.next_power_of_2(V)))
+    return out

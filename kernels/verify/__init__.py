@@ -1,0 +1,10 @@
+"""Verification kernels (RHEOSAMPLING.md §5): the couplings 'onehot', 'rheo' and 'ot'
+with injected randomness (one accept uniform and Gumbel noise over the vocabulary per
+node), and a full-walk variant that verifies whole trees given the target law at every
+linear node (what the GPU runs after one verify forward).
+
+Ground truth: ``rheoplan.verify.coupling_sample``. ``reference`` (torch), ``cpu``
+(numba) and ``triton`` share signatures.
+"""
+
+VERIFIER_CODES = {"onehot": 0, "rheo": 1, "ot": 2}

@@ -1,0 +1,182 @@
+"""Triton verification kernels (same signatures as ``reference``).
+
+``coupling_kernel``: one program per node. ``walk_kernel``: one program per tree, the
+whole verification walk (root to the first rejection) given the target law at every
+linear node, writing emitted tokens and the accepted path.
+
+Per node (``_coupling``): the proposal law lives on the <= S support tokens only, kept
+as a register vector over support ranks; it is scattered into a zeroed ``[V]`` scratch
+row (cleared again afterwards), so the residual ``max(0, p - law)`` and its mass are one
+blocked pass over V and the residual draw is a blocked Gumbel-max (running best; the
+first index wins ties, as ``torch.argmax``).
+
+Parity: emitted tokens and paths equal the reference's for the same injected numbers
+(``log`` rounding can only matter at exact near-ties of two Gumbel keys, ~1e-16).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rheoplan.kernels.verify import VERIFIER_CODES
+from rheoplan.kernels.verify.reference import WalkOut
+
+
+@triton.jit
+def _gumbel_argmax(p_ptr, g_ptr, law_ptr, mass, V, USE_LAW: tl.constexpr, BLOCK: tl.constexpr):
+    """argmax_t log(max(0, p_t - law_t) / mass) + g_t (or log p_t + g_t), first index on ties."""
+    # loop-carried values get their final types up front (compiled Triton requires it)
+    best = tl.full((), float("-inf"), tl.float64)
+    arg = tl.full((), 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        t = start + tl.arange(0, BLOCK)
+        ok = t < V
+        p = tl.load(p_ptr + t, mask=ok, other=0.0)
+        g = tl.load(g_ptr + t, mask=ok, other=0.0)
+        if USE_LAW:
+            r = p - tl.load(law_ptr + t, mask=ok, other=0.0)
+            key = tl.log(tl.maximum(r, 0.0) / mass) + g
+        else:
+            key = tl.log(p) + g
+        key = tl.where(ok, key.to(tl.float64), float("-inf"))
+        bmax = tl.max(key, axis=0)
+        barg = start + tl.argmax(key, axis=0)
+        take = bmax > best
+        arg = tl.where(take, barg, arg)
+        best = tl.where(take, bmax, best)
+    return arg
+
+
+@triton.jit
+def _coupling(p_ptr, g_ptr, law_ptr, tok_ptr, q_ptr, n, y, u, V, M: tl.constexpr, K: tl.constexpr,
+              CODE: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """X at one node (``rheoplan.verify.coupling_sample``); ``law_ptr`` a zeroed [V] row."""
+    if CODE == 0 or M >= K:
+        x = _gumbel_argmax(p_ptr, g_ptr, law_ptr, 1.0, V, False, BLOCK).to(tl.int64)
+    else:
+        si = tl.arange(0, S_BLOCK)
+        ins = si < n
+        stok = tl.load(tok_ptr + si, mask=ins, other=-1)
+        sq = tl.load(q_ptr + si, mask=ins, other=0.0).to(tl.float64)
+        tail = ins & (si >= M)
+        z = tl.sum(tl.where(tail, sq, 0.0), axis=0)
+        law = tl.where(tail, tl.where(z > 0, sq / z, 1.0 / (n - M)), 0.0)
+        e = y
+        if CODE == 2:  # ot: E = e(Y); e~ moves q~(A) onto r_K
+            A = si < K - 1
+            rK = tl.sum(tl.where(si == K - 1, stok, 0), axis=0)
+            y_in_A = tl.sum((A & (stok == y)).to(tl.int32), axis=0) > 0
+            e = tl.where(y_in_A, rK, y)
+            extra = tl.sum(tl.where(A, law, 0.0), axis=0)
+            law = tl.where(A, 0.0, law)
+            law = tl.where(si == K - 1, law + extra, law)
+        tl.store(law_ptr + stok, law, mask=ins)
+        tl.debug_barrier()
+        mass = tl.full((), 0.0, tl.float64)
+        for start in range(0, V, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            ok = t < V
+            r = tl.load(p_ptr + t, mask=ok, other=0.0) - tl.load(law_ptr + t, mask=ok, other=0.0)
+            mass += tl.sum(tl.where(r > 0, r, 0.0), axis=0)
+        le = tl.sum(tl.where(ins & (stok == e), law, 0.0), axis=0)
+        pe = tl.load(p_ptr + e)
+        a = tl.where(le <= 0.0, 1.0, tl.minimum(1.0, pe / le))
+        accept = (mass <= 1e-300) | (u < a)
+        xr = _gumbel_argmax(p_ptr, g_ptr, law_ptr, mass, V, True, BLOCK)
+        x = tl.where(accept, e, xr).to(tl.int64)
+        tl.debug_barrier()
+        tl.store(law_ptr + stok, tl.zeros([S_BLOCK], tl.float64), mask=ins)
+        tl.debug_barrier()
+    return x
+
+
+@triton.jit
+def coupling_kernel(p_ptr, tok_ptr, q_ptr, n_ptr, y_ptr, u_ptr, g_ptr, law_ptr, out_ptr, V, S,
+                    M: tl.constexpr, K: tl.constexpr, CODE: tl.constexpr, S_BLOCK: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    j = tl.program_id(0)
+    y = tl.load(y_ptr + j)
+    code = CODE
+    if y < 0:  # no sampled slot recorded: X ~ p
+        x = _coupling(p_ptr + j * V, g_ptr + j * V, law_ptr + j * V, tok_ptr + j * S, q_ptr + j * S,
+                      tl.load(n_ptr + j), y, tl.load(u_ptr + j), V, M, K, 0, S_BLOCK, BLOCK)
+    else:
+        x = _coupling(p_ptr + j * V, g_ptr + j * V, law_ptr + j * V, tok_ptr + j * S, q_ptr + j * S,
+                      tl.load(n_ptr + j), y, tl.load(u_ptr + j), V, M, K, code, S_BLOCK, BLOCK)
+    tl.store(out_ptr + j, x.to(tl.int64))
+
+
+def coupling_rows(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, u_accept, gumbel, block=1024):
+    """Same contract as ``reference.coupling_rows``; tensors on the kernel's device."""
+    n, V = p.shape
+    S = sup_token.shape[1]
+    out = torch.empty(n, dtype=torch.int64, device=p.device)
+    law = torch.zeros(n, V, dtype=torch.float64, device=p.device)
+    coupling_kernel[(n,)](p.to(torch.float64).contiguous(), sup_token.contiguous(), sup_q.float().contiguous(),
+                          sup_n.contiguous(), y_token.contiguous(), u_accept.to(torch.float64).contiguous(),
+                          gumbel.to(torch.float64).contiguous(), law, out, V, S, M=m, K=K,
+                          CODE=VERIFIER_CODES[verifier], S_BLOCK=triton.next_power_of_2(S),
+                          BLOCK=min(block, triton.next_power_of_2(V)))
+    return out
+
+
+@triton.jit
+def walk_kernel(p_ptr, u_ptr, g_ptr, token_ptr, first_ptr, nch_ptr, erow_ptr, tok_ptr, q_ptr, n_ptr, y_ptr,
+                law_ptr, emitted_ptr, n_emitted_ptr, path_ptr, L, V, E, S,
+                M: tl.constexpr, K: tl.constexpr, CODE: tl.constexpr, S_BLOCK: tl.constexpr,
+                C_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    i = tl.full((), 0, tl.int64)
+    active = tl.full((), 1, tl.int1)
+    count = tl.full((), 0, tl.int32)
+    for step in range(0, L):
+        if active:
+            tl.store(path_ptr + b * L + step, i.to(tl.int64))
+            row = tl.load(erow_ptr + b * L + i)
+            base = (b * L + i) * V
+            if row < 0:
+                x = _gumbel_argmax(p_ptr + base, g_ptr + base, law_ptr + b * V, 1.0, V, False, BLOCK).to(tl.int64)
+            else:
+                y = tl.load(y_ptr + b * E + row)
+                sb = (b * E + row) * S
+                if y < 0:
+                    x = _coupling(p_ptr + base, g_ptr + base, law_ptr + b * V, tok_ptr + sb, q_ptr + sb,
+                                  tl.load(n_ptr + b * E + row), y, tl.load(u_ptr + b * L + i), V, M, K, 0,
+                                  S_BLOCK, BLOCK)
+                else:
+                    x = _coupling(p_ptr + base, g_ptr + base, law_ptr + b * V, tok_ptr + sb, q_ptr + sb,
+                                  tl.load(n_ptr + b * E + row), y, tl.load(u_ptr + b * L + i), V, M, K, CODE,
+                                  S_BLOCK, BLOCK)
+            tl.store(emitted_ptr + b * L + step, x.to(tl.int64))
+            count = step + 1
+            f = tl.load(first_ptr + b * L + i)
+            nc = tl.load(nch_ptr + b * L + i)
+            c = f + tl.arange(0, C_BLOCK)
+            ctok = tl.load(token_ptr + b * L + c, mask=c < f + nc, other=-1)  # f = -1 has nc = 0
+            hit = ctok == x
+            nxt = tl.min(tl.where(hit, c, L), axis=0).to(tl.int64)
+            active = nxt < L
+            i = tl.where(active, nxt, i)
+    tl.store(n_emitted_ptr + b, count.to(tl.int64))
+
+
+def verify_walk(p, u_accept, gumbel, token, first_child, n_children, exp_row, sup_token, sup_q, sup_n,
+                y_token, m, K, verifier, block=1024) -> WalkOut:
+    """Same contract as ``reference.verify_walk``; tensors on the kernel's device."""
+    B, L, V = p.shape
+    E, S = sup_token.shape[1], sup_token.shape[2]
+    dev = p.device
+    emitted = torch.full((B, L), -1, dtype=torch.int64, device=dev)
+    path = torch.full((B, L), -1, dtype=torch.int64, device=dev)
+    n_emitted = torch.zeros(B, dtype=torch.int64, device=dev)
+    law = torch.zeros(B, V, dtype=torch.float64, device=dev)
+    walk_kernel[(B,)](p.to(torch.float64).contiguous(), u_accept.to(torch.float64).contiguous(),
+                      gumbel.to(torch.float64).contiguous(), token.contiguous(), first_child.contiguous(),
+                      n_children.contiguous(), exp_row.contiguous(), sup_token.contiguous(),
+                      sup_q.float().contiguous(), sup_n.contiguous(), y_token.contiguous(), law,
+                      emitted, n_emitted, path, L, V, E, S, M=m, K=K, CODE=VERIFIER_CODES[verifier],
+                      S_BLOCK=triton.next_power_of_2(S), C_BLOCK=triton.next_power_of_2(max(K, 2)),
+                      BLOCK=min(block, triton.next_power_of_2(V)))
+    return WalkOut(emitted, n_emitted, path)

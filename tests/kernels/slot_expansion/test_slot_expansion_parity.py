@@ -1,0 +1,79 @@
+"""Parity of the slot-expansion kernel: reference (torch) vs numba CPU vs Triton.
+
+Integer outputs (support tokens, Y, child tokens) must be equal exactly with injected
+Gumbel noise. Float outputs: the numba path is bit-identical to the reference (it keeps
+the exp/log steps in torch). Triton computes its own exp/log: see the tolerances there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rheoplan.kernels.slot_expansion import cpu, reference
+from rheoplan.rng import Purpose, Streams
+
+CASES = [  # (V, support, m, K, proxy, temperature)
+    (50, 16, 1, 4, "default", 1.0),
+    (50, 16, 0, 4, "next_rank", 0.7),
+    (50, 16, 2, 5, "true_q", 1.3),
+    (300, 128, 1, 10, "default", 1.0),
+    (12, 128, 3, 8, "default", 1.0),  # support clipped to V
+    (40, 8, 4, 4, "default", 1.0),  # m = K: greedy / top-K, no sampled slot
+]
+
+
+def _noise(n, s, m, seed=5):
+    st = Streams(seed)
+    return torch.stack([st.gumbel(3, 0, j, Purpose.DRAFT_SAMPLE, max(s - m, 1)) for j in range(n)])
+
+
+def _assert_same(a, b, float_exact=True):
+    for name, x, y in zip(a._fields, a, b):
+        if x.dtype.is_floating_point and not float_exact:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(x, y), f"{name}: {x} != {y}"
+
+
+@pytest.mark.parametrize("V,S,m,K,proxy,T", CASES)
+def test_numba_matches_reference(logit_rows, V, S, m, K, proxy, T):
+    logits = logit_rows(10, V, seed=V + m)
+    parent = -torch.rand(10)
+    s = min(S, V)
+    noise = _noise(10, s, m)
+    kw = dict(temperature=T, support=S, rheostat=m, slots=K, proxy=proxy)
+    _assert_same(reference.slot_expansion(logits, parent, noise, **kw),
+                 cpu.slot_expansion(logits, parent, noise, **kw))
+
+
+def test_bad_arguments_rejected(logit_rows):
+    x = logit_rows(2, 10, 0)
+    with pytest.raises(ValueError, match="noise"):
+        cpu.slot_expansion(x, torch.zeros(2), torch.zeros(2, 3), temperature=1.0, support=8,
+                           rheostat=1, slots=4)
+    with pytest.raises(ValueError, match="proxy"):
+        cpu.slot_expansion(x, torch.zeros(2), torch.zeros(2, 9), temperature=1.0, support=8,
+                           rheostat=1, slots=4, proxy="nope")
+
+
+# Triton: q is computed with Triton's exp (not torch's), so floats match to ~1e-6
+# relative (float32 softmax rounding), integers exactly on these logits (no two distinct
+# logits within rounding of each other).
+TRITON_CASES = [(40, 16, 1, 4, "default", 1.0), (24, 8, 0, 3, "next_rank", 0.7),
+                (30, 16, 2, 5, "true_q", 1.0), (20, 8, 4, 4, "default", 1.0)]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("V,S,m,K,proxy,T", TRITON_CASES)
+def test_triton_matches_reference(logit_rows, device, V, S, m, K, proxy, T):
+    from rheoplan.kernels.slot_expansion import triton as tk
+
+    logits = logit_rows(5, V, seed=V + m)
+    parent = -torch.rand(5)
+    s = min(S, V)
+    noise = _noise(5, s, m)
+    kw = dict(temperature=T, support=S, rheostat=m, slots=K, proxy=proxy)
+    ref = reference.slot_expansion(logits, parent, noise, **kw)
+    got = tk.slot_expansion(logits.to(device), parent.to(device), noise.to(device), block=16, **kw)
+    _assert_same(ref, type(ref)(*(x.cpu() for x in got)), float_exact=False)

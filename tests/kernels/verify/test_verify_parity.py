@@ -1,0 +1,95 @@
+"""Parity of the verification kernels with ``rheoplan.verify.coupling_sample``: emitted
+tokens (and walk paths) equal exactly for the same injected uniforms and Gumbel noise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rheoplan import SamplingConfig, TreeConfig, plan_tree
+from rheoplan.distributions import rank_support, target_probs
+from rheoplan.kernels.verify import cpu, reference
+from rheoplan.verify import node_y
+
+
+def _rows(n, V, S, m, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, V, generator=g) * 2
+    logits[1::4] = torch.round(logits[1::4])
+    logits[2::4, : V // 3] = float("-inf")
+    p = target_probs(logits, SamplingConfig(temperature=1.0))
+    p[3::4] = target_probs(logits[3::4], SamplingConfig(temperature=0))  # one-hot rows
+    q = torch.softmax(logits + torch.randn(n, V, generator=g), dim=-1)
+    sup_token, sup_q = rank_support(q, S)
+    s = sup_token.shape[1]
+    y_rank = m + torch.randint(0, s - m, (n,), generator=g)
+    y = sup_token.gather(1, y_rank[:, None])[:, 0]
+    y[::7] = -1  # no sampled slot recorded
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    gum = -torch.log(-torch.log(torch.rand(n, V, generator=g, dtype=torch.float64).clamp(1e-300, 1 - 1e-16)))
+    return p, sup_token, sup_q, torch.full((n,), s), y, u, gum
+
+
+@pytest.mark.parametrize("verifier", ["onehot", "rheo", "ot"])
+@pytest.mark.parametrize("V,S,m,K", [(30, 16, 1, 4), (30, 8, 0, 3), (64, 32, 2, 6), (10, 16, 3, 4), (20, 8, 4, 4)])
+def test_coupling_rows(verifier, V, S, m, K):
+    args = _rows(40, V, S, m, K, seed=V * 10 + m)
+    p, tok, q, n, y, u, g = args
+    ref = reference.coupling_rows(p, tok, q, n, m, K, y, verifier, u, g)
+    got = cpu.coupling_rows(p, tok, q, n, m, K, y, verifier, u, g)
+    assert torch.equal(ref, got)
+
+
+def _walk_args(verifier):
+    V = 12
+    cfg, sampling = TreeConfig(depth=3, frontier=2, slots=4, budget=8, support=8), SamplingConfig()
+    gen = torch.Generator().manual_seed(3)
+    bank = torch.randn(64, V, generator=gen)
+    draft = lambda t, nodes: bank[(nodes.clamp(min=0) * 7 + t.cur_depth) % 64].expand(nodes.shape[0], -1, -1)
+    tree = plan_tree(draft, [1, 2, 3], tree=cfg, sampling=sampling, seed=5)
+    lin = tree.linear
+    B, L = lin.token.shape
+    # peaked target logits at each linear node: the walk goes deep
+    logits = torch.randn(B, L, V, generator=gen)
+    logits.scatter_add_(2, lin.token.clamp(min=0)[:, :, None].roll(-1, 1), torch.full((B, L, 1), 4.0))
+    p = target_probs(logits, sampling)
+    u = torch.rand(B, L, generator=gen, dtype=torch.float64)
+    g = -torch.log(-torch.log(torch.rand(B, L, V, generator=gen, dtype=torch.float64)))
+    y = torch.tensor([[node_y(tree, b, r) for r in range(tree.y_token.shape[1])] for b in range(B)])
+    args = (p, u, g, lin.token, lin.first_child, lin.n_children, lin.exp_row, tree.sup_token, tree.sup_q,
+            tree.sup_n, y, tree.rheostat, tree.slots, verifier)
+    return args
+
+
+@pytest.mark.parametrize("verifier", ["onehot", "rheo", "ot"])
+def test_walk(verifier):
+    args = _walk_args(verifier)
+    ref, got = reference.verify_walk(*args), cpu.verify_walk(*args)
+    for name, a, b in zip(ref._fields, ref, got):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("verifier", ["onehot", "rheo", "ot"])
+def test_triton_coupling_rows(device, verifier):
+    from rheoplan.kernels.verify import triton as tk
+
+    m, K = 1, 4
+    args = _rows(8, 20, 8, m, K, seed=7)
+    p, tok, q, n, y, u, g = args
+    ref = reference.coupling_rows(p, tok, q, n, m, K, y, verifier, u, g)
+    d = [x.to(device) for x in args]
+    got = tk.coupling_rows(d[0], d[1], d[2], d[3], m, K, d[4], verifier, d[5], d[6], block=8)
+    assert torch.equal(ref, got.cpu())
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("verifier", ["rheo", "ot"])
+def test_triton_walk(device, verifier):
+    from rheoplan.kernels.verify import triton as tk
+
+    args = _walk_args(verifier)
+    ref = reference.verify_walk(*args)
+    got = tk.verify_walk(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in args), block=8)
+    for name, a, b in zip(ref._fields, ref, got):
+        assert torch.equal(a, b.cpu()), name
