@@ -14,6 +14,8 @@ injects every possible ``Y`` in turn).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rheoplan.distributions import tail_law
@@ -23,14 +25,23 @@ from rheoplan.planner.expand import log_weight
 from rheoplan.rng import Purpose, Streams
 
 
-def gumbel_sampler(streams: Streams, step: int) -> SamplerFn:
-    """Gumbel-max draw from ``qtilde`` with noise from the draft stream of ``(step, tree, node)``."""
+@dataclass(frozen=True)
+class GumbelSampler:
+    """The default sampler: Gumbel-max draw from ``qtilde`` with noise from the draft
+    stream of ``(step, tree, node)``. A dataclass (not a closure) so the kernel pipeline
+    can recognise it and generate the same noise for all rows at once."""
 
-    def draw(b: int, node: int, qtilde: torch.Tensor) -> int:
-        g = streams.gumbel(step, b, node, Purpose.DRAFT_SAMPLE, qtilde.numel())
+    streams: Streams
+    step: int
+
+    def __call__(self, b: int, node: int, qtilde: torch.Tensor) -> int:
+        g = self.streams.gumbel(self.step, b, node, Purpose.DRAFT_SAMPLE, qtilde.numel())
         return int(torch.argmax(torch.log(qtilde) + g))
 
-    return draw
+
+def gumbel_sampler(streams: Streams, step: int) -> SamplerFn:
+    """``GumbelSampler(streams, step)``: the sampler ``plan_tree`` uses by default."""
+    return GumbelSampler(streams, step)
 
 
 def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:

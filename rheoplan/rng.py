@@ -20,6 +20,20 @@ class Purpose(IntEnum):
     VERIFY_RESIDUAL = 3  #: Gumbel noise for a residual or plain target draw
 
 
+def philox_counter(step, tree, node, purpose):
+    """The 4-word Philox counter of one draw: ``[0, step, tree, node * 8 + purpose]``.
+
+    Word 0 stays 0 because numpy advances it once per block of 4 numbers: keeping our
+    ids out of it is what makes long draws of neighbouring steps disjoint (an earlier
+    layout with ``step`` in word 0 made numbers 5-8 of step s equal numbers 1-4 of step
+    s+1). Works elementwise on numpy arrays too (the numba Philox in
+    ``rheoplan.kernels.philox`` builds its counters with this function).
+
+    Example: ``philox_counter(3, 0, 5, 2)`` -> ``[0, 3, 0, 42]``.
+    """
+    return [0 * step, step, tree, node * 8 + purpose]
+
+
 class Streams:
     """Independent counter-based streams from one seed (numpy Philox).
 
@@ -36,10 +50,15 @@ class Streams:
         #: test-only switch for mutation control (c): verification reuses the draft stream
         self.reuse_draft_stream = False
 
-    def _gen(self, step: int, tree: int, node: int, purpose: Purpose) -> np.random.Generator:
+    def purpose_key(self, purpose: Purpose) -> int:
+        """The purpose actually used in the counter (mutation (c) collapses them)."""
         if self.reuse_draft_stream and purpose != Purpose.DRAFT_SAMPLE:
-            purpose = Purpose.DRAFT_SAMPLE
-        return np.random.Generator(np.random.Philox(key=self.seed, counter=[step, tree, node, int(purpose)]))
+            return int(Purpose.DRAFT_SAMPLE)
+        return int(purpose)
+
+    def _gen(self, step: int, tree: int, node: int, purpose: Purpose) -> np.random.Generator:
+        ctr = philox_counter(step, tree, node, self.purpose_key(purpose))
+        return np.random.Generator(np.random.Philox(key=self.seed, counter=ctr))
 
     def uniform(self, step: int, tree: int, node: int, purpose: Purpose, n: int) -> torch.Tensor:
         """``n`` uniforms in (0, 1), float64."""
