@@ -16,6 +16,7 @@ sampling, ``TreeConfig.eagle(...)`` EAGLE's one-hot dynamic tree.
 
 from __future__ import annotations
 
+import numbers
 import os
 import random
 import time
@@ -92,25 +93,79 @@ def _check_prompt(prompt_ids, vocab_size: int) -> list[int]:
         if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
             prompt_ids = prompt_ids[0]
         if prompt_ids.dim() != 1:
-            raise ValueError(f"prompt_ids must be 1-D (or [1, n]), got shape {tuple(prompt_ids.shape)}")
+            raise ValueError(f"prompt_ids has shape {tuple(prompt_ids.shape)}: allowed a 1-D sequence "
+                             "(or [1, n]) of token ids")
+        if prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
+            raise TypeError(f"prompt_ids has dtype {prompt_ids.dtype}: allowed an integer tensor")
         prompt_ids = prompt_ids.tolist()
-    try:
-        ids = [int(t) for t in prompt_ids]
-    except (TypeError, ValueError):
-        raise TypeError(f"prompt_ids must be a sequence of ints, got {type(prompt_ids).__name__}") from None
-    if any(isinstance(t, bool) for t in prompt_ids):
-        raise TypeError("prompt_ids must hold ints, not bools")
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+        raise TypeError(f"prompt_ids={prompt_ids!r} is a {type(prompt_ids).__name__}: allowed a "
+                        "sequence of int token ids")
+    prompt_ids = list(prompt_ids)
+    wrong = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if wrong:
+        raise TypeError(f"prompt_ids holds {wrong[:5]!r} ({type(wrong[0]).__name__}): allowed int "
+                        "token ids")
+    ids = [int(t) for t in prompt_ids]
     if not ids:
-        raise ValueError("prompt_ids is empty: need at least one token (e.g. BOS)")
+        raise ValueError("prompt_ids=[] is empty: allowed a non-empty sequence of token ids "
+                         "(at least one token, e.g. BOS; the last one is the first root)")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt_ids holds {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"prompt_ids holds token ids {bad[:5]} out of range: allowed ids in "
+                         f"[0, {vocab_size}) (the target's vocabulary)")
     return ids
+
+
+def _check_eos(eos_token_id, vocab_size: int) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"eos_token_id={eos_token_id!r} is a {type(eos_token_id).__name__}: allowed "
+                        "None, an int token id or a collection of them")
+    ids = list(ids)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"eos_token_id={eos_token_id!r} holds {t!r} ({type(t).__name__}): allowed "
+                            "int token ids")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"eos_token_id={eos_token_id!r} is out of range: allowed ids in "
+                             f"[0, {vocab_size}) (the target's vocabulary)")
+    return {int(t) for t in ids}
+
+
+def _check_mutations(mutations) -> frozenset[str]:
+    from rheoplan.verify import MUTATIONS
+
+    allowed = MUTATIONS + ("reuse_draft_stream",)
+    if isinstance(mutations, (str, bytes)) or not isinstance(mutations, (set, frozenset, list, tuple)):
+        raise TypeError(f"mutations={mutations!r} is a {type(mutations).__name__}: allowed a frozenset "
+                        f"of names from {allowed}")
+    unknown = sorted(str(m) for m in mutations if m not in allowed)
+    if unknown:
+        raise ValueError(f"mutations={set(mutations)!r} holds unknown names {unknown}: allowed "
+                         f"{allowed} (test-only lossy variants)")
+    return frozenset(mutations)
+
+
+def _check_pair(tgt, drf) -> None:
+    """Target/draft compatibility: vocabulary, device, the draft's own vocabulary map."""
+    if drf.vocab_size != tgt.vocab_size:
+        raise ValueError(f"draft vocab_size={drf.vocab_size} does not match the target's: allowed "
+                         f"vocab_size={tgt.vocab_size} (the draft must propose target token ids)")
+    t_dev, d_dev = getattr(tgt, "device", None), getattr(drf, "device", None)
+    if t_dev is not None and d_dev is not None and torch.device(t_dev) != torch.device(d_dev):
+        raise ValueError(f"draft device={d_dev} does not match the target's: allowed "
+                         f"device={t_dev} (put both models on the same device)")
+    check_map = getattr(drf, "check_vocab_map", None)
+    if check_map is not None:
+        check_map(tgt.vocab_size)
 
 
 def _check_int(name: str, value, lo: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name}={value!r} is a {type(value).__name__}: allowed an int >= {lo}")
     if value < lo:
         raise ValueError(f"{name}={value} is out of range: allowed >= {lo}")
     return value
@@ -123,6 +178,22 @@ def _root_only(root: int, prefix_len: int, tree: TreeConfig) -> DraftTree:
 
     t = empty_tree(1, 1, 1, 1, torch.tensor([root]), torch.tensor([prefix_len]), tree.slots, tree.slots)
     return linearize(t, PassContext(tree_cfg=tree.with_(budget=1), sampling=SamplingConfig()))
+
+
+def likely_path(tree: DraftTree, b: int = 0) -> list[int]:
+    """Linear indices of the walk's most likely route: from the root, always the kept
+    child with the best score (the first kept child: DET rank 1 when ``m >= 1``).
+
+    Example: a chain root -> 1 -> 3 with 2 a sibling of 1 gives [0, 1, 3].
+    """
+    lin = tree.linear
+    out, i = [0], 0
+    while int(lin.n_children[b, i]) > 0:
+        first = int(lin.first_child[b, i])
+        kids = range(first, first + int(lin.n_children[b, i]))
+        i = max(kids, key=lambda c: (float(tree.score[b, int(lin.node[b, c])]), -c))
+        out.append(i)
+    return out
 
 
 def _trials(tree: DraftTree, path: Sequence[int]) -> int:
@@ -167,30 +238,56 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
         >>> len(r.tokens)
         5
     """
-    from rheoplan.models import as_draft, as_target
-    from rheoplan.verify import walk
+    from rheoplan.models import as_target
 
+    # Every check runs before any model work (house rule 8): adapters are built, nothing runs.
     if not isinstance(sampling, SamplingConfig):
-        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        raise TypeError(f"sampling={sampling!r} is a {type(sampling).__name__}: allowed a SamplingConfig")
     if not isinstance(tree, TreeConfig):
-        raise TypeError(f"tree must be a TreeConfig, got {type(tree).__name__}")
+        raise TypeError(f"tree={tree!r} is a {type(tree).__name__}: allowed a TreeConfig")
     _check_int("max_new_tokens", max_new_tokens, 1)
     if seed is None:
         seed = random.randrange(2**62)
-    streams = Streams(seed)  # validates the seed
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed={seed!r} is a {type(seed).__name__}: allowed None or an int in [0, 2**63)")
+    streams = Streams(seed)  # validates the seed's range
+    mutations = _check_mutations(mutations)
+    streams.reuse_draft_stream = "reuse_draft_stream" in mutations  # mutation control (c)
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback={callback!r} is not callable: allowed None or a function of the "
+                        "new tokens")
     tgt = as_target(target)
+    owned = tgt is not target  # an adapter built here is closed here (it may hook the model)
+    try:
+        return _decode(tgt, draft, prompt_ids, max_new_tokens, sampling, tree, seed, streams,
+                       eos_token_id, dump_ir, dump_steps, progress, passes, mutations, callback)
+    finally:
+        if owned and hasattr(tgt, "close"):
+            tgt.close()
+
+
+def _decode(tgt, draft, prompt_ids, max_new_tokens, sampling, tree, seed, streams, eos_token_id,
+            dump_ir, dump_steps, progress, passes, mutations, callback) -> DecodeResult:
+    from rheoplan.models import as_draft
+    from rheoplan.verify import walk
+
     drf = as_draft(draft) if draft is not None else None
     ids = _check_prompt(prompt_ids, tgt.vocab_size)
-    if drf is not None and drf.vocab_size != tgt.vocab_size:
-        raise ValueError(f"draft vocab_size={drf.vocab_size} != target vocab_size={tgt.vocab_size}: "
-                         "the draft must propose target token ids")
-    if drf is not None and tree.slots > min(tree.support, tgt.vocab_size):
-        raise ConfigError(f"slots={tree.slots} exceeds min(support={tree.support}, vocab={tgt.vocab_size})")
-    eos = set() if eos_token_id is None else ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+    eos = _check_eos(eos_token_id, tgt.vocab_size)
+    if drf is not None:
+        _check_pair(tgt, drf)
+        if tree.slots > min(tree.support, tgt.vocab_size):
+            raise ConfigError(f"slots={tree.slots} is out of range: allowed <= min(support={tree.support}, "
+                              f"vocab={tgt.vocab_size}) = {min(tree.support, tgt.vocab_size)}")
     max_ctx = getattr(tgt, "max_context", None)
-    if max_ctx is not None and len(ids) + max_new_tokens + tree.budget + 1 > max_ctx:
-        raise ValueError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) + budget ({tree.budget}) "
-                         f"exceeds the target's context of {max_ctx} tokens")
+    # Largest cache: every committed token plus one verify tree (root + budget drafted nodes).
+    tree_len = 1 + (tree.budget if drf is not None else 0)
+    if max_ctx is not None and len(ids) + max_new_tokens + tree_len > max_ctx:
+        what = "prompt + max_new_tokens + budget + 1" if drf is not None else "prompt + max_new_tokens + 1"
+        raise ValueError(f"{what} = {len(ids)} + {max_new_tokens}"
+                         + (f" + {tree.budget}" if drf is not None else "") + " + 1 = "
+                         f"{len(ids) + max_new_tokens + tree_len} is out of range: allowed <= the "
+                         f"target's context max_context={max_ctx}")
     if passes is None and drf is not None:
         passes = _default_passes()
 
@@ -232,18 +329,20 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
         t1 = time.perf_counter()
         st.t_plan = t1 - t0 - st.t_draft
         fw = tgt.forward_tree(t.linear)
+        if hasattr(fw, "prefetch"):
+            # One batched output projection for the path the walk most likely takes is
+            # cheaper than projecting node by node (each projection reads the whole lm_head).
+            fw.prefetch(likely_path(t))
         t2 = time.perf_counter()
         res = walk(t, 0, fw.logits, sampling, tree.verifier, streams, step, mutations=mutations)
         t3 = time.perf_counter()
-        emitted = list(res.emitted)
+        # Truncate first: an EOS past max_new_tokens is not emitted, so it does not stop the decode.
+        emitted = list(res.emitted)[: max_new_tokens - len(result.tokens)]
         stop = None
         for j, tok in enumerate(emitted):
             if tok in eos:
                 emitted, stop = emitted[: j + 1], "eos"
                 break
-        room = max_new_tokens - len(result.tokens)
-        if len(emitted) > room:
-            emitted = emitted[:room]
         st.tree_size = int(t.linear.n[0]) - 1
         st.accepted = len(res.path) - 1
         st.emitted = len(emitted)

@@ -224,9 +224,10 @@ class ExactOracle:
     """
 
     def __init__(self, target, draft, tree: TreeConfig, sampling: SamplingConfig,
-                 mutations: frozenset[str] = frozenset(), coupling=None):
+                 mutations: frozenset[str] = frozenset(), coupling=None, passes=None):
         self.target, self.draft, self.tree, self.sampling = target, draft, tree, sampling
         self.coupling = coupling
+        self.passes = passes
         self.mutations = frozenset(mutations)
         self.probs = _TargetMemo(target, sampling)
         self._step: dict[tuple[int, ...], Law] = {}
@@ -238,7 +239,8 @@ class ExactOracle:
         got = self._step.get(ctx)
         if got is None:
             got = defaultdict(float)
-            for w, t in enumerate_trees(self.draft, ctx, self.tree, self.sampling, self.mutations):
+            for w, t in enumerate_trees(self.draft, ctx, self.tree, self.sampling, self.mutations,
+                                           passes=self.passes):
                 self.n_trees += 1
                 for seq, pv in verify_law(t, ctx, self.probs, self.tree.verifier, self.mutations,
                                            coupling=self.coupling).items():
@@ -268,7 +270,7 @@ class ExactOracle:
 def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
               tree: TreeConfig = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8),
               sampling: SamplingConfig = SamplingConfig(),
-              mutations: frozenset[str] = frozenset(), coupling=None) -> Law:
+              mutations: frozenset[str] = frozenset(), coupling=None, passes=None) -> Law:
     """Exact law of the first ``n_tokens`` tokens emitted by the whole multi-step decode.
 
     Args:
@@ -282,12 +284,15 @@ def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
             ``coupling(p, sup_token, sup_q, sup_n, m, K, y_token) -> law of X [V]`` with the
             arguments of ``rheoplan.verify.coupling_law`` (``y_token`` = -1: no sampled slot).
             The walk still moves to the kept child whose token is ``X``.
+        passes: a pass list of your own instead of ``DEFAULT_PIPELINE`` (see
+            ``examples/custom_pass.py``); sampled tokens are forked at every pass named
+            ``assign@d``.
 
     Returns ``{tokens: probability}``; compare with ``target_law`` by ``total_variation``.
     Cost grows like (tail size) ** (expanded nodes) per step: keep vocabularies at 3-6
     tokens, depth <= 3, frontier <= 2.
     """
-    return ExactOracle(target, draft, tree, sampling, mutations, coupling).law(prefix, n_tokens)
+    return ExactOracle(target, draft, tree, sampling, mutations, coupling, passes).law(prefix, n_tokens)
 
 
 def coupling_marginal_error(coupling, p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor,
