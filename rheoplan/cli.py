@@ -196,9 +196,9 @@ def cmd_dump(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.what == "kernels":
-        from rheoplan.kernels.bench import main as bench_main
+        from rheoplan.bench.kernels import main as bench_main
     else:
-        from rheoplan.planner.bench import main as bench_main
+        from rheoplan.bench.planner import main as bench_main
     return bench_main(args.rest) or 0
 
 

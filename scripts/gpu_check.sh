@@ -23,7 +23,7 @@ env -u TRITON_INTERPRET timeout 180 python -m pytest -q -p no:cacheprovider test
 echo "pytest exit: $?" >> "$RESULTS"
 
 echo "--- benchmarks ---" >> "$RESULTS"
-env -u TRITON_INTERPRET timeout 200 python examples/bench_kernels.py --cuda --reps 10 --ref-reps 1 \
+env -u TRITON_INTERPRET timeout 200 rheoplan bench kernels --cuda --reps 10 --ref-reps 1 \
   --out "$RESULTS" >> "$RESULTS" 2>&1
 echo "bench exit: $?" >> "$RESULTS"
 echo "results in $RESULTS"

@@ -1,8 +1,8 @@
 """Benchmark the planner and verifier kernels (a script, not a test).
 
-    python examples/bench_kernels.py                 # CPU: numba vs reference per step
-    python examples/bench_kernels.py --cuda          # + Triton kernels vs torch on CUDA
-    python examples/bench_kernels.py --vocab 49152 --reps 20 --out results.txt
+    rheoplan bench kernels                 # CPU: numba vs reference per step
+    rheoplan bench kernels --cuda          # + Triton kernels vs torch on CUDA
+    rheoplan bench kernels --vocab 49152 --reps 20 --out results.txt
 
 CPU section: one draft-verify step's bookkeeping for a tree of N=60 nodes, depth 8,
 frontier 10, slots 10, support 128 (RheoSampling's paper setting), model forwards

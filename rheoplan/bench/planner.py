@@ -4,7 +4,7 @@ N = 60 kept nodes, depth 8, frontier 10, slots 10, rheostat 1, support 128, over
 32000-token draft vocabulary. The draft is a lookup into a table of random logits, so
 model time is negligible; its time is reported separately from the passes.
 
-    python examples/bench_planner.py [--steps 20] [--batch 1]
+    rheoplan bench planner [--steps 20] [--batch 1]
 """
 
 from __future__ import annotations
@@ -37,14 +37,29 @@ class StepTimes(Instrument):
         self.steps[-1][key] = self.steps[-1].get(key, 0.0) + time.perf_counter() - self._t0
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    args = ap.parse_args()
+    ap.add_argument("--pipeline", choices=["reference", "kernels", "both"], default="both",
+                    help="reference passes, the numba kernel pipeline, or both side by side (default)")
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    names = ["reference", "kernels"] if args.pipeline == "both" else [args.pipeline]
+    for name in names:
+        print(f"=== {name} pipeline ===")
+        run(args, name)
+    return 0
+
+
+def run(args, pipeline_name: str) -> None:
+    passes = None
+    if pipeline_name == "kernels":
+        from rheoplan.kernels.pipeline import kernel_pipeline
+
+        passes = kernel_pipeline("cpu")
 
     cfg = TreeConfig(depth=8, frontier=10, slots=10, budget=60, rheostat=1, support=128)
     sampling = SamplingConfig(temperature=1.0)
@@ -58,14 +73,14 @@ def main() -> None:
         return out
 
     roots = list(range(args.batch))
-    plan_tree(draft, roots, tree=cfg, sampling=sampling)  # warm-up
+    plan_tree(draft, roots, tree=cfg, sampling=sampling, passes=passes)  # warm-up (numba compile)
     per_step = StepTimes()
     totals, drafts = [], []
     for step in range(args.steps):
         draft_time[0] = 0.0
         t0 = time.perf_counter()
         tree = plan_tree(draft, roots, tree=cfg, sampling=sampling, seed=1, step=step,
-                         instruments=[per_step, PassTiming()])
+                         instruments=[per_step, PassTiming()], passes=passes)
         totals.append(time.perf_counter() - t0)
         drafts.append(draft_time[0])
     ms = lambda xs: f"mean {1e3 * statistics.mean(xs):8.2f} ms   median {1e3 * statistics.median(xs):8.2f} ms"  # noqa: E731
@@ -77,8 +92,8 @@ def main() -> None:
     for name in per_step.steps[0]:
         xs = [s[name] for s in per_step.steps[1:] or per_step.steps]
         print(f"{'  pass ' + name:<28s}{ms(xs)}")
-    print("\n(expand includes the draft callback; per-pass times summed over the depth loop)")
+    print("\n(expand includes the draft callback; per-pass times summed over the depth loop)\n")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
