@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 
 def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{name}={value!r} is a {type(value).__name__}: allowed an int")
     if value < lo or (hi is not None and value > hi):
         allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ConfigError(f"{name}={value} is out of range: allowed {allowed}")
@@ -27,10 +27,10 @@ def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
 
 def _check_real(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{name}={value!r} is a {type(value).__name__}: allowed a real number")
     value = float(value)
     if math.isnan(value):
-        raise ConfigError(f"{name} must not be NaN")
+        raise ConfigError(f"{name}=nan is out of range: allowed a real number, not NaN")
     return value
 
 
@@ -43,7 +43,7 @@ class SamplingConfig:
 
     Example:
         >>> SamplingConfig(temperature=0.7, top_p=0.9)
-        SamplingConfig(temperature=0.7, top_k=0, top_p=1.0)
+        SamplingConfig(temperature=0.7, top_k=0, top_p=0.9)
     """
 
     temperature: float = 1.0
@@ -107,12 +107,12 @@ class TreeConfig:
         _check_int("support", self.support, 1, 1 << 20)
         if self.support < self.slots:
             raise ConfigError(
-                f"support={self.support} is out of range: must be >= slots={self.slots} "
-                "so every slot can get a distinct token")
+                f"support={self.support} is out of range: allowed >= slots={self.slots} "
+                "(every slot needs a distinct token)")
         if self.verifier not in VERIFIERS:
-            raise ConfigError(f"verifier={self.verifier!r} is not one of {VERIFIERS}")
+            raise ConfigError(f"verifier={self.verifier!r} is out of range: allowed one of {VERIFIERS}")
         if self.proxy not in PROXIES:
-            raise ConfigError(f"proxy={self.proxy!r} is not one of {PROXIES}")
+            raise ConfigError(f"proxy={self.proxy!r} is out of range: allowed one of {PROXIES}")
 
     @classmethod
     def eagle(cls, depth: int = 6, frontier: int = 8, slots: int = 8, budget: int = 48,

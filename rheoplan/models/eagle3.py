@@ -397,7 +397,32 @@ class Eagle3Draft:
         self.features_from = features_from
         self.vocab_size = cfg.vocab_size
         self._param = next(head.parameters())
+        self.device = self._param.device
         self._reset()
+
+    def check_vocab_map(self, target_vocab_size: int) -> None:
+        """Check that ``d2t``/``t2d`` map the draft vocabulary into ``[0, target_vocab_size)``
+        one to one (``plan_and_decode`` calls it before any model work)."""
+        head, cfg = self.head, self.head.config
+        if head.d2t is None:
+            return
+        ids = head.target_ids()
+        if int(ids.min()) < 0 or int(ids.max()) >= target_vocab_size:
+            bad = ids[(ids < 0) | (ids >= target_vocab_size)].tolist()[:5]
+            raise ValueError(f"EAGLE-3 d2t maps draft ids to target ids {bad} out of range: allowed "
+                             f"target ids in [0, {target_vocab_size})")
+        if len(set(ids.tolist())) != ids.numel():
+            raise ValueError("EAGLE-3 d2t maps two draft ids to the same target id: allowed a "
+                             "one-to-one map (distinct target ids)")
+        t2d = head.t2d
+        if tuple(t2d.shape) != (target_vocab_size,):
+            raise ValueError(f"EAGLE-3 t2d has shape {tuple(t2d.shape)}: allowed ({target_vocab_size},) "
+                             "(one flag per target token)")
+        expect = torch.zeros(target_vocab_size, dtype=torch.bool, device=t2d.device)
+        expect[ids.to(t2d.device)] = True
+        if not torch.equal(t2d.to(torch.bool), expect):
+            raise ValueError(f"EAGLE-3 t2d flags {int(t2d.sum())} target ids but d2t maps to "
+                             f"{cfg.draft_vocab_size}: allowed t2d[t] true exactly for the targets of d2t")
 
     def _reset(self) -> None:
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None

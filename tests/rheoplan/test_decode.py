@@ -1,0 +1,308 @@
+"""The real decode loop ``plan_and_decode`` (not the oracle's ``functional_decode``):
+statistical losslessness, greedy parity with transformers, KV-cache integrity, EOS and
+truncation inside an accepted path, and the power of the statistical test (mutations).
+
+Statistics (RHEOSAMPLING.md §7.3): each case runs ``plan_and_decode`` once per seed
+``SEED0 + r`` for ``r < runs`` and compares the law of the first ``n`` emitted tokens
+with the exact law by Pearson chi-square (``rheoplan.testing.chi_square``, cells pooled
+to >= 5 expected). A case fails when p < ALPHA = 1e-3: a correct implementation fails
+one given case with probability 1e-3 over the choice of seeds. The seeds are fixed, so
+the suite is deterministic; a change to any random-number mapping re-draws the seeds at
+that same false-alarm rate per case. The exact law is ``target_law`` (the target's own
+product law); for FunctionalLM cases ``exact_law`` (the decode's enumerated law) is
+checked equal to it first, so a failure points at the loop, not the method.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _decode_models import (chain_lm, check_cache_matches_fresh_forward, greedy_reference,
+                            hf_as_functional, tiny_llama)
+from rheoplan import SamplingConfig, TreeConfig
+from rheoplan.decode import plan_and_decode
+from rheoplan.models.functional import hashed_context_lm
+from rheoplan.models.hf_target import HFTarget
+from rheoplan.testing import chi_square, exact_law, target_law, total_variation
+
+ALPHA = 1e-3
+SEED0 = 1000
+PREFIX = [0, 1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny forwards on a shared 2-core machine: one intra-op thread is ~5x faster than many.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _sample(target, draft, n, runs, *, tree, sampling, mutations=frozenset(), prefix=PREFIX):
+    return [tuple(plan_and_decode(target, draft, prefix, max_new_tokens=n, sampling=sampling, tree=tree,
+                                  seed=SEED0 + r, mutations=mutations).tokens)
+            for r in range(runs)]
+
+
+# --------------------------------------------------------------------------------------
+# Statistical losslessness, FunctionalLM pairs
+# --------------------------------------------------------------------------------------
+
+FUNCTIONAL_CASES = {
+    # name: (V, target seed, draft seed, sharpness, n tokens, runs, tree, sampling)
+    "ot_m1_v4": (4, 3, 4, 2.0, 2, 1000,
+                 TreeConfig(depth=2, frontier=2, slots=2, budget=3, rheostat=1, support=4, verifier="ot"),
+                 SamplingConfig(temperature=1.0)),
+    "rheo_m0_v5_topk": (5, 5, 6, 1.0, 2, 1000,
+                        TreeConfig(depth=2, frontier=1, slots=2, budget=3, rheostat=0, support=5, verifier="rheo"),
+                        SamplingConfig(temperature=0.8, top_k=4)),
+    "ot_m2of3_v5_3tok_topp": (5, 7, 8, 1.5, 3, 1000,
+                              TreeConfig(depth=2, frontier=2, slots=3, budget=4, rheostat=2, support=5,
+                                         verifier="ot"),
+                              SamplingConfig(temperature=1.0, top_p=0.9)),
+    "onehot_eagle_v4": (4, 9, 10, 1.5, 2, 1000, TreeConfig.eagle(depth=2, frontier=2, slots=2, budget=3, support=4),
+                        SamplingConfig(temperature=1.0)),
+}
+
+
+@pytest.mark.no_ir_lint
+@pytest.mark.parametrize("name", sorted(FUNCTIONAL_CASES))
+def test_functional_decode_loop_matches_exact_law(name, record_property):
+    V, ts, ds, sh, n, runs, cfg, s = FUNCTIONAL_CASES[name]
+    tgt, drf = hashed_context_lm(V, seed=ts, sharpness=sh), hashed_context_lm(V, seed=ds, sharpness=sh)
+    law = target_law(tgt, PREFIX, n, s)
+    assert total_variation(exact_law(tgt, drf, PREFIX, n, tree=cfg, sampling=s), law) <= 1e-9
+    res = chi_square(law, _sample(tgt, drf, n, runs, tree=cfg, sampling=s))
+    record_property("pvalue", res.pvalue)
+    assert res.unexpected == 0, res
+    assert res.pvalue >= ALPHA, res
+
+
+# --------------------------------------------------------------------------------------
+# Statistical losslessness, tiny HF Llama pair through the real adapters
+# --------------------------------------------------------------------------------------
+
+HF_CASES = {
+    # name: (draft kind, n tokens, runs, tree, sampling)
+    "llama_pair_ot_m1": ("llama", 2, 500,
+                         TreeConfig(depth=2, frontier=2, slots=2, budget=3, rheostat=1, support=6, verifier="ot"),
+                         SamplingConfig(temperature=1.0)),
+    "early_exit_rheo_topk": ("early_exit", 2, 500,
+                             TreeConfig(depth=3, frontier=1, slots=2, budget=3, rheostat=1, support=6,
+                                        verifier="rheo"),
+                             SamplingConfig(temperature=0.7, top_k=4)),
+}
+
+
+@pytest.mark.no_ir_lint
+@pytest.mark.parametrize("name", sorted(HF_CASES))
+def test_hf_decode_loop_matches_exact_law(name, record_property):
+    """Through HFTarget/HFDraft (KV cache, tree masks, compaction) on a vocabulary of 6.
+
+    The exact law comes from a plain full-path forward of the target (``hf_as_functional``),
+    so the cache and mask machinery is compared with a computation that has none."""
+    from rheoplan.models.early_exit import early_exit_draft
+
+    kind, n, runs, cfg, s = HF_CASES[name]
+    target = tiny_llama(0, layers=2)
+    draft = tiny_llama(1) if kind == "llama" else early_exit_draft(target, 1)
+    law = target_law(hf_as_functional(target), PREFIX, n, s)
+    res = chi_square(law, _sample(target, draft, n, runs, tree=cfg, sampling=s))
+    record_property("pvalue", res.pvalue)
+    assert res.unexpected == 0, res
+    assert res.pvalue >= ALPHA, res
+
+
+# --------------------------------------------------------------------------------------
+# Power: the same test fails for deliberately lossy variants run through the real loop
+# --------------------------------------------------------------------------------------
+
+#: RHEOSAMPLING.md §7.4 (b): exact TV of raw_q_ratio on this case is 0.147 (test_mutation_controls).
+RAW_Q_CASE = (4, 0, 50, 1.5, 2, TreeConfig(depth=2, frontier=2, slots=3, budget=4, rheostat=1, support=4,
+                                           verifier="rheo"), SamplingConfig(temperature=1.0))
+
+
+@pytest.mark.no_ir_lint
+@pytest.mark.parametrize("mutations", [frozenset(), frozenset({"raw_q_ratio"})], ids=["exact", "raw_q_ratio"])
+def test_mutation_b_raw_q_ratio_detected_through_the_loop(mutations, record_property):
+    V, ts, ds, sh, n, cfg, s = RAW_Q_CASE
+    tgt, drf = hashed_context_lm(V, seed=ts, sharpness=sh), hashed_context_lm(V, seed=ds, sharpness=sh)
+    law = target_law(tgt, PREFIX, n, s)
+    res = chi_square(law, _sample(tgt, drf, n, 800, tree=cfg, sampling=s, mutations=mutations))
+    record_property("pvalue", res.pvalue)
+    if mutations:
+        assert res.pvalue < 1e-9, res  # detected, far below ALPHA
+    else:
+        assert res.pvalue >= ALPHA, res  # control of the control: same case, same seeds
+
+
+@pytest.mark.no_ir_lint
+def test_mutation_c_reused_draft_stream_detected_through_the_loop(record_property):
+    """Control (c): verification reading the draft stream (``mutations={'reuse_draft_stream'}``)."""
+    V, ts, ds, sh, n, runs, cfg, s = FUNCTIONAL_CASES["ot_m1_v4"]
+    tgt, drf = hashed_context_lm(V, seed=ts, sharpness=sh), hashed_context_lm(V, seed=ds, sharpness=sh)
+    law = target_law(tgt, PREFIX, n, s)
+    res = chi_square(law, _sample(tgt, drf, n, runs, tree=cfg, sampling=s,
+                                  mutations=frozenset({"reuse_draft_stream"})))
+    record_property("pvalue", res.pvalue)
+    assert res.pvalue < 1e-9, res
+
+
+# --------------------------------------------------------------------------------------
+# Greedy parity with transformers' generate
+# --------------------------------------------------------------------------------------
+
+GREEDY = SamplingConfig(temperature=0.0)
+V_GREEDY = 32
+TREES = {
+    "rheo": TreeConfig(depth=3, frontier=2, slots=3, budget=6, rheostat=1, support=V_GREEDY),
+    "eagle": TreeConfig.eagle(depth=3, frontier=2, slots=3, budget=6, support=V_GREEDY),
+    "chain": TreeConfig.chain(depth=3, support=V_GREEDY),
+}
+
+
+@pytest.fixture(scope="module")
+def greedy_models():
+    """A 4-layer target (EAGLE-3 capture needs >= 4 layers), an unrelated 2-layer draft,
+    and a random EAGLE-3 head with a reduced draft vocabulary (24 of 32 ids)."""
+    from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head
+
+    target = tiny_llama(2, vocab=V_GREEDY, hidden=32, layers=4, head_scale=20.0)
+    draft = tiny_llama(3, vocab=V_GREEDY, hidden=32, layers=2, head_scale=20.0)
+    cfg = Eagle3Config(vocab_size=V_GREEDY, draft_vocab_size=24, hidden_size=32, intermediate_size=64,
+                       num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(5)
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+        head.set_vocab_map(torch.randperm(V_GREEDY)[:24].sort().values)
+    return target, draft, head.eval()
+
+
+def _draft(kind, models):
+    from rheoplan.models.eagle3 import Eagle3Draft
+    from rheoplan.models.early_exit import early_exit_draft
+
+    target, draft, head = models
+    if kind == "llama":
+        return draft
+    if kind == "early_exit":
+        return early_exit_draft(target, 1)
+    return Eagle3Draft(head, target.get_input_embeddings(), features_from=target)
+
+
+@pytest.mark.parametrize("tree_name", sorted(TREES))
+@pytest.mark.parametrize("draft_kind", ["llama", "early_exit", "eagle3"])
+def test_greedy_parity_with_generate(greedy_models, draft_kind, tree_name):
+    target = greedy_models[0]
+    prompt, n = [1, 2, 3, 4], 16
+    want = greedy_reference(target, prompt, n)
+    r = plan_and_decode(target, _draft(draft_kind, greedy_models), prompt, max_new_tokens=n,
+                        sampling=GREEDY, tree=TREES[tree_name], seed=0)
+    assert r.tokens == want
+    assert r.stopped_by == "max_new_tokens"
+    # the adapter built inside the loop removed its EAGLE-3 capture hooks from the model
+    assert sum(len(layer._forward_pre_hooks) for layer in target.model.layers) == 0
+
+
+def test_greedy_parity_autoregressive(greedy_models):
+    target = greedy_models[0]
+    prompt = [7]
+    r = plan_and_decode(target, None, prompt, max_new_tokens=12, sampling=GREEDY, seed=0)
+    assert r.tokens == greedy_reference(target, prompt, 12)
+    assert len(r.steps) == 12 and all(s.tree_size == 0 for s in r.steps)
+
+
+# --------------------------------------------------------------------------------------
+# KV-cache integrity after many sampled steps
+# --------------------------------------------------------------------------------------
+
+def test_compacted_cache_equals_fresh_forward():
+    model = tiny_llama(11, vocab=16, hidden=32, layers=2, head_scale=3.0)
+    draft = tiny_llama(12, vocab=16, hidden=32, layers=1, head_scale=3.0)
+    prompt = [1, 5, 9]
+    adapter = HFTarget(model)  # passed as is, so its cache can be inspected afterwards
+    cfg = TreeConfig(depth=3, frontier=2, slots=3, budget=6, rheostat=1, support=16)
+    r = plan_and_decode(adapter, draft, prompt, max_new_tokens=40, tree=cfg, seed=3,
+                        sampling=SamplingConfig(temperature=1.0))
+    assert len(r.tokens) == 40 and len(r.steps) > 5
+    assert sum(s.accepted for s in r.steps) > 0, "no drafted token was ever accepted: a weak test"
+    assert adapter.cached_len > len(prompt) + 20
+    check_cache_matches_fresh_forward(adapter, model, prompt + r.tokens)
+
+
+def test_compacted_cache_every_step():
+    """Same check after every step (the decode is re-run with max_new_tokens = t)."""
+    model = tiny_llama(13, vocab=8, hidden=16, layers=2, head_scale=3.0)
+    draft = tiny_llama(14, vocab=8, hidden=16, layers=1, head_scale=3.0)
+    prompt = [2, 3]
+    cfg = TreeConfig(depth=3, frontier=2, slots=2, budget=5, rheostat=1, support=8, verifier="rheo")
+    full = plan_and_decode(model, draft, prompt, max_new_tokens=24, tree=cfg, seed=9).tokens
+    for t in range(2, 25, 3):
+        adapter = HFTarget(model)
+        r = plan_and_decode(adapter, draft, prompt, max_new_tokens=t, tree=cfg, seed=9)
+        assert r.tokens == full[:t]  # a prefix of the longer decode: same seed, same draws
+        check_cache_matches_fresh_forward(adapter, model, prompt + r.tokens)
+
+
+# --------------------------------------------------------------------------------------
+# EOS inside an accepted path; max_new_tokens truncation mid-path
+# --------------------------------------------------------------------------------------
+
+CHAIN_TREE = TreeConfig(depth=6, frontier=1, slots=2, budget=6, rheostat=1, support=8)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eos_inside_accepted_path_stops_there(temperature):
+    lm = chain_lm(8)  # draft == target: next = last + 1, so the whole chain is accepted
+    r = plan_and_decode(lm, lm, [0], max_new_tokens=20, tree=CHAIN_TREE, eos_token_id=3, seed=1,
+                        sampling=SamplingConfig(temperature=temperature))
+    assert r.tokens == [1, 2, 3]
+    assert r.stopped_by == "eos"
+    assert len(r.steps) == 1
+    assert r.steps[0].accepted == 6  # the walk went past EOS; the output did not
+    assert r.steps[0].emitted == 3
+
+
+def test_first_of_several_eos_stops():
+    lm = chain_lm(8)
+    r = plan_and_decode(lm, lm, [0], max_new_tokens=20, tree=CHAIN_TREE, eos_token_id={5, 2}, seed=1)
+    assert r.tokens == [1, 2] and r.stopped_by == "eos"
+
+
+def test_eos_in_a_later_step_and_in_the_prompt():
+    lm = chain_lm(8)
+    # EOS 3 is in the prompt (ignored) and first emitted in step 2 (after 7 tokens: 4..7,0,1,2,3)
+    r = plan_and_decode(lm, lm, [3], max_new_tokens=20, tree=CHAIN_TREE, eos_token_id=3, seed=1)
+    assert r.tokens == [4, 5, 6, 7, 0, 1, 2, 3]
+    assert r.stopped_by == "eos" and len(r.steps) == 2
+
+
+def test_max_new_tokens_truncates_mid_path():
+    lm = chain_lm(8)
+    r = plan_and_decode(lm, lm, [0], max_new_tokens=2, tree=CHAIN_TREE, eos_token_id=3, seed=1)
+    assert r.tokens == [1, 2]
+    assert r.stopped_by == "max_new_tokens"
+    assert len(r.steps) == 1 and r.steps[0].accepted == 6 and r.steps[0].emitted == 2
+
+
+def test_eos_exactly_at_the_limit_counts_as_eos():
+    lm = chain_lm(8)
+    r = plan_and_decode(lm, lm, [0], max_new_tokens=3, tree=CHAIN_TREE, eos_token_id=3, seed=1)
+    assert r.tokens == [1, 2, 3] and r.stopped_by == "eos"
+
+
+def test_eos_inside_accepted_path_hf():
+    """The same through the HF adapters: target == draft at T=0 accepts the whole greedy chain."""
+    model = tiny_llama(2, vocab=V_GREEDY, hidden=32, layers=2, head_scale=20.0)
+    prompt = [1, 2, 3]
+    ref = greedy_reference(model, prompt, 8)
+    eos = ref[2]
+    cut = ref.index(eos) + 1
+    r = plan_and_decode(model, model, prompt, max_new_tokens=8, sampling=GREEDY, eos_token_id=eos, seed=0,
+                        tree=TreeConfig(depth=6, frontier=1, slots=2, budget=6, support=V_GREEDY))
+    assert r.tokens == ref[:cut] and r.stopped_by == "eos"
+    assert r.steps[0].accepted >= cut  # EOS was accepted mid-path (draft == target)
