@@ -14,29 +14,91 @@ from pathlib import Path
 DEFAULT_PROMPT = "Write a short poem about the sea."
 
 
+#: CLI defaults (a 16-node tree suits a CPU; see docs/concepts.md "Defaults").
+#: Precedence: these < a --config file < flags given on the command line.
+DEFAULTS = {
+    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0,
+    "method": "rheo", "depth": 5, "frontier": 4, "slots": 4, "budget": 16, "rheostat": 1,
+    "support": 128, "verifier": "ot", "proxy": "default",
+}
+METHODS = ("rheo", "eagle", "chain", "autoregressive")
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (the output follows exactly this law)")
-    g.add_argument("--temperature", "-t", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off)")
-    g.add_argument("--seed", type=int, default=0, help="one seed for every random draw (default 0)")
+    g.add_argument("--temperature", "-t", type=float, help="0 = greedy (default 1.0)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default 0 = off)")
+    g.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (default 1 = off)")
+    g.add_argument("--seed", type=int, help="one seed for every random draw (default 0)")
 
 
 def _add_tree(p: argparse.ArgumentParser) -> None:
     from rheoplan.config import PROXIES, VERIFIERS
 
     g = p.add_argument_group("draft tree")
-    g.add_argument("--method", choices=["rheo", "eagle", "chain", "autoregressive"], default="rheo",
+    g.add_argument("--method", choices=METHODS,
                    help="rheo: RheoSampling (default); eagle: one-hot dynamic top-K tree; "
                         "chain: chain speculative sampling; autoregressive: no draft")
-    g.add_argument("--depth", type=int, default=5, help="tree depth D (default 5)")
-    g.add_argument("--frontier", type=int, default=4, help="nodes expanded per depth k (default 4)")
-    g.add_argument("--slots", type=int, default=4, help="children per expanded node K (default 4)")
-    g.add_argument("--budget", type=int, default=16, help="drafted nodes kept N (default 16)")
-    g.add_argument("--rheostat", type=int, default=1, help="deterministic slots m, 0..K (default 1)")
-    g.add_argument("--support", type=int, default=128, help="sparse draft support S (default 128)")
-    g.add_argument("--verifier", choices=VERIFIERS, default="ot", help="coupling (default ot)")
-    g.add_argument("--proxy", choices=PROXIES, default="default", help="sampled-slot score (default: default)")
+    g.add_argument("--depth", type=int, help="tree depth D (default 5)")
+    g.add_argument("--frontier", type=int, help="nodes expanded per depth k (default 4)")
+    g.add_argument("--slots", type=int, help="children per expanded node K (default 4)")
+    g.add_argument("--budget", type=int, help="drafted nodes kept N (default 16)")
+    g.add_argument("--rheostat", type=int, help="deterministic slots m, 0..K (default 1)")
+    g.add_argument("--support", type=int, help="sparse draft support S (default 128)")
+    g.add_argument("--verifier", choices=VERIFIERS, help="coupling (default ot)")
+    g.add_argument("--proxy", choices=PROXIES, help="sampled-slot score (default: default)")
+    g.add_argument("--config", metavar="FILE",
+                   help="JSON or TOML file with any of the sampling/tree options above "
+                        "(keys as the flags, with underscores); flags override it")
+
+
+def read_config_file(path: str) -> dict:
+    """Options from a JSON or TOML file; unknown keys and wrong types are errors."""
+    import json
+
+    f = Path(path)
+    if not f.is_file():
+        raise ValueError(f"--config={path}: no such file")
+    text = f.read_text()
+    try:
+        if f.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # the parser's own message says where
+        raise ValueError(f"--config={path} is not valid {'TOML' if f.suffix == '.toml' else 'JSON'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config={path} must hold one object/table of options, got {type(data).__name__}")
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key in ("sampling", "tree"):  # sections are allowed
+            flat.update(value)
+        else:
+            flat[key] = value
+    out = {}
+    for key, value in flat.items():
+        k = key.replace("-", "_")
+        if k not in DEFAULTS:
+            raise ValueError(f"--config={path}: unknown option {key!r}; allowed: {', '.join(sorted(DEFAULTS))}")
+        want = type(DEFAULTS[k])
+        ok = isinstance(value, want) and not isinstance(value, bool) or (want is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            article = "an" if want.__name__[0] in "aeiou" else "a"
+            raise ValueError(f"--config={path}: {key}={value!r} must be {article} {want.__name__}")
+        if k == "method" and value not in METHODS:
+            raise ValueError(f"--config={path}: method={value!r} is not one of {METHODS}")
+        out[k] = value
+    return out
+
+
+def resolve_options(args) -> None:
+    """Fill every option left unset on the command line from --config, then DEFAULTS."""
+    from_file = read_config_file(args.config) if getattr(args, "config", None) else {}
+    for key, default in DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, from_file.get(key, default))
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -72,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(d)
     _add_tree(d)
 
-    b = sub.add_parser("bench", help="benchmarks (kernels)",
+    b = sub.add_parser("bench", help="benchmarks: planner (reference vs numba passes), kernels",
                        description="Run a benchmark script and print measured numbers.")
     b.add_argument("what", choices=["kernels", "planner"], help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
@@ -82,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 def tree_config_from(args):
     from rheoplan.config import TreeConfig
 
+    resolve_options(args)
     if args.method == "eagle":
         return TreeConfig.eagle(depth=args.depth, frontier=args.frontier, slots=args.slots,
                                 budget=args.budget, support=args.support)
@@ -139,8 +202,8 @@ def cmd_generate(args) -> int:
     from rheoplan.config import SamplingConfig
     from rheoplan.decode import plan_and_decode
 
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     tree = tree_config_from(args)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.method != "autoregressive":
         _parse_draft_spec(args.draft)
     if args.max_new_tokens < 1:
@@ -171,8 +234,8 @@ def cmd_dump(args) -> int:
     from rheoplan.plan import plan_tree
     from rheoplan.pipeline import DumpIR
 
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     tree = tree_config_from(args)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.method == "autoregressive":
         raise ValueError("--method=autoregressive has no draft tree to dump")
     _parse_draft_spec(args.draft)
@@ -202,9 +265,38 @@ def cmd_bench(args) -> int:
     return bench_main(args.rest) or 0
 
 
+def _suggest(word: str, choices) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    subs = _subparsers(parser)
+    if argv and not argv[0].startswith("-") and argv[0] not in subs:
+        parser.print_usage(sys.stderr)
+        print(f"rheoplan: error: unknown command {argv[0]!r}{_suggest(argv[0], subs)}; "
+              f"allowed: {', '.join(subs)}", file=sys.stderr)
+        return 2
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub = subs.get(args.command, parser)
+        flags = [o for a in sub._actions for o in a.option_strings]
+        sub.print_usage(sys.stderr)
+        for u in unknown:
+            hint = _suggest(u.split("=")[0], flags) if u.startswith("-") else ""
+            print(f"rheoplan {args.command or ''}: error: unrecognized argument {u!r}{hint}", file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help()
         return 2

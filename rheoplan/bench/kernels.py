@@ -164,7 +164,7 @@ def cuda_section(vocab: int, reps: int, out) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="rheoplan bench kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", type=int, nargs="*", default=[256, 49152, 128256],
                     help="vocab sizes; 256 ~ the tree bookkeeping alone (vocab work negligible)")
     ap.add_argument("--reps", type=int, default=10)

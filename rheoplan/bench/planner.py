@@ -38,7 +38,7 @@ class StepTimes(Instrument):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="rheoplan bench planner", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=32000)
