@@ -103,9 +103,10 @@ def resolve_options(args) -> None:
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
-    g.add_argument("--draft", default="early-exit:6",
-                   help="draft: 'early-exit:L' (the target's first L layers, no training), "
-                        "'eagle3:DIR' (an EAGLE-3 checkpoint) (default early-exit:6)")
+    g.add_argument("--draft", default="auto",
+                   help="draft: 'auto' (the shipped EAGLE-3 head for SmolLM2 when present, else "
+                        "early-exit:6), 'eagle3:DIR' (an EAGLE-3 checkpoint), 'early-exit:L' (the "
+                        "target's first L layers, no training) (default auto)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
 
 
@@ -136,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: planner (reference vs numba passes), kernels",
                        description="Run a benchmark script and print measured numbers.")
-    b.add_argument("what", choices=["kernels", "planner"], help="which benchmark")
+    b.add_argument("what", choices=["decode", "kernels", "planner"],
+                   help="decode: side-by-side decode benchmark on SmolLM2 (writes a report); "
+                        "kernels: numba/Triton kernels vs references; planner: reference vs numba passes")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     return parser
 
@@ -155,10 +158,18 @@ def tree_config_from(args):
                       proxy=args.proxy)
 
 
+#: the EAGLE-3 head trained for SmolLM2-135M-Instruct that ships with rheoplan
+SHIPPED_HEAD = Path(__file__).resolve().parent / "assets" / "smollm2-eagle3"
+
+
 def _parse_draft_spec(spec: str) -> tuple[str, str]:
+    if spec == "auto":
+        if (SHIPPED_HEAD / "config.json").is_file():
+            return "eagle3", str(SHIPPED_HEAD)
+        return "early-exit", "6"
     kind, _, arg = spec.partition(":")
     if kind not in ("early-exit", "eagle3") or not arg:
-        raise ValueError(f"--draft={spec!r} is not understood: allowed 'early-exit:L' or 'eagle3:DIR'")
+        raise ValueError(f"--draft={spec!r} is not understood: allowed 'auto', 'early-exit:L' or 'eagle3:DIR'")
     if kind == "early-exit" and not arg.isdigit():
         raise ValueError(f"--draft={spec!r}: L must be a layer count, e.g. early-exit:6")
     if kind == "eagle3" and not Path(arg).is_dir():
@@ -184,6 +195,7 @@ def load_default(args):
             from rheoplan.models.eagle3 import load_eagle3_draft
 
             draft = load_eagle3_draft(arg, model)
+        print(f"draft: {kind} {arg}", file=sys.stderr)
     print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return model, tok, draft
 
@@ -258,7 +270,9 @@ def cmd_dump(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.what == "kernels":
+    if args.what == "decode":
+        from rheoplan.bench.decode import main as bench_main
+    elif args.what == "kernels":
         from rheoplan.bench.kernels import main as bench_main
     else:
         from rheoplan.bench.planner import main as bench_main

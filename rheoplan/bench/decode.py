@@ -1,0 +1,245 @@
+"""Side-by-side decode benchmark on SmolLM2-135M-Instruct (``rheoplan bench decode``).
+
+Every method runs in one process over the same held-out prompts (not used in
+training), temperatures and seeds, with the same node budget:
+
+* ``ar-hf``: autoregressive sampling with transformers ``generate`` (the speed baseline)
+* ``chain``: chain speculative sampling (depth D, one sampled token per depth)
+* ``eagle``: EAGLE's dynamic top-K tree with one-hot verification
+* ``rheo-m{m}-{verifier}[-{proxy}]``: RheoSampling variants
+
+Each (method, temperature, seed) run is written to ``OUT/runs/*.json`` as soon as it
+finishes, so an interrupted benchmark resumes where it stopped (``--resume``, the
+default). ``--report`` turns whatever runs exist into ``docs/results.md``-style
+markdown and PNG plots.
+
+    rheoplan bench decode --prompts 40 --tokens 48 --seeds 0 1 2 --temperatures 0 0.6 1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rheoplan.config import SamplingConfig, TreeConfig
+
+HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    tree: TreeConfig | None  #: None = transformers generate
+
+
+def methods_for(depth: int, frontier: int, slots: int, budget: int) -> dict[str, Method]:
+    """All benchmarked methods at one node budget."""
+    base = TreeConfig(depth=depth, frontier=frontier, slots=slots, budget=budget)
+    out = {
+        "ar-hf": Method("ar-hf", None),
+        "chain": Method("chain", TreeConfig.chain(depth=depth)),
+        "eagle": Method("eagle", TreeConfig.eagle(depth=depth, frontier=frontier, slots=slots, budget=budget)),
+    }
+    for m in (0, 1, 2):
+        for verifier in ("rheo", "ot"):
+            out[f"rheo-m{m}-{verifier}"] = Method(f"rheo-m{m}-{verifier}",
+                                                  base.with_(rheostat=m, verifier=verifier))
+    for proxy in ("next_rank", "true_q"):
+        out[f"rheo-m1-ot-{proxy}"] = Method(f"rheo-m1-ot-{proxy}", base.with_(rheostat=1, proxy=proxy))
+    return out
+
+
+def load_prompts(n: int) -> list[tuple[str, str]]:
+    rows = []
+    for line in HELDOUT.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            cat, _, prompt = line.partition("\t")
+            rows.append((cat, prompt))
+    if not 1 <= n <= len(rows):
+        raise ValueError(f"--prompts={n} is out of range: allowed [1, {len(rows)}]")
+    # Interleave categories so a small n still covers all of them.
+    by_cat: dict[str, list] = {}
+    for r in rows:
+        by_cat.setdefault(r[0], []).append(r)
+    mixed = [r for group in zip(*by_cat.values()) for r in group]
+    mixed += [r for r in rows if r not in mixed]
+    return mixed[:n]
+
+
+def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed: int, tokens: int) -> dict:
+    """One (method, temperature, seed) run over all prompts; returns the aggregate record."""
+    from rheoplan.cli import encode_prompt
+    from rheoplan.decode import plan_and_decode
+
+    sampling = SamplingConfig(temperature=temperature)
+    n_tok = n_steps = acc = trials = 0
+    seconds = 0.0
+    for j, (_, prompt) in enumerate(prompts):
+        ids = encode_prompt(tok, prompt, chat=True)
+        if method.tree is None:
+            torch.manual_seed(seed * 1000 + j)
+            kw = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
+                                     top_k=0, top_p=1.0, pad_token_id=tok.eos_token_id, **kw)
+            seconds += time.perf_counter() - t0
+            new = out.shape[1] - len(ids)
+            n_tok += new
+            n_steps += new
+        else:
+            t0 = time.perf_counter()
+            r = plan_and_decode(model, draft, ids, max_new_tokens=tokens, sampling=sampling, tree=method.tree,
+                                seed=seed * 1000 + j)
+            seconds += time.perf_counter() - t0
+            n_tok += len(r.tokens)
+            n_steps += len(r.steps)
+            acc += sum(s.accepted for s in r.steps)
+            trials += sum(s.trials for s in r.steps)
+    return {"method": method.name, "temperature": temperature, "seed": seed, "prompts": len(prompts),
+            "tokens": n_tok, "steps": n_steps, "seconds": seconds,
+            "tokens_per_second": n_tok / seconds if seconds else float("nan"),
+            "mean_accepted_length": n_tok / n_steps if n_steps else float("nan"),
+            "acceptance": acc / trials if trials else float("nan"),
+            "tree": None if method.tree is None else method.tree.as_dict()}
+
+
+def summarise(records: list[dict]) -> list[dict]:
+    """Median and spread (min-max) over seeds for each (method, temperature)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["method"], r["temperature"]), []).append(r)
+    ar = {t: statistics.median(x["tokens_per_second"] for x in rs)
+          for (m, t), rs in groups.items() if m == "ar-hf"}
+    rows = []
+    for (m, t), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        def stat(key):
+            xs = [x[key] for x in rs]
+            return statistics.median(xs), min(xs), max(xs)
+        tau, acc, tps = stat("mean_accepted_length"), stat("acceptance"), stat("tokens_per_second")
+        rows.append({"method": m, "temperature": t, "seeds": len(rs), "tau": tau, "acceptance": acc,
+                     "tps": tps, "speedup": tps[0] / ar[t] if t in ar else float("nan")})
+    return rows
+
+
+def _fmt(v, spread=None, pct=False):
+    if v != v:  # NaN
+        return "–"
+    f = (lambda x: f"{100 * x:.1f}%") if pct else (lambda x: f"{x:.2f}")
+    return f(v) if spread is None or spread[0] == spread[1] else f"{f(v)} ({f(spread[0])}–{f(spread[1])})"
+
+
+def report(records: list[dict], out_md: Path, plot_dir: Path) -> str:
+    rows = summarise(records)
+    lines = ["| T | method | seeds | mean accepted length | per-token acceptance | tokens/s | speedup vs ar-hf |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['temperature']} | {r['method']} | {r['seeds']} | {_fmt(r['tau'][0], r['tau'][1:])} | "
+                     f"{_fmt(r['acceptance'][0], r['acceptance'][1:], pct=True)} | {_fmt(r['tps'][0], r['tps'][1:])} | "
+                     f"{_fmt(r['speedup'])}x |")
+    table = "\n".join(lines)
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    out_md.write_text(table + "\n")
+    try:
+        _plots(rows, plot_dir)
+    except Exception as exc:  # plots are a convenience; the table is the result
+        print(f"(plots skipped: {exc})", file=sys.stderr)
+    return table
+
+
+def _plots(rows: list[dict], plot_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    temps = sorted({r["temperature"] for r in rows})
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "ar-hf"]
+    for key, label, fname in (("tau", "mean accepted length", "accepted_length.png"),
+                              ("speedup", "speedup vs transformers generate", "speedup.png")):
+        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(methods)), 4))
+        width = 0.8 / max(1, len(temps))
+        for i, t in enumerate(temps):
+            vals = []
+            for m in methods:
+                r = next((r for r in rows if r["method"] == m and r["temperature"] == t), None)
+                v = r[key][0] if (r and key == "tau") else (r[key] if r else float("nan"))
+                vals.append(v)
+            ax.bar([x + i * width for x in range(len(methods))], vals, width, label=f"T={t}")
+        ax.set_xticks([x + width * (len(temps) - 1) / 2 for x in range(len(methods))])
+        ax.set_xticklabels(methods, rotation=30, ha="right")
+        ax.set_ylabel(label)
+        ax.legend()
+        ax.set_title(f"SmolLM2-135M on CPU: {label}")
+        fig.tight_layout()
+        fig.savefig(plot_dir / fname, dpi=110)
+        plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="rheoplan bench decode", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=40, help="held-out prompts to use (default 40, all)")
+    ap.add_argument("--tokens", type=int, default=48, help="new tokens per prompt (default 48)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6, 1.0])
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="subset of methods (default: all); see the module docstring for names")
+    ap.add_argument("--depth", type=int, default=5)
+    ap.add_argument("--frontier", type=int, default=4)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--draft", default="auto", help="as for rheoplan generate (default auto)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--out", default="bench_out", help="run records and plots (default bench_out)")
+    ap.add_argument("--report-md", default=None, help="write the table here too (e.g. docs/results_table.md)")
+    ap.add_argument("--report", action="store_true", help="only build the report from existing runs")
+    ap.add_argument("--no-resume", action="store_true", help="re-run runs that already have a record")
+    args = ap.parse_args(argv)
+    all_methods = methods_for(args.depth, args.frontier, args.slots, args.budget)
+    names = args.methods or list(all_methods)
+    unknown = [n for n in names if n not in all_methods]
+    if unknown:
+        raise ValueError(f"--methods: unknown {unknown}; allowed: {', '.join(all_methods)}")
+    for t in args.temperatures:
+        SamplingConfig(temperature=t)
+    prompts = load_prompts(args.prompts)
+    out = Path(args.out)
+    runs_dir = out / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    if not args.report:
+        from tqdm.auto import tqdm
+
+        from rheoplan.cli import load_default
+
+        model, tok, draft = load_default(argparse.Namespace(method="rheo", draft=args.draft))
+        todo = [(all_methods[n], t, s) for t in args.temperatures for s in args.seeds for n in names
+                # greedy decoding is deterministic: one seed is enough
+                if not (t == 0 and s != args.seeds[0])]
+        bar = tqdm(todo, desc="bench", unit="run")
+        for method, t, s in bar:
+            rec_path = runs_dir / f"{method.name}_T{t}_s{s}_p{len(prompts)}_n{args.tokens}.json"
+            bar.set_postfix_str(f"{method.name} T={t} seed={s}")
+            if rec_path.exists() and not args.no_resume:
+                continue
+            rec = run_one(model, tok, draft, method, prompts, t, s, args.tokens)
+            rec_path.write_text(json.dumps(rec, indent=1))
+    records = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*.json"))]
+    table = report(records, Path(args.report_md) if args.report_md else out / "results_table.md", out)
+    print(table)
+    print(f"\nrun records in {runs_dir}/, plots in {out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
