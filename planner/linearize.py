@@ -37,41 +37,47 @@ def unpack_bits(bits: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def linearize(tree: DraftTree, ctx: PassContext) -> DraftTree:
-    B = tree.batch
-    L = 1 + ctx.tree_cfg.budget
-    D = ctx.tree_cfg.depth
+    lin = linearize_arrays(tree.kept, tree.n_nodes, tree.parent, tree.token, tree.depth, tree.exp_row,
+                           tree.prefix_len, ctx.tree_cfg.budget, ctx.tree_cfg.depth)
+    return tree.replace(linear=lin)
+
+
+def linearize_arrays(kept: torch.Tensor, n_nodes: torch.Tensor, parent: torch.Tensor, token: torch.Tensor,
+                     depth: torch.Tensor, exp_row: torch.Tensor, prefix_len: torch.Tensor, budget: int,
+                     max_depth: int) -> LinearTree:
+    """The linearisation on plain arrays (``[B, M]`` node fields), shared with the kernels'
+    torch reference (``rheoplan.kernels.plan.reference.linearize``)."""
+    B = kept.shape[0]
+    L, D = 1 + budget, max_depth
     node = torch.full((B, L), -1, dtype=torch.int64)
-    token, position, parent, depth, exp_row, first_child = (node.clone() for _ in range(6))
+    tok, pos, par, dep, erow, first_child = (node.clone() for _ in range(6))
     n_children = torch.zeros(B, L, dtype=torch.int64)
     mask = torch.zeros(B, L, L, dtype=torch.bool)
     n = torch.zeros(B, dtype=torch.int64)
     all_paths = []
     for b in range(B):
-        kept = torch.nonzero(tree.kept[b, : int(tree.n_nodes[b])]).flatten()  # ascending ids
-        k = kept.numel()
+        ids = torch.nonzero(kept[b, : int(n_nodes[b])]).flatten()  # ascending creation ids
+        k = ids.numel()
         n[b] = k
-        lin_of = {int(v): i for i, v in enumerate(kept)}
-        node[b, :k] = kept
-        token[b, :k] = tree.token[b, kept]
-        depth[b, :k] = tree.depth[b, kept]
-        position[b, :k] = tree.prefix_len[b] + tree.depth[b, kept]
-        exp_row[b, :k] = tree.exp_row[b, kept]
-        for i, v in enumerate(kept.tolist()):
-            pv = int(tree.parent[b, v])
-            parent[b, i] = lin_of[pv] if pv >= 0 else -1
+        lin_of = {int(v): i for i, v in enumerate(ids)}
+        node[b, :k], tok[b, :k], dep[b, :k] = ids, token[b, ids], depth[b, ids]
+        pos[b, :k] = prefix_len[b] + depth[b, ids]
+        erow[b, :k] = exp_row[b, ids]
+        for i, v in enumerate(ids.tolist()):
+            pv = int(parent[b, v])
+            par[b, i] = lin_of[pv] if pv >= 0 else -1
             if pv >= 0:
                 mask[b, i] = mask[b, lin_of[pv]]
                 if first_child[b, lin_of[pv]] < 0:
                     first_child[b, lin_of[pv]] = i
                 n_children[b, lin_of[pv]] += 1
             mask[b, i, i] = True
-        leaves = [i for i in range(k) if n_children[b, i] == 0]
         paths = []
-        for leaf in leaves:
+        for leaf in [i for i in range(k) if n_children[b, i] == 0]:
             p, i = [], leaf
             while i >= 0:
                 p.append(i)
-                i = int(parent[b, i])
+                i = int(par[b, i])
             paths.append(p[::-1])
         all_paths.append(paths)
     P = max(len(p) for p in all_paths)
@@ -79,10 +85,9 @@ def linearize(tree: DraftTree, ctx: PassContext) -> DraftTree:
     for b, paths in enumerate(all_paths):
         for j, p in enumerate(paths):
             paths_t[b, j, : len(p)] = torch.tensor(p)
-    lin = LinearTree(
-        n=n, node=node, token=token, position=position, parent=parent, depth=depth,
+    return LinearTree(
+        n=n, node=node, token=tok, position=pos, parent=par, depth=dep,
         ancestor_mask=mask, ancestor_bits=pack_bits(mask), paths=paths_t,
         n_paths=torch.tensor([len(p) for p in all_paths], dtype=torch.int64),
-        first_child=first_child, n_children=n_children, exp_row=exp_row,
+        first_child=first_child, n_children=n_children, exp_row=erow,
     )
-    return tree.replace(linear=lin)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from rheoplan.ir import rank_key_order
-from rheoplan.planner.linearize import pack_bits
+from rheoplan.planner.linearize import linearize_arrays
 
 
 class Linear(NamedTuple):
@@ -60,44 +60,6 @@ def prune_topn(score: torch.Tensor, n_nodes: torch.Tensor, budget: int) -> torch
 def linearize(kept: torch.Tensor, n_nodes: torch.Tensor, parent: torch.Tensor, token: torch.Tensor,
               depth: torch.Tensor, exp_row: torch.Tensor, prefix_len: torch.Tensor, budget: int,
               max_depth: int) -> Linear:
-    """Depth-major BFS linearisation of the kept nodes (``planner/linearize.py``)."""
-    B = kept.shape[0]
-    L, D = 1 + budget, max_depth
-    node = torch.full((B, L), -1, dtype=torch.int64)
-    tok, pos, par, dep, erow, first = (node.clone() for _ in range(6))
-    n_children = torch.zeros(B, L, dtype=torch.int64)
-    mask = torch.zeros(B, L, L, dtype=torch.bool)
-    n = torch.zeros(B, dtype=torch.int64)
-    all_paths = []
-    for b in range(B):
-        ids = torch.nonzero(kept[b, : int(n_nodes[b])]).flatten()
-        k = ids.numel()
-        n[b] = k
-        lin_of = {int(v): i for i, v in enumerate(ids)}
-        node[b, :k], tok[b, :k], dep[b, :k] = ids, token[b, ids], depth[b, ids]
-        pos[b, :k] = prefix_len[b] + depth[b, ids]
-        erow[b, :k] = exp_row[b, ids]
-        for i, v in enumerate(ids.tolist()):
-            pv = int(parent[b, v])
-            par[b, i] = lin_of[pv] if pv >= 0 else -1
-            if pv >= 0:
-                mask[b, i] = mask[b, lin_of[pv]]
-                if first[b, lin_of[pv]] < 0:
-                    first[b, lin_of[pv]] = i
-                n_children[b, lin_of[pv]] += 1
-            mask[b, i, i] = True
-        paths = []
-        for leaf in [i for i in range(k) if n_children[b, i] == 0]:
-            p, i = [], leaf
-            while i >= 0:
-                p.append(i)
-                i = int(par[b, i])
-            paths.append(p[::-1])
-        all_paths.append(paths)
-    P = max(len(p) for p in all_paths)
-    paths_t = torch.full((B, P, D + 1), -1, dtype=torch.int64)
-    for b, paths in enumerate(all_paths):
-        for j, p in enumerate(paths):
-            paths_t[b, j, : len(p)] = torch.tensor(p)
-    return Linear(n, node, tok, pos, par, dep, mask, pack_bits(mask), paths_t,
-                  torch.tensor([len(p) for p in all_paths], dtype=torch.int64), first, n_children, erow)
+    """Depth-major BFS linearisation of the kept nodes: the planner's own code."""
+    lin = linearize_arrays(kept, n_nodes, parent, token, depth, exp_row, prefix_len, budget, max_depth)
+    return Linear(*(getattr(lin, f) for f in Linear._fields))

@@ -62,3 +62,56 @@ class DraftModel(Protocol):
         """The step accepted creation ids ``path_nodes`` (root first) and emitted
         ``emitted`` (accepted drafted tokens then the bonus token). ``features`` holds the
         target's features at the root and each accepted node, for heads that need them."""
+
+
+# -- argument checks shared by every adapter ----------------------------------------------
+
+
+def check_prompt_ids(prompt_ids, vocab_size: int) -> list[int]:
+    """``prompt_ids`` as a list of ints; non-empty and inside ``[0, vocab_size)``."""
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise ValueError("prompt_ids is empty: at least one token is needed (it becomes the root)")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_ids holds token ids {bad[:5]} outside [0, {vocab_size})")
+    return ids
+
+
+def check_draft_call(tree: DraftTree, nodes, root: int | None, committed: int | None) -> list[int]:
+    """Validate a ``node_logits`` call against the draft's state: the tree's root token and
+    prefix length must be the draft's, and the nodes must exist. Returns the nodes as ints.
+    ``committed=None`` skips the prefix check (models that keep no cache)."""
+    if root is None:
+        raise RuntimeError("node_logits() called before start()")
+    if int(tree.token[0, 0]) != root:
+        raise ValueError(f"tree root token {int(tree.token[0, 0])} differs from the draft's root "
+                         f"{root}; was commit() called after the last step?")
+    if committed is not None and int(tree.prefix_len[0]) != committed:
+        raise ValueError(f"tree.prefix_len[0]={int(tree.prefix_len[0])} but the draft has "
+                         f"{committed} committed tokens before the root")
+    nodes = [int(v) for v in nodes]
+    n_created = int(tree.n_nodes[0])
+    bad = [v for v in nodes if not 0 <= v < n_created]
+    if bad:
+        raise ValueError(f"nodes {bad} are outside the tree's created nodes [0, {n_created})")
+    return nodes
+
+
+def check_emitted(tree: DraftTree, path_nodes: list[int], emitted: list[int]) -> list[int]:
+    """Validate ``DraftModel.commit`` arguments; return the path's creation ids as ints."""
+    path_nodes = [int(v) for v in path_nodes]
+    n = int(tree.n_nodes[0])
+    if not path_nodes or path_nodes[0] != 0:
+        raise ValueError(f"path_nodes={path_nodes} must start with the root (node 0)")
+    for a, c in zip(path_nodes, path_nodes[1:]):
+        if not 0 < c < n or int(tree.parent[0, c]) != a:
+            raise ValueError(f"path_nodes={path_nodes}: node {c} is not a created child of {a}")
+    if len(emitted) != len(path_nodes):
+        raise ValueError(f"emitted has {len(emitted)} tokens, expected len(path_nodes)="
+                         f"{len(path_nodes)} (accepted drafted tokens then the bonus token)")
+    accepted = [int(tree.token[0, v]) for v in path_nodes[1:]]
+    if accepted != [int(t) for t in emitted[:-1]]:
+        raise ValueError(f"emitted[:-1]={list(emitted[:-1])} differs from the tokens of "
+                         f"path_nodes[1:]={accepted}")
+    return path_nodes

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rheoplan.ir import DraftTree
-from rheoplan.models.hf_draft import check_emitted
+from rheoplan.models.base import check_draft_call, check_emitted, check_prompt_ids
 
 CONFIG_NAME = "config.json"
 SAFETENSORS_NAME = "model.safetensors"
@@ -437,12 +437,7 @@ class Eagle3Draft:
         self._logits: dict[int, torch.Tensor] = {}
 
     def start(self, prompt_ids: list[int]) -> None:
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise ValueError("prompt_ids is empty: at least one token is needed (it becomes the root)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_ids holds token ids {bad[:5]} outside [0, {self.vocab_size})")
+        ids = check_prompt_ids(prompt_ids, self.vocab_size)
         self._reset()
         self._prompt = ids
         self._committed = len(ids) - 1
@@ -464,24 +459,9 @@ class Eagle3Draft:
         else:
             self._pending_feats = list(features.to(self._param.device, self._param.dtype))
 
-    def _check_tree(self, tree: DraftTree) -> None:
-        if self.root is None:
-            raise RuntimeError("node_logits() called before start()")
-        if int(tree.token[0, 0]) != self.root:
-            raise ValueError(f"tree root token {int(tree.token[0, 0])} differs from the draft's root "
-                             f"{self.root}; was commit() called after the last step?")
-        if int(tree.prefix_len[0]) != self._committed:
-            raise ValueError(f"tree.prefix_len[0]={int(tree.prefix_len[0])} but the draft has "
-                             f"{self._committed} committed tokens before the root")
-
     @torch.no_grad()
     def node_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        self._check_tree(tree)
-        nodes = [int(v) for v in nodes]
-        n_created = int(tree.n_nodes[0])
-        bad = [v for v in nodes if not 0 <= v < n_created]
-        if bad:
-            raise ValueError(f"nodes {bad} are outside the tree's created nodes [0, {n_created})")
+        nodes = check_draft_call(tree, nodes, self.root, self._committed)
         new = [v for v in dict.fromkeys(nodes) if v not in self._logits]
         if 0 in new:
             if new != [0]:

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from rheoplan.ir import DraftTree, LinearTree
+from rheoplan.models.base import check_draft_call, check_emitted, check_prompt_ids
 
 Path = tuple[int, ...]
 LogitsFn = Callable[[list[Path]], torch.Tensor]
@@ -168,16 +169,6 @@ def linear_path_indices(linear: LinearTree, i: int, b: int = 0) -> list[int]:
     return out[::-1]
 
 
-def _check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
-    ids = [int(t) for t in prompt_ids]
-    if not ids:
-        raise ValueError("prompt_ids is empty: at least one token is needed (it becomes the root)")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt_ids holds token ids {bad[:5]} outside [0, {vocab_size})")
-    return ids
-
-
 def check_commit_path(linear: LinearTree, path: Sequence[int]) -> list[int]:
     """Validate a committed path of linear indices: root first, each the child of the last."""
     path = [int(i) for i in path]
@@ -233,7 +224,7 @@ class FunctionalTarget:
         self._linear: LinearTree | None = None
 
     def start(self, prompt_ids: list[int]) -> None:
-        ids = _check_prompt(prompt_ids, self.vocab_size)
+        ids = check_prompt_ids(prompt_ids, self.vocab_size)
         self.context = ids[:-1]
         self._linear = None
 
@@ -269,7 +260,7 @@ class FunctionalDraft:
         self.root: int | None = None  #: the current root token (last emitted)
 
     def start(self, prompt_ids: list[int]) -> None:
-        ids = _check_prompt(prompt_ids, self.vocab_size)
+        ids = check_prompt_ids(prompt_ids, self.vocab_size)
         self.context, self.root = ids[:-1], ids[-1]
 
     def node_path(self, tree: DraftTree, node: int) -> tuple[int, ...]:
@@ -280,23 +271,12 @@ class FunctionalDraft:
         return tuple(self.context + [int(tree.token[0, 0])] + tree.path_tokens(0, node))
 
     def node_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        root = int(tree.token[0, 0])
-        if root != self.root:
-            raise ValueError(f"tree root token {root} differs from the draft's root {self.root}; "
-                             "was commit() called after the last step?")
-        return self.lm([self.node_path(tree, int(v)) for v in nodes])
+        nodes = check_draft_call(tree, nodes, self.root, None)
+        return self.lm([self.node_path(tree, v) for v in nodes])
 
     def commit(self, tree: DraftTree, path_nodes: list[int], emitted: list[int],
                features: list[torch.Tensor | None]) -> None:
-        path_nodes = [int(v) for v in path_nodes]
-        if not path_nodes or path_nodes[0] != 0:
-            raise ValueError(f"path_nodes={path_nodes} must start with the root (node 0)")
-        if len(emitted) != len(path_nodes):
-            raise ValueError(f"emitted has {len(emitted)} tokens, expected len(path_nodes)="
-                             f"{len(path_nodes)} (accepted drafted tokens then the bonus token)")
+        path_nodes = check_emitted(tree, path_nodes, emitted)
         accepted = [int(tree.token[0, v]) for v in path_nodes[1:]]
-        if accepted != [int(t) for t in emitted[:-1]]:
-            raise ValueError(f"emitted[:-1]={list(emitted[:-1])} differs from the tokens of "
-                             f"path_nodes[1:]={accepted}")
         self.context += [int(tree.token[0, 0])] + accepted
         self.root = int(emitted[-1])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from rheoplan.ir import DraftTree
+from rheoplan.models.base import check_draft_call, check_emitted, check_prompt_ids
 from rheoplan.models._hf_common import (
     base_model, cache_length, new_cache, output_head, run_base, select_cache,
 )
@@ -36,25 +37,6 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         return logits[:, :vocab_size]
     pad = torch.full((logits.shape[0], vocab_size - vd), float("-inf"), device=logits.device)
     return torch.cat([logits, pad], dim=1)
-
-
-def check_emitted(tree: DraftTree, path_nodes: list[int], emitted: list[int]) -> list[int]:
-    """Validate ``commit`` arguments; return the path's creation ids as ints."""
-    path_nodes = [int(v) for v in path_nodes]
-    n = int(tree.n_nodes[0])
-    if not path_nodes or path_nodes[0] != 0:
-        raise ValueError(f"path_nodes={path_nodes} must start with the root (node 0)")
-    for a, c in zip(path_nodes, path_nodes[1:]):
-        if not 0 < c < n or int(tree.parent[0, c]) != a:
-            raise ValueError(f"path_nodes={path_nodes}: node {c} is not a created child of {a}")
-    if len(emitted) != len(path_nodes):
-        raise ValueError(f"emitted has {len(emitted)} tokens, expected len(path_nodes)="
-                         f"{len(path_nodes)} (accepted drafted tokens then the bonus token)")
-    accepted = [int(tree.token[0, v]) for v in path_nodes[1:]]
-    if accepted != [int(t) for t in emitted[:-1]]:
-        raise ValueError(f"emitted[:-1]={list(emitted[:-1])} differs from the tokens of "
-                         f"path_nodes[1:]={accepted}")
-    return path_nodes
 
 
 class HFDraft:
@@ -80,12 +62,7 @@ class HFDraft:
         self._logits: dict[int, torch.Tensor] = {}  #: node id -> logits, this step
 
     def start(self, prompt_ids: list[int]) -> None:
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise ValueError("prompt_ids is empty: at least one token is needed (it becomes the root)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_ids holds token ids {bad[:5]} outside [0, {self.vocab_size})")
+        ids = check_prompt_ids(prompt_ids, self.vocab_size)
         self.cache = new_cache(self.model)
         self._prefix = 0
         # The prompt runs lazily with the first root, in the same forward.
@@ -98,25 +75,10 @@ class HFDraft:
         """Tokens committed before the root (cached + pending)."""
         return self._prefix + len(self._pending)
 
-    def _check_tree(self, tree: DraftTree) -> None:
-        if self.cache is None:
-            raise RuntimeError("node_logits() called before start()")
-        root = int(tree.token[0, 0])
-        if root != self.root:
-            raise ValueError(f"tree root token {root} differs from the draft's root {self.root}; "
-                             "was commit() called after the last step?")
-        if int(tree.prefix_len[0]) != self.committed_len:
-            raise ValueError(f"tree.prefix_len[0]={int(tree.prefix_len[0])} but the draft has "
-                             f"{self.committed_len} committed tokens before the root")
-
     @torch.no_grad()
     def node_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        self._check_tree(tree)
-        nodes = [int(v) for v in nodes]
-        n_created = int(tree.n_nodes[0])
-        bad = [v for v in nodes if not 0 <= v < n_created]
-        if bad:
-            raise ValueError(f"nodes {bad} are outside the tree's created nodes [0, {n_created})")
+        nodes = check_draft_call(tree, nodes, self.root if self.cache is not None else None,
+                                 self.committed_len)
         if 0 in nodes and 0 not in self._slot and nodes[0] != 0:
             raise ValueError(f"nodes={nodes}: the root must come first in the call that forwards it")
         new = [v for v in dict.fromkeys(nodes) if v not in self._logits]

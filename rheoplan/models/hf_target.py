@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from rheoplan.ir import LinearTree
+from rheoplan.models.base import check_prompt_ids
 from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
     run_base, select_cache,
@@ -181,12 +182,7 @@ class HFTarget:
 
     @torch.no_grad()
     def start(self, prompt_ids: list[int]) -> None:
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise ValueError("prompt_ids is empty: at least one token is needed (it becomes the root)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_ids holds token ids {bad[:5]} outside [0, {self.vocab_size})")
+        ids = check_prompt_ids(prompt_ids, self.vocab_size)
         self.cache = new_cache(self.model)
         self._tree = None
         self._prefix = len(ids) - 1
