@@ -35,3 +35,15 @@ def _lint_ir_after_every_pass(request, monkeypatch):
 
     monkeypatch.setattr(pipeline, "debug_instruments", with_verify)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread for a module of tiny-model tests (much faster than many
+    threads on a small shared machine); restores the previous count afterwards."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -31,13 +31,8 @@ SEED0 = 1000
 PREFIX = [0, 1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny forwards on a shared 2-core machine: one intra-op thread is ~5x faster than many.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny forwards on a shared 2-core machine: one intra-op thread is ~5x faster than many.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _sample(target, draft, n, runs, *, tree, sampling, mutations=frozenset(), prefix=PREFIX):

@@ -29,12 +29,8 @@ FUZZ = settings(max_examples=12, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny forwards on a shared 2-core machine: one intra-op thread is ~5x faster than many.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def check_output_rules(r, max_new_tokens: int, eos: set[int]) -> None:

@@ -1,0 +1,132 @@
+"""Draft vocabulary, head construction, training-time test, loss, resume, export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rheoplan.models.eagle3 import load_eagle3, load_eagle3_head, save_eagle3
+from rheoplan.train import train as tr
+
+V_DRAFT = 32
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target, tiny_rows):
+    V = tiny_target.config.vocab_size
+    ids = tr.choose_draft_vocab(tr.token_mass(tiny_rows, V), V_DRAFT, always=[0])
+    shared = tr.common_prefix_len(tiny_rows)
+    ex = [tr.make_example(r, shared_prefix=shared, prompt_weight=0.3) for r in tiny_rows]
+    embed = tiny_target.get_input_embeddings().weight.detach()
+    cfg = tr.head_config_for(tiny_target.config, V_DRAFT)
+    return {"ids": ids, "ex": ex, "embed": embed, "cfg": cfg, "scale": tr.feature_scale(tiny_rows),
+            "t2d": tr.target_to_draft_index(ids, V)}
+
+
+def test_draft_vocab_is_the_most_probable_tokens():
+    mass = torch.tensor([0.0, 9.0, 1.0, 5.0, 5.0, 7.0])
+    assert tr.choose_draft_vocab(mass, 3).tolist() == [1, 3, 5]  # tie 3/4: lower id first
+    assert tr.choose_draft_vocab(mass, 3, always=[0]).tolist() == [0, 1, 5]
+    with pytest.raises(ValueError, match="draft vocab size"):
+        tr.choose_draft_vocab(mass, 7)
+
+
+def test_vocab_map_matches_the_checkpoint_convention(setup, tmp_path):
+    """d2t/t2d written by training are what the loader reads: draft i -> target i + d2t[i]."""
+    ids, cfg = setup["ids"], setup["cfg"]
+    head = tr.init_head(cfg, ids)
+    assert torch.equal(head.target_ids(), ids)
+    assert torch.equal(torch.arange(V_DRAFT) + head.d2t, ids)
+    assert torch.equal(head.t2d, setup["t2d"] >= 0)
+    assert torch.equal(setup["t2d"][ids], torch.arange(V_DRAFT))
+    save_eagle3(head, tmp_path)
+    back = load_eagle3_head(tmp_path)
+    assert torch.equal(back.target_ids(), ids) and torch.equal(back.t2d, head.t2d)
+
+
+def test_example_pairs_features_with_the_next_token(tiny_rows):
+    r = tiny_rows[0]
+    e = tr.make_example(r, shared_prefix=2, prompt_weight=0.5)
+    m = r["tokens"].numel()
+    assert e.tokens.tolist() == r["tokens"][1:].tolist()
+    assert torch.equal(e.feats, r["feats"][:-1])  # pair j = (f_{j-1}, x_j)
+    assert torch.equal(e.topk_ids, r["topk_ids"][1:].long())  # label p_j
+    P = r["prompt_len"]
+    j = torch.arange(1, m)
+    assert torch.equal(e.response, j >= P - 1)
+    assert e.weight[:1].tolist() == [0.0] and set(e.weight.tolist()) <= {0.0, 0.5, 1.0}
+
+
+def test_ttt_mask_blocks():
+    seq = torch.tensor([0, 0, 0, 1, 1])
+    local = torch.tensor([0, 1, 2, 0, 1])
+    m1 = tr.ttt_mask(seq, local, 1)
+    assert m1.int().tolist()[2] == [1, 1, 1, 0, 0] and m1.int().tolist()[4] == [0, 0, 0, 1, 1]
+    m3 = tr.ttt_mask(seq, local, 3)
+    # pair 2 of row 0 at step 3: step-1 key 0, step-2 key 1, step-3 key 2
+    assert m3[2].nonzero().flatten().tolist() == [0, 5 + 1, 10 + 2]
+    assert m3.any(1).all()  # no empty row (attention stays finite)
+
+
+def test_step2_uses_the_heads_own_hidden(setup):
+    """Changing features only at pair i changes step-2 outputs at i+1 through the own hidden."""
+    head = tr.init_head(setup["cfg"], setup["ids"]).eval()
+    b = tr.collate(setup["ex"][:1])
+    outs = tr.ttt_forward(head, setup["embed"], b, 2)
+    b2 = tr.collate(setup["ex"][:1])
+    b2.feats[3] += 5.0
+    outs2 = tr.ttt_forward(head, setup["embed"], b2, 2)
+    # step 1 at pair 4 sees pair 3's feature only through attention; step 2 at pair 4 takes
+    # step-1's output at pair 3 as its hidden, and step 2 at pair 3 sees only pairs <= 2 and itself.
+    assert torch.allclose(outs[0][:3], outs2[0][:3]) and torch.allclose(outs[1][:4], outs2[1][:4])
+    assert not torch.allclose(outs[1][4], outs2[1][4])
+
+
+def test_a_few_steps_reduce_the_loss(setup):
+    head = tr.init_head(setup["cfg"], setup["ids"])
+    args = dict(steps=2, chunk_tokens=128, draft_ids=setup["ids"], t2d_index=setup["t2d"], scale=setup["scale"])
+    before = tr.evaluate(head, setup["embed"], setup["ex"], **args)
+    cfg = tr.TrainConfig(epochs=6, lr=3e-3, chunk_tokens=128, autocast_bf16=False, warmup_frac=0.1)
+    out = tr.train_head(head, setup["embed"], setup["ex"], cfg, progress=False, scale=setup["scale"])
+    after = tr.evaluate(head, setup["embed"], setup["ex"], **args)
+    assert after["loss_step1"] < before["loss_step1"] - 0.2
+    assert out["last"]["loss"] < out["history"][0]["loss"]
+    assert 0 <= after["accept_lo_step1"] <= after["accept_hi_step1"] <= 1 + 1e-6
+
+
+def test_resume_continues_where_the_checkpoint_left(setup, tmp_path):
+    cfg = tr.TrainConfig(epochs=2, lr=3e-3, chunk_tokens=96, autocast_bf16=False, ckpt_every=2)
+    full = tr.init_head(setup["cfg"], setup["ids"], seed=1)
+    r_full = tr.train_head(full, setup["embed"], setup["ex"], cfg, progress=False, max_steps=6, scale=setup["scale"])
+    ck = str(tmp_path / "ckpt.pt")
+    part = tr.init_head(setup["cfg"], setup["ids"], seed=1)
+    tr.train_head(part, setup["embed"], setup["ex"], cfg, ckpt_path=ck, progress=False, max_steps=4,
+                  scale=setup["scale"])
+    resumed = tr.init_head(setup["cfg"], setup["ids"], seed=2)  # other init: everything comes from the ckpt
+    r_res = tr.train_head(resumed, setup["embed"], setup["ex"], cfg, ckpt_path=ck, resume=True, progress=False,
+                          max_steps=6, scale=setup["scale"])
+    assert r_res["started_at_step"] == 4 and r_res["steps_done"] == 6
+    assert r_res["last"]["loss"] == pytest.approx(r_full["last"]["loss"], rel=1e-4)
+    for (k, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_folded_export_loads_and_matches(setup, tmp_path):
+    """Export folds the feature scale into fc; the loaded head on raw features matches."""
+    head = tr.init_head(setup["cfg"], setup["ids"], seed=3).eval()
+    b = tr.collate(setup["ex"][:2], setup["scale"])
+    want = head.draft_logits(tr.ttt_forward(head, setup["embed"], b, 2)[1])
+    tr.fold_feature_scale(head, setup["scale"])
+    save_eagle3(head, tmp_path)
+    back = load_eagle3_head(tmp_path)
+    got = back.draft_logits(tr.ttt_forward(back, setup["embed"], tr.collate(setup["ex"][:2]), 2)[1])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    draft = load_eagle3(tmp_path, setup["embed"])
+    assert draft.vocab_size == setup["cfg"].vocab_size
+
+
+def test_head_config_matches_the_target(tiny_target):
+    cfg = tr.head_config_for(tiny_target.config, 16)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        32, 64, 4, 2)
+    assert cfg.draft_vocab_size == 16 and cfg.rope_scaling is None
