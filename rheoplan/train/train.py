@@ -1,0 +1,490 @@
+"""Train an EAGLE-3 head on self-distillation shards (see ``selfdistill``).
+
+Data layout (one *pair* per position, the same pairing ``Eagle3Draft`` uses at inference):
+for a row ``x_0 .. x_{m-1}`` with features ``f_t`` and target distributions ``p_t``, pair
+``j`` (``1 <= j < m``) is ``(f_{j-1}, x_j)`` at position ``j`` and its label is ``p_j``
+(the distribution of ``x_{j+1}``).
+
+Training-time test (EAGLE-3): step 1 feeds ``fc(f_{j-1})``; step ``k >= 2`` feeds the
+head's own step-``k-1`` output at pair ``j-1`` (what a depth-``k-1`` tree node feeds its
+child) and sees, like that node does at inference, the step-1 keys of pairs ``<= j-k+1``
+(the committed prefix) plus its own chain of steps ``2..k`` (``ttt_mask`` spells it out).
+
+Loss at each step: cross-entropy of the head's draft-vocabulary distribution against the
+target's top-k distribution restricted to the draft vocabulary and renormalised (= KL up
+to a constant), weighted ``step_decay ** (k-1)``. Positions of the shared system prompt
+get weight 0, user-prompt positions ``prompt_weight``, response positions 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head
+
+
+# --------------------------------------------------------------------------------------
+# Draft vocabulary
+# --------------------------------------------------------------------------------------
+
+def token_mass(rows: Iterable[dict], vocab_size: int) -> torch.Tensor:
+    """Expected count of each target token as the next token: the sum over positions of the
+    target's (top-k) probability, plus one per actually sampled token.
+
+    Why probability mass, not just sampled counts: a few hundred samples see only some of
+    the tokens the target puts mass on; the draft vocabulary should cover that mass.
+    """
+    mass = torch.zeros(vocab_size, dtype=torch.float64)
+    for r in rows:
+        ids = r["topk_ids"].long()
+        mass.index_add_(0, ids.reshape(-1), r["topk_logp"].float().exp().reshape(-1).double())
+        mass.index_add_(0, r["tokens"].long(), torch.ones(r["tokens"].numel(), dtype=torch.float64))
+    return mass
+
+
+def choose_draft_vocab(mass: torch.Tensor, size: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """Target ids of the draft vocabulary: the ``size`` ids of largest ``mass`` (ties: lower
+    id first), ``always`` included, returned sorted ascending (draft id ``i`` = ``i``-th).
+
+    Example:
+        >>> choose_draft_vocab(torch.tensor([0., 5., 1., 3.]), 2).tolist()
+        [1, 3]
+        >>> choose_draft_vocab(torch.tensor([0., 5., 1., 3.]), 2, always=[0]).tolist()
+        [0, 1]
+    """
+    V = mass.numel()
+    if not 1 <= size <= V:
+        raise ValueError(f"draft vocab size {size}: allowed 1..{V}")
+    always = sorted(set(int(a) for a in always))
+    if len(always) > size:
+        raise ValueError(f"{len(always)} always-included ids exceed the draft vocab size {size}")
+    # Stable sort on -mass: equal masses keep id order.
+    order = torch.sort(-mass.double(), stable=True).indices.tolist()
+    chosen = list(always)
+    seen = set(always)
+    for t in order:
+        if len(chosen) == size:
+            break
+        if t not in seen:
+            chosen.append(t)
+            seen.add(t)
+    return torch.tensor(sorted(chosen), dtype=torch.int64)
+
+
+def target_to_draft_index(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[vocab]`` int64: the draft id of each target id, -1 when not in the draft vocab.
+
+    Consistent with the checkpoint's ``t2d`` (``t2d == (index >= 0)``) and ``d2t``
+    (``index[i + d2t[i]] == i``).
+    """
+    idx = torch.full((vocab_size,), -1, dtype=torch.int64)
+    idx[draft_ids] = torch.arange(draft_ids.numel())
+    return idx
+
+
+# --------------------------------------------------------------------------------------
+# Head construction
+# --------------------------------------------------------------------------------------
+
+def head_config_for(target_config, draft_vocab_size: int) -> Eagle3Config:
+    """An ``Eagle3Config`` whose layer matches the target's decoder layer sizes."""
+    tc = target_config
+    rope = getattr(tc, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
+    scaling = getattr(tc, "rope_scaling", None) or rope or None
+    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None  # plain RoPE: the reference format leaves rope_scaling null
+    elif scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    return Eagle3Config(
+        vocab_size=int(tc.vocab_size), draft_vocab_size=int(draft_vocab_size),
+        hidden_size=int(tc.hidden_size), target_hidden_size=int(tc.hidden_size),
+        intermediate_size=int(tc.intermediate_size), num_attention_heads=int(tc.num_attention_heads),
+        num_key_value_heads=int(tc.num_key_value_heads), rms_norm_eps=float(tc.rms_norm_eps),
+        rope_theta=float(theta), rope_scaling=scaling, hidden_act=str(tc.hidden_act),
+        max_position_embeddings=int(tc.max_position_embeddings), bias=False,
+        head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads))
+
+
+def init_head(cfg: Eagle3Config, draft_ids: torch.Tensor, target_model: torch.nn.Module | None = None,
+              seed: int = 0) -> Eagle3Head:
+    """A fresh head with the vocab map set; with ``target_model``, ``lm_head`` starts as the
+    target's output rows of the draft vocabulary and ``norm`` as the target's final norm
+    (the head's output then lives in the target's last hidden space from step 0)."""
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg)
+    if cfg.draft_vocab_size != cfg.vocab_size:
+        head.set_vocab_map(draft_ids)
+    if target_model is not None:
+        with torch.no_grad():
+            out_w = target_model.get_output_embeddings().weight
+            head.lm_head.weight.copy_(out_w[draft_ids].to(head.lm_head.weight.dtype))
+            head.norm.weight.copy_(target_model.model.norm.weight)
+    return head
+
+
+def feature_scale(rows: Iterable[dict], eps: float = 1e-3) -> torch.Tensor:
+    """``[3H]`` float32: 1 / RMS of each feature channel over the data.
+
+    Why: the residual streams of small LMs carry a few "massive activation" channels
+    (SmolLM2: ~1e4 against ~1 elsewhere). Adam gives every fc weight the same step size,
+    so the weights on those channels would move fc's output ~1e4 times faster than the
+    rest and training diverges. Training feeds ``feats * scale`` (a fixed preconditioner);
+    ``fold_feature_scale`` moves it into ``fc.weight`` for export, so the shipped head
+    reads raw features like any EAGLE-3 head.
+    """
+    sq, n = None, 0
+    for r in rows:
+        f = r["feats"].float()
+        sq = f.pow(2).sum(0) if sq is None else sq + f.pow(2).sum(0)
+        n += f.shape[0]
+    if sq is None:
+        raise ValueError("no rows to compute the feature scale from")
+    return 1.0 / (sq / n).sqrt().clamp(min=eps)
+
+
+def fold_feature_scale(head: Eagle3Head, scale: torch.Tensor) -> None:
+    """``fc(x * scale) == fc'(x)`` with ``fc'.weight = fc.weight * scale`` (in place)."""
+    with torch.no_grad():
+        head.fc.weight.mul_(scale.to(head.fc.weight)[None, :])
+
+
+# --------------------------------------------------------------------------------------
+# Examples, packing, masks
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class Example:
+    """One row as pairs (see the module docstring); all tensors have ``m - 1`` entries."""
+
+    tokens: torch.Tensor  #: int64 x_j
+    feats: torch.Tensor  #: fp16 f_{j-1}
+    topk_ids: torch.Tensor  #: int64 top-k target ids of p_j
+    topk_logp: torch.Tensor  #: fp16
+    weight: torch.Tensor  #: float32 loss weight of pair j
+    response: torch.Tensor  #: bool, p_j predicts a response token (evaluation positions)
+
+
+def common_prefix_len(rows: Sequence[dict]) -> int:
+    """Length of the token prefix all rows share (the chat template's system turn)."""
+    if not rows:
+        return 0
+    first = rows[0]["tokens"].tolist()
+    n = len(first)
+    for r in rows[1:]:
+        t = r["tokens"].tolist()
+        k = 0
+        while k < min(n, len(t)) and t[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
+def make_example(row: dict, *, shared_prefix: int, prompt_weight: float) -> Example | None:
+    """Pairs of one row; None if the row has fewer than 2 tokens."""
+    m = int(row["tokens"].numel())
+    if m < 2:
+        return None
+    j = torch.arange(1, m)
+    P = int(row["prompt_len"])
+    response = j >= P - 1
+    weight = torch.where(response, 1.0, torch.where(j >= shared_prefix, prompt_weight, 0.0)).float()
+    return Example(tokens=row["tokens"][1:].long(), feats=row["feats"][:-1], topk_ids=row["topk_ids"][1:].long(),
+                   topk_logp=row["topk_logp"][1:], weight=weight, response=response)
+
+
+def pack(examples: Sequence[Example], chunk_tokens: int, seed: int | None = None) -> list[list[int]]:
+    """Group example indices into chunks of at most ``chunk_tokens`` pairs (an example
+    longer than a chunk gets a chunk of its own). Shuffled when ``seed`` is given."""
+    order = list(range(len(examples)))
+    if seed is not None:
+        random.Random(seed).shuffle(order)
+    chunks, cur, n = [], [], 0
+    for i in order:
+        L = int(examples[i].tokens.numel())
+        if cur and n + L > chunk_tokens:
+            chunks.append(cur)
+            cur, n = [], 0
+        cur.append(i)
+        n += L
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def ttt_mask(seq: torch.Tensor, local: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool ``[N, k*N]``: which keys the step-``k`` query of each pair may attend to.
+
+    Keys are laid out ``[step 1 | step 2 | ... | step k]``, ``N`` each. Query (seq s, local
+    i) at step k sees step-1 keys of seq s with local ``<= i-k+1`` and the step-``m`` key
+    at local ``i-k+m`` for ``m = 2..k`` (its own chain). Step 1 is plain causal.
+    Queries whose chain would start before the row (``i-k+1 < 0``) see only themselves
+    (they carry no loss; this only keeps attention finite).
+
+    Example: one row of 3 pairs, k=2: pair 2 sees step-1 keys 0,1 and step-2 key 2.
+        >>> ttt_mask(torch.zeros(3, dtype=torch.long), torch.arange(3), 2).int().tolist()
+        [[0, 0, 0, 1, 0, 0], [1, 0, 0, 0, 1, 0], [1, 1, 0, 0, 0, 1]]
+    """
+    same = seq[:, None] == seq[None, :]
+    qi, ki = local[:, None], local[None, :]
+    blocks = [same & (ki <= qi - k + 1)]
+    for m in range(2, k + 1):
+        blocks.append(same & (ki == qi - k + m))
+    return torch.cat(blocks, dim=1)
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor
+    feats: torch.Tensor
+    positions: torch.Tensor
+    seq: torch.Tensor
+    local: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_logp: torch.Tensor
+    weight: torch.Tensor
+    response: torch.Tensor
+
+
+def collate(examples: Sequence[Example], scale: torch.Tensor | None = None) -> Batch:
+    """Concatenate examples into one packed sequence (block-diagonal attention via ``seq``);
+    features are multiplied by ``scale`` (see ``feature_scale``) when given."""
+    lens = [int(e.tokens.numel()) for e in examples]
+    seq = torch.cat([torch.full((n,), s, dtype=torch.int64) for s, n in enumerate(lens)])
+    local = torch.cat([torch.arange(n) for n in lens])
+    return Batch(tokens=torch.cat([e.tokens for e in examples]),
+                 feats=torch.cat([e.feats for e in examples]).float() * (1.0 if scale is None else scale),
+                 positions=local + 1, seq=seq, local=local,
+                 topk_ids=torch.cat([e.topk_ids for e in examples]),
+                 topk_logp=torch.cat([e.topk_logp for e in examples]).float(),
+                 weight=torch.cat([e.weight for e in examples]),
+                 response=torch.cat([e.response for e in examples]))
+
+
+# --------------------------------------------------------------------------------------
+# Forward, loss, metrics
+# --------------------------------------------------------------------------------------
+
+def shift_within_rows(h: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``out[i] = h[i-1]`` inside a row; zeros at each row's first pair."""
+    out = torch.zeros_like(h)
+    out[1:] = h[:-1]
+    return out * (local > 0).to(h.dtype)[:, None]
+
+
+def ttt_forward(head: Eagle3Head, embed: torch.Tensor, batch: Batch, steps: int) -> list[torch.Tensor]:
+    """Output hiddens ``[N, H]`` of steps ``1..steps`` (training-time test)."""
+    emb = embed[batch.tokens]
+    past = None
+    hidden_in = batch.feats
+    outs = []
+    for k in range(1, steps + 1):
+        allowed = ttt_mask(batch.seq, batch.local, k)
+        h, past = head(emb, hidden_in, batch.positions, past, allowed)
+        outs.append(h)
+        hidden_in = shift_within_rows(h, batch.local)
+    return outs
+
+
+def soft_targets(topk_ids: torch.Tensor, topk_logp: torch.Tensor, t2d_index: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft ids ``[N, k]`` (0 where out of vocab), target probs ``[N, k]`` (0 where out of
+    vocab), and the in-vocab probability mass ``[N]``."""
+    d = t2d_index[topk_ids]
+    p = topk_logp.float().exp() * (d >= 0)
+    return d.clamp(min=0), p, p.sum(-1)
+
+
+def step_loss(logits: torch.Tensor, d: torch.Tensor, p: torch.Tensor, mass: torch.Tensor,
+              weight: torch.Tensor) -> torch.Tensor:
+    """Weighted soft cross-entropy against ``p`` renormalised over the draft vocabulary."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    pn = p / mass.clamp(min=1e-9)[:, None]
+    ce = -(pn * logq.gather(1, d)).sum(-1)
+    w = weight * (mass > 0)
+    return (ce * w).sum() / w.sum().clamp(min=1e-9)
+
+
+@torch.no_grad()
+def step_metrics(logits: torch.Tensor, batch: Batch, draft_ids: torch.Tensor, t2d_index: torch.Tensor,
+                 mask: torch.Tensor) -> dict[str, float]:
+    """Sums over ``mask`` positions: top-1 agreement with the target's argmax, and the T=1
+    acceptance proxy ``sum_x min(p, q)`` as a lower bound (top-k of p only) and an upper
+    bound (adding ``min(p outside top-k, q outside top-k)``)."""
+    logits, tk_ids, tk_lp = logits[mask].float(), batch.topk_ids[mask], batch.topk_logp[mask]
+    q = torch.softmax(logits, dim=-1)
+    top1 = draft_ids[logits.argmax(-1)] == tk_ids[:, 0]
+    d, p, _ = soft_targets(tk_ids, tk_lp, t2d_index)
+    qk = q.gather(1, d) * (p > 0)
+    lower = torch.minimum(p, qk).sum(-1)
+    p_rest = (1 - tk_lp.float().exp().sum(-1)).clamp(min=0)
+    q_rest = (1 - qk.sum(-1)).clamp(min=0)
+    upper = lower + torch.minimum(p_rest, q_rest)
+    return {"n": float(mask.sum()), "top1": float(top1.sum()), "accept_lo": float(lower.sum()),
+            "accept_hi": float(upper.sum())}
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, embed: torch.Tensor, examples: Sequence[Example], *, steps: int,
+             chunk_tokens: int, draft_ids: torch.Tensor, t2d_index: torch.Tensor,
+             autocast: bool = False, scale: torch.Tensor | None = None) -> dict[str, float]:
+    """Per-step top-1 accuracy and T=1 acceptance proxy on the response positions."""
+    head.eval()
+    tot: dict[int, dict[str, float]] = {}
+    loss_sum, loss_n = 0.0, 0
+    for chunk in pack(examples, chunk_tokens):
+        b = collate([examples[i] for i in chunk], scale)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outs = ttt_forward(head, embed, b, steps)
+        d, p, mass = soft_targets(b.topk_ids, b.topk_logp, t2d_index)
+        for k, h in enumerate(outs, 1):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = head.draft_logits(h)
+            valid = b.response & (b.local >= k - 1)
+            m = step_metrics(logits, b, draft_ids, t2d_index, valid)
+            acc = tot.setdefault(k, dict.fromkeys(m, 0.0))
+            for key, v in m.items():
+                acc[key] += v
+            if k == 1:
+                loss_sum += float(step_loss(logits, d, p, mass, valid.float())) * float(valid.sum())
+                loss_n += int(valid.sum())
+    out = {"loss_step1": loss_sum / max(loss_n, 1)}
+    for k, acc in tot.items():
+        n = max(acc["n"], 1.0)
+        out[f"top1_step{k}"] = acc["top1"] / n
+        out[f"accept_lo_step{k}"] = acc["accept_lo"] / n
+        out[f"accept_hi_step{k}"] = acc["accept_hi"] / n
+        out[f"positions_step{k}"] = acc["n"]
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# The training loop
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class TrainConfig:
+    epochs: int = 3
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup_frac: float = 0.05
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    chunk_tokens: int = 1024
+    ttt_steps: int = 2
+    step_decay: float = 0.8
+    prompt_weight: float = 0.3
+    autocast_bf16: bool = True
+    seed: int = 0
+    ckpt_every: int = 50
+    log_every: int = 10
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warmup then cosine decay to ``min_lr_ratio * lr``."""
+    warm = max(1, int(total * cfg.warmup_frac))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, total - warm)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def save_checkpoint(path: str, head: Eagle3Head, opt: torch.optim.Optimizer, step: int,
+                    extra: dict | None = None) -> None:
+    tmp = path + ".tmp"
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
+                "config": head.config.to_dict(), "extra": extra or {}}, tmp)
+    os.replace(tmp, path)
+
+
+def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex: Sequence[Example], cfg: TrainConfig, *,
+               ckpt_path: str | None = None, resume: bool = False, log_path: str | None = None,
+               progress: bool = True, max_steps: int | None = None,
+               on_epoch_end: Callable[[int], dict] | None = None,
+               scale: torch.Tensor | None = None) -> dict:
+    """Train ``head`` in place; returns a summary (steps, wall time, last losses).
+
+    Resumable: with ``resume`` and an existing ``ckpt_path``, head, optimiser and step are
+    restored and the run continues at the next chunk of the same (seeded) epoch order.
+    ``max_steps`` stops early (for tests) without changing the schedule.
+    ``on_epoch_end(epoch)`` runs after each epoch's last chunk (e.g. held-out evaluation);
+    what it returns is logged and collected in the summary's ``epoch_evals``.
+    ``scale``: per-channel feature preconditioner (``feature_scale``), or None.
+    """
+    from tqdm import tqdm
+
+    draft_ids = head.target_ids().cpu()
+    t2d_index = target_to_draft_index(draft_ids, head.config.vocab_size)
+    epochs_chunks = [pack(train_ex, cfg.chunk_tokens, seed=cfg.seed + e) for e in range(cfg.epochs)]
+    schedule = [(e, c) for e, chunks in enumerate(epochs_chunks) for c in chunks]
+    total = len(schedule)
+    params = [p for n, p in head.named_parameters()]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    start = 0
+    if resume and ckpt_path and os.path.exists(ckpt_path):
+        ck = torch.load(ckpt_path, weights_only=False)
+        head.load_state_dict(ck["head"])
+        opt.load_state_dict(ck["opt"])
+        start = int(ck["step"])
+    head.train()
+    t0 = time.time()
+    log = open(log_path, "a") if log_path else None
+    history = []
+    epoch_evals: list[dict] = []
+    end = total if max_steps is None else min(total, max_steps)
+    bar = tqdm(range(start, end), desc="train", unit="chunk", disable=not progress, dynamic_ncols=True,
+               initial=start, total=end)
+    for step in bar:
+        epoch, chunk = schedule[step]
+        b = collate([train_ex[i] for i in chunk], scale)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, cfg)
+        d, p, mass = soft_targets(b.topk_ids, b.topk_logp, t2d_index)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+            outs = ttt_forward(head, embed, b, cfg.ttt_steps)
+            losses = []
+            for k, h in enumerate(outs, 1):
+                w = b.weight * (b.local >= k - 1)
+                sel = w > 0
+                logits = head.draft_logits(h[sel])
+                losses.append(step_loss(logits, d[sel], p[sel], mass[sel], w[sel]))
+        loss = sum(cfg.step_decay ** k * l for k, l in enumerate(losses))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        opt.step()
+        rec = {"step": step + 1, "epoch": epoch, "loss": loss.item(), "grad_norm": float(gn),
+               "lr": opt.param_groups[0]["lr"], **{f"loss_step{k}": l.item() for k, l in enumerate(losses, 1)},
+               "elapsed_s": time.time() - t0}
+        history.append(rec)
+        bar.set_postfix(ep=epoch, loss=f"{rec['loss']:.3f}", l1=f"{rec['loss_step1']:.3f}")
+        if log and (step + 1) % cfg.log_every == 0:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        if ckpt_path and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
+            save_checkpoint(ckpt_path, head, opt, step + 1, {"train_config": asdict(cfg)})
+        last_of_epoch = step + 1 == total or schedule[step + 1][0] != epoch
+        if on_epoch_end is not None and last_of_epoch:
+            ev = {"epoch": epoch, "step": step + 1, "elapsed_s": time.time() - t0, **on_epoch_end(epoch)}
+            head.train()
+            epoch_evals.append(ev)
+            if log:
+                log.write(json.dumps({"eval": ev}) + "\n")
+                log.flush()
+    if log:
+        log.close()
+    head.eval()
+    return {"steps_total": total, "steps_done": end, "started_at_step": start,
+            "wall_s": time.time() - t0, "last": history[-1] if history else None, "history": history,
+            "epoch_evals": epoch_evals}
