@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(d)
     _add_tree(d)
 
+    t = sub.add_parser("train-draft", help="train an EAGLE-3 head for SmolLM2 on its own samples",
+                       description="Self-distil SmolLM2-135M-Instruct and train an EAGLE-3-style draft "
+                                   "head (see docs/train.md); all arguments go to the trainer.",
+                       add_help=False)
+    t.add_argument("rest", nargs=argparse.REMAINDER, help="trainer arguments (try --help)")
+
     b = sub.add_parser("bench", help="benchmarks: planner (reference vs numba passes), kernels",
                        description="Run a benchmark script and print measured numbers.")
     b.add_argument("what", choices=["decode", "kernels", "planner"],
@@ -293,10 +299,18 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return {}
 
 
+def cmd_train_draft(args) -> int:
+    from rheoplan.train.cli import main as train_main
+
+    return train_main(args.rest) or 0
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     subs = _subparsers(parser)
+    if argv[:1] == ["train-draft"]:  # the trainer owns its flags (and its --help)
+        return cmd_train_draft(argparse.Namespace(rest=argv[1:]))
     if argv and not argv[0].startswith("-") and argv[0] not in subs:
         parser.print_usage(sys.stderr)
         print(f"rheoplan: error: unknown command {argv[0]!r}{_suggest(argv[0], subs)}; "
@@ -314,7 +328,8 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"generate": cmd_generate, "dump": cmd_dump, "bench": cmd_bench}[args.command]
+    handler = {"generate": cmd_generate, "dump": cmd_dump, "bench": cmd_bench,
+               "train-draft": cmd_train_draft}[args.command]
     try:
         return handler(args)
     except ValueError as exc:  # bad input (ConfigError included): one clear line, no traceback
