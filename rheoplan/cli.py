@@ -14,11 +14,12 @@ from pathlib import Path
 DEFAULT_PROMPT = "Write a short poem about the sea."
 
 
-#: CLI defaults (a 16-node tree suits a CPU; see docs/concepts.md "Defaults").
+#: CLI defaults: an 8-node tree was the fastest of the shapes measured on a 2-core CPU with the
+#: shipped head (docs/results.md; docs/concepts.md "Defaults").
 #: Precedence: these < a --config file < flags given on the command line.
 DEFAULTS = {
     "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0,
-    "method": "rheo", "depth": 5, "frontier": 4, "slots": 4, "budget": 16, "rheostat": 1,
+    "method": "rheo", "depth": 4, "frontier": 3, "slots": 3, "budget": 8, "rheostat": 1,
     "support": 128, "verifier": "ot", "proxy": "default",
 }
 METHODS = ("rheo", "eagle", "chain", "autoregressive")
@@ -39,10 +40,10 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", choices=METHODS,
                    help="rheo: RheoSampling (default); eagle: one-hot dynamic top-K tree; "
                         "chain: chain speculative sampling; autoregressive: no draft")
-    g.add_argument("--depth", type=int, help="tree depth D (default 5)")
-    g.add_argument("--frontier", type=int, help="nodes expanded per depth k (default 4)")
-    g.add_argument("--slots", type=int, help="children per expanded node K (default 4)")
-    g.add_argument("--budget", type=int, help="drafted nodes kept N (default 16)")
+    g.add_argument("--depth", type=int, help="tree depth D (default 4)")
+    g.add_argument("--frontier", type=int, help="nodes expanded per depth k (default 3)")
+    g.add_argument("--slots", type=int, help="children per expanded node K (default 3)")
+    g.add_argument("--budget", type=int, help="drafted nodes kept N (default 8)")
     g.add_argument("--rheostat", type=int, help="deterministic slots m, 0..K (default 1)")
     g.add_argument("--support", type=int, help="sparse draft support S (default 128)")
     g.add_argument("--verifier", choices=VERIFIERS, help="coupling (default ot)")

@@ -29,6 +29,8 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
         return out
     x = x / sampling.temperature
     V = x.shape[-1]
+    if not (0 < sampling.top_k < V) and sampling.top_p >= 1.0:
+        return torch.softmax(x, dim=-1)  # no filter: skip the full-vocabulary sort
     order = torch.sort(x, dim=-1, descending=True, stable=True).indices
     ranked = torch.gather(x, -1, order)
     keep = torch.ones_like(ranked, dtype=torch.bool)

@@ -192,10 +192,12 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6, 1.0])
     ap.add_argument("--methods", nargs="+", default=None,
                     help="subset of methods (default: all); see the module docstring for names")
-    ap.add_argument("--depth", type=int, default=5)
-    ap.add_argument("--frontier", type=int, default=4)
-    ap.add_argument("--slots", type=int, default=4)
-    ap.add_argument("--budget", type=int, default=16)
+    from rheoplan.cli import DEFAULTS
+
+    ap.add_argument("--depth", type=int, default=DEFAULTS["depth"])
+    ap.add_argument("--frontier", type=int, default=DEFAULTS["frontier"])
+    ap.add_argument("--slots", type=int, default=DEFAULTS["slots"])
+    ap.add_argument("--budget", type=int, default=DEFAULTS["budget"])
     ap.add_argument("--draft", default="auto", help="as for rheoplan generate (default auto)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default="bench_out", help="run records and plots (default bench_out)")
@@ -224,8 +226,10 @@ def main(argv=None) -> int:
 
         model, tok, draft = load_default(argparse.Namespace(method="rheo", draft=args.draft))
         todo = [(all_methods[n], t, s) for t in args.temperatures for s in args.seeds for n in names
-                # greedy decoding is deterministic: one seed is enough
-                if not (t == 0 and s != args.seeds[0])]
+                # greedy decoding is deterministic: one seed is enough; and at T = 0 every
+                # RheoSampling variant is EAGLE's tree (no sampled slot), so one variant shows it
+                if not (t == 0 and s != args.seeds[0])
+                and not (t == 0 and n.startswith("rheo-") and n != "rheo-m1-ot")]
         bar = tqdm(todo, desc="bench", unit="run")
         for method, t, s in bar:
             rec_path = runs_dir / f"{method.name}_T{t}_s{s}_p{len(prompts)}_n{args.tokens}.json"
