@@ -301,6 +301,8 @@ def _decode(tgt, draft, prompt_ids, max_new_tokens, sampling, tree, seed, stream
     tgt.start(ids)
     if drf is not None:
         drf.start(ids)
+        if _target_has_draft_prompt_features(tgt, drf):
+            drf.set_prompt_features(tgt.prompt_features())
     root, prefix_len, step = ids[-1], len(ids) - 1, 0
     while len(result.tokens) < max_new_tokens:
         st = StepStats(0, 0, 0, 0, 0)
@@ -370,6 +372,20 @@ def _decode(tgt, draft, prompt_ids, max_new_tokens, sampling, tree, seed, stream
     if bar is not None:
         bar.close()
     return result
+
+
+def _target_has_draft_prompt_features(tgt, drf) -> bool:
+    """True when an EAGLE-3 draft would read its prompt features from the very model the
+    target adapter wraps, and the adapter already captured those layers in its prefill:
+    handing them over saves the draft a second forward over the whole prompt."""
+    src = getattr(drf, "features_from", None)
+    if src is None or src is not getattr(tgt, "model", None) or not hasattr(drf, "set_prompt_features"):
+        return False
+    from rheoplan.models.hf_target import eagle3_layers
+
+    layers = getattr(tgt, "capture_layers", None)
+    n_layers = len(getattr(tgt.model.base_model, "layers", ()))
+    return layers is not None and list(layers) == eagle3_layers(n_layers)
 
 
 def _default_passes():

@@ -203,6 +203,27 @@ def test_greedy_parity_with_generate(greedy_models, draft_kind, tree_name):
     assert sum(len(layer._forward_pre_hooks) for layer in target.model.layers) == 0
 
 
+def test_eagle3_prompt_features_come_from_the_target_prefill(greedy_models, monkeypatch):
+    """A head told to read features from the target model reuses the target adapter's
+    capturing prefill instead of running a second prompt forward (and stays exact)."""
+    from rheoplan.models import hf_target
+
+    target = greedy_models[0]
+    starts = []
+    original = hf_target.HFTarget.start
+
+    def counting_start(self, ids):
+        starts.append(len(ids))
+        return original(self, ids)
+
+    monkeypatch.setattr(hf_target.HFTarget, "start", counting_start)
+    prompt = [1, 2, 3, 4]
+    r = plan_and_decode(target, _draft("eagle3", greedy_models), prompt, max_new_tokens=10,
+                        sampling=GREEDY, tree=TREES[sorted(TREES)[0]], seed=0)
+    assert starts == [len(prompt)], "the draft ran its own prompt prefill"
+    assert r.tokens == greedy_reference(target, prompt, 10)
+
+
 def test_greedy_parity_autoregressive(greedy_models):
     target = greedy_models[0]
     prompt = [7]
