@@ -1,0 +1,82 @@
+"""The command line: argument errors are one clear line before any model loads; config
+files are strict; mistyped commands and flags get a suggestion."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rheoplan import cli
+
+
+def run(argv, capsys):
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    return rc, err
+
+
+@pytest.fixture(autouse=True)
+def no_model_loading(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded although the arguments were invalid")
+
+    monkeypatch.setattr(cli, "load_default", refuse)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["generate", "--temperature", "-1"], "temperature=-1.0 is out of range"),
+    (["generate", "--top-p", "0"], "top_p=0.0 is out of range"),
+    (["generate", "--rheostat", "9"], "rheostat=9 is out of range: allowed in [0, 3]"),
+    (["generate", "-n", "0"], "--max-new-tokens=0 is out of range"),
+    (["generate", "--draft", "foo"], "--draft='foo' is not understood"),
+    (["generate", "--draft", "eagle3:/no/such/dir"], "is not a directory"),
+    (["dump", "--method", "autoregressive"], "has no draft tree to dump"),
+])
+def test_bad_values_fail_before_loading(argv, needle, capsys):
+    rc, err = run(argv, capsys)
+    assert rc == 2 and needle in err
+
+
+def test_typo_in_flag_gets_a_suggestion(capsys):
+    rc, err = run(["generate", "--temprature", "1"], capsys)
+    assert rc == 2 and "did you mean --temperature?" in err
+
+
+def test_typo_in_command_gets_a_suggestion(capsys):
+    rc, err = run(["generat"], capsys)
+    assert rc == 2 and "did you mean generate?" in err
+
+
+def test_no_command_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "generate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, needle", [
+    ({"tree": {"depth": 3, "verifer": "ot"}}, "unknown option 'verifer'"),
+    ({"depth": "3"}, "depth='3' must be an int"),
+    ({"method": "fast"}, "method='fast' is not one of"),
+    ([1, 2], "must hold one object"),
+])
+def test_invalid_config_file(tmp_path, content, needle, capsys):
+    f = tmp_path / "cfg.json"
+    f.write_text(json.dumps(content))
+    rc, err = run(["generate", "--config", str(f)], capsys)
+    assert rc == 2 and needle in err
+
+
+def test_config_file_then_flags_override(tmp_path):
+    f = tmp_path / "cfg.toml"
+    f.write_text('depth = 3\nbudget = 6\n[sampling]\ntemperature = 0.5\n')
+    args = cli.build_parser().parse_args(["generate", "--config", str(f), "--budget", "5"])
+    tree = cli.tree_config_from(args)
+    assert (tree.depth, tree.budget, args.temperature) == (3, 5, 0.5)
+    assert tree.frontier == cli.DEFAULTS["frontier"]
+
+
+def test_unparsable_config(tmp_path, capsys):
+    f = tmp_path / "cfg.toml"
+    f.write_text("depth = = 3")
+    rc, err = run(["generate", "--config", str(f)], capsys)
+    assert rc == 2 and "is not valid TOML" in err
