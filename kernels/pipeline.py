@@ -32,6 +32,7 @@ from rheoplan.kernels.plan.cpu import frontier_rows, linearize as linearize_kern
 from rheoplan.kernels.slot_expansion.cpu import PROXY_CODES, rank_support_rows, tail_mass
 from rheoplan.pipeline import FnPass, PassContext, Repeat
 from rheoplan.planner.assign import GumbelSampler
+from rheoplan.planner.expand import check_can_expand, check_draft_logits
 from rheoplan.rng import Purpose, Streams, philox_counter
 
 _DET, _SAMPLED, _PAD = int(NodeKind.DET), int(NodeKind.SAMPLED), int(NodeKind.PAD)
@@ -170,10 +171,7 @@ _EXPAND_FIELDS = ("n_nodes", "n_expanded", "expanded", "exp_row", "exp_node", "s
 def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     """``planner.expand.expand`` with numba frontier selection, top-S and slot writes."""
     cfg = ctx.tree_cfg
-    if tree.cur_depth >= cfg.depth:
-        raise ValueError(f"tree already has depth {tree.cur_depth} = depth={cfg.depth}")
-    if ctx.draft is None:
-        raise ValueError("expand needs ctx.draft, the draft-forward callback")
+    check_can_expand(tree, ctx)
     K, m, B = tree.slots, tree.rheostat, tree.batch
     k = 1 if tree.cur_depth == 0 else cfg.frontier
     nodes_np = np.empty((B, k), dtype=np.int64)
@@ -183,11 +181,7 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     width = int(count.max())
     nodes = torch.from_numpy(nodes_np[:, :width].copy())
     logits = ctx.draft(tree, nodes)
-    if logits.dim() != 3 or logits.shape[:2] != (B, width):
-        raise ValueError(f"draft returned logits of shape {tuple(logits.shape)}, expected ({B}, {width}, V)")
-    V = logits.shape[-1]
-    if K > min(cfg.support, V):
-        raise ValueError(f"slots={K} exceeds the draft support min(support={cfg.support}, vocab={V})")
+    V = check_draft_logits(logits, B, width, K, cfg.support)
     rows_b = np.empty(B * width, dtype=np.int64)
     rows_v = np.empty(B * width, dtype=np.int64)
     R = _frontier_rows(nodes_np, count, rows_b, rows_v)

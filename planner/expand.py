@@ -61,12 +61,27 @@ def select_frontier(tree: DraftTree, b: int, k: int) -> list[int]:
     return [int(i) for i in ids[order[:k]]]
 
 
-def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
-    cfg = ctx.tree_cfg
-    if tree.cur_depth >= cfg.depth:
-        raise ValueError(f"tree already has depth {tree.cur_depth} = depth={cfg.depth}")
+def check_can_expand(tree: DraftTree, ctx: PassContext) -> None:
+    """Refuse to grow past ``depth`` or without a draft callback (shared with the kernel pass)."""
+    if tree.cur_depth >= ctx.tree_cfg.depth:
+        raise ValueError(f"tree already has depth {tree.cur_depth} = depth={ctx.tree_cfg.depth}")
     if ctx.draft is None:
         raise ValueError("expand needs ctx.draft, the draft-forward callback")
+
+
+def check_draft_logits(logits: torch.Tensor, B: int, width: int, K: int, support: int) -> int:
+    """Check the draft's answer ``[B, width, V]`` and that K distinct slots fit; return V."""
+    if logits.dim() != 3 or logits.shape[:2] != (B, width):
+        raise ValueError(f"draft returned logits of shape {tuple(logits.shape)}, expected ({B}, {width}, V)")
+    V = logits.shape[-1]
+    if K > min(support, V):
+        raise ValueError(f"slots={K} exceeds the draft support min(support={support}, vocab={V})")
+    return V
+
+
+def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
+    cfg = ctx.tree_cfg
+    check_can_expand(tree, ctx)
     K, m = tree.slots, tree.rheostat
     B = tree.batch
     frontiers = [select_frontier(tree, b, 1 if tree.cur_depth == 0 else cfg.frontier) for b in range(B)]
@@ -75,11 +90,7 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     for b, f in enumerate(frontiers):
         nodes[b, :len(f)] = torch.tensor(f, dtype=torch.int64)
     logits = ctx.draft(tree, nodes)
-    if logits.dim() != 3 or logits.shape[:2] != (B, width):
-        raise ValueError(f"draft returned logits of shape {tuple(logits.shape)}, expected ({B}, {width}, V)")
-    V = logits.shape[-1]
-    if K > min(cfg.support, V):
-        raise ValueError(f"slots={K} exceeds the draft support min(support={cfg.support}, vocab={V})")
+    V = check_draft_logits(logits, B, width, K, cfg.support)
 
     t = tree.clone()
     for b, frontier in enumerate(frontiers):

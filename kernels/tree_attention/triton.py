@@ -16,6 +16,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _online_softmax_step(qv, k, v, visible, m_i, l_i, acc, SCALE: tl.constexpr):
+    """Fold one key/value tile into the running (max, sum, output) of an online softmax.
+    Rows with nothing visible yet keep max -inf; ``m_safe`` avoids inf - inf there."""
+    s = tl.where(visible, tl.dot(qv, tl.trans(k)) * SCALE, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    pr = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(pr, v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def tree_attention_kernel(q_ptr, kc_ptr, vc_ptr, kt_ptr, vt_ptr, prefix_ptr, bits_ptr, out_ptr,
                           Hq, Hkv, L, P, W, SCALE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -40,14 +54,7 @@ def tree_attention_kernel(q_ptr, kc_ptr, vc_ptr, kt_ptr, vt_ptr, prefix_ptr, bit
         vp = vc_ptr + base[:, None] * D + dd[None, :]
         k = tl.load(kp, mask=(cols < P)[:, None], other=0.0).to(tl.float32)
         v = tl.load(vp, mask=(cols < P)[:, None], other=0.0).to(tl.float32)
-        s = tl.where(visible, tl.dot(qv, tl.trans(k)) * SCALE, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        pr = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(pr, v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(qv, k, v, visible, m_i, l_i, acc, SCALE)
     for start in range(0, L, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         words = tl.load(bits_ptr + (b * L + rows[:, None]) * W + cols[None, :] // 64,
@@ -56,14 +63,7 @@ def tree_attention_kernel(q_ptr, kc_ptr, vc_ptr, kt_ptr, vt_ptr, prefix_ptr, bit
         base = (b * Hkv + hk) * L + cols
         k = tl.load(kt_ptr + base[:, None] * D + dd[None, :], mask=(cols < L)[:, None], other=0.0).to(tl.float32)
         v = tl.load(vt_ptr + base[:, None] * D + dd[None, :], mask=(cols < L)[:, None], other=0.0).to(tl.float32)
-        s = tl.where(visible, tl.dot(qv, tl.trans(k)) * SCALE, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        pr = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(pr, v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(qv, k, v, visible, m_i, l_i, acc, SCALE)
     out = acc / l_i[:, None]  # nothing visible: 0/0 = NaN, as SDPA
     tl.store(out_ptr + ((b * Hq + h) * L + rows[:, None]) * D + dd[None, :], out.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None])
