@@ -14,8 +14,9 @@ from pathlib import Path
 DEFAULT_PROMPT = "Write a short poem about the sea."
 
 
-#: CLI defaults: an 8-node tree was the fastest of the shapes measured on a 2-core CPU with the
-#: shipped head (docs/results.md; docs/concepts.md "Defaults").
+#: CLI defaults: with a bfloat16 target (``--dtype auto`` on AMX CPUs) the 8-node tree was the
+#: fastest of the shapes measured on 2 cores with the shipped head; in float32 a 4-node tree is
+#: ~15% faster (docs/results.md "Tree size on this CPU"; docs/concepts.md "Defaults").
 #: Precedence: these < a --config file < flags given on the command line.
 DEFAULTS = {
     "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0,
@@ -109,6 +110,14 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "early-exit:6), 'eagle3:DIR' (an EAGLE-3 checkpoint), 'early-exit:L' (the "
                         "target's first L layers, no training) (default auto)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    add_dtype(g)
+
+
+def add_dtype(p) -> None:
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="target weights and activations: 'auto' = bfloat16 on CPUs with AMX bf16 "
+                        "(a wide verify forward then costs about one token's), else float32 "
+                        "(default auto). The draft head stays float32")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,10 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     t.add_argument("rest", nargs=argparse.REMAINDER, help="trainer arguments (try --help)")
 
-    b = sub.add_parser("bench", help="benchmarks: planner (reference vs numba passes), kernels",
+    b = sub.add_parser("bench", help="benchmarks: decode (side by side on SmolLM2), cost, kernels, planner",
                        description="Run a benchmark script and print measured numbers.")
-    b.add_argument("what", choices=["decode", "kernels", "planner"],
+    b.add_argument("what", choices=["decode", "cost", "kernels", "planner"],
                    help="decode: side-by-side decode benchmark on SmolLM2 (writes a report); "
+                        "cost: where a step's time goes and the break-even accepted length; "
                         "kernels: numba/Triton kernels vs references; planner: reference vs numba passes")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     return parser
@@ -188,9 +198,13 @@ def load_default(args):
     """(target model, tokenizer, draft model or None) for the CLI."""
     from rheoplan.models.smollm import load_smollm2
 
+    from rheoplan.models.smollm import resolve_dtype
+
     t0 = time.perf_counter()
-    print("loading SmolLM2-135M-Instruct ...", file=sys.stderr, flush=True)
-    model, tok = load_smollm2()
+    dtype = resolve_dtype(getattr(args, "dtype", "float32"))
+    print(f"loading SmolLM2-135M-Instruct ({str(dtype).removeprefix('torch.')}"
+          f"{', auto' if getattr(args, 'dtype', None) == 'auto' else ''}) ...", file=sys.stderr, flush=True)
+    model, tok = load_smollm2(dtype=dtype)
     draft = None
     if args.method != "autoregressive":
         kind, arg = _parse_draft_spec(args.draft)
@@ -279,6 +293,8 @@ def cmd_dump(args) -> int:
 def cmd_bench(args) -> int:
     if args.what == "decode":
         from rheoplan.bench.decode import main as bench_main
+    elif args.what == "cost":
+        from rheoplan.bench.cost import main as bench_main
     elif args.what == "kernels":
         from rheoplan.bench.kernels import main as bench_main
     else:

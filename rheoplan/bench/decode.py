@@ -73,6 +73,17 @@ def load_prompts(n: int) -> list[tuple[str, str]]:
     return mixed[:n]
 
 
+def plan_runs(names: list[str], temperatures: list[float], seeds: list[int]) -> list[tuple[str, float, int]]:
+    """The (method, temperature, seed) runs to do, in order.
+
+    At T = 0 every RheoSampling variant is EAGLE's tree (no slot is sampled), so one
+    variant (``rheo-m1-ot``) stands for all of them. Greedy tokens do not depend on the
+    seed, but each seed still repeats the timing: that is what the spread at T = 0 shows.
+    """
+    return [(n, t, s) for t in temperatures for s in seeds for n in names
+            if not (t == 0 and n.startswith("rheo-") and n != "rheo-m1-ot")]
+
+
 def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed: int, tokens: int) -> dict:
     """One (method, temperature, seed) run over all prompts; returns the aggregate record."""
     from rheoplan.cli import encode_prompt
@@ -81,6 +92,7 @@ def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed
     sampling = SamplingConfig(temperature=temperature)
     n_tok = n_steps = acc = trials = 0
     seconds = 0.0
+    phases: dict[str, float] = {}  # plan_and_decode's per-phase seconds, summed over prompts
     for j, (_, prompt) in enumerate(prompts):
         ids = encode_prompt(tok, prompt, chat=True)
         if method.tree is None:
@@ -103,29 +115,34 @@ def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed
             n_steps += len(r.steps)
             acc += sum(s.accepted for s in r.steps)
             trials += sum(s.trials for s in r.steps)
+            for k, v in r.phase_totals().items():
+                phases[k] = phases.get(k, 0.0) + v
     return {"method": method.name, "temperature": temperature, "seed": seed, "prompts": len(prompts),
             "tokens": n_tok, "steps": n_steps, "seconds": seconds,
             "tokens_per_second": n_tok / seconds if seconds else float("nan"),
             "mean_accepted_length": n_tok / n_steps if n_steps else float("nan"),
             "acceptance": acc / trials if trials else float("nan"),
-            "tree": None if method.tree is None else method.tree.as_dict()}
+            "phase_seconds": phases,
+            "tree": None if method.tree is None else method.tree.as_dict(),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
 
 
 def summarise(records: list[dict]) -> list[dict]:
     """Median and spread (min-max) over seeds for each (method, temperature)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["method"], r["temperature"]), []).append(r)
-    ar = {t: statistics.median(x["tokens_per_second"] for x in rs)
-          for (m, t), rs in groups.items() if m == "ar-hf"}
+        # records from before the dtype field were all float32
+        groups.setdefault((r["method"], r["temperature"], r.get("dtype", "float32")), []).append(r)
+    ar = {(t, d): statistics.median(x["tokens_per_second"] for x in rs)
+          for (m, t, d), rs in groups.items() if m == "ar-hf"}
     rows = []
-    for (m, t), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (m, t, d), rs in sorted(groups.items(), key=lambda kv: (kv[0][2] != "float32", kv[0][2], kv[0][1], kv[0][0])):
         def stat(key):
             xs = [x[key] for x in rs]
             return statistics.median(xs), min(xs), max(xs)
         tau, acc, tps = stat("mean_accepted_length"), stat("acceptance"), stat("tokens_per_second")
-        rows.append({"method": m, "temperature": t, "seeds": len(rs), "tau": tau, "acceptance": acc,
-                     "tps": tps, "speedup": tps[0] / ar[t] if t in ar else float("nan")})
+        rows.append({"method": m, "temperature": t, "dtype": d, "seeds": len(rs), "tau": tau, "acceptance": acc,
+                     "tps": tps, "speedup": tps[0] / ar[t, d] if (t, d) in ar else float("nan")})
     return rows
 
 
@@ -138,10 +155,10 @@ def _fmt(v, spread=None, pct=False):
 
 def report(records: list[dict], out_md: Path, plot_dir: Path) -> str:
     rows = summarise(records)
-    lines = ["| T | method | seeds | mean accepted length | per-token acceptance | tokens/s | speedup vs ar-hf |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | T | method | seeds | mean accepted length | per-token acceptance | tokens/s | speedup vs ar-hf |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['temperature']} | {r['method']} | {r['seeds']} | {_fmt(r['tau'][0], r['tau'][1:])} | "
+        lines.append(f"| {r['dtype']} | {r['temperature']} | {r['method']} | {r['seeds']} | {_fmt(r['tau'][0], r['tau'][1:])} | "
                      f"{_fmt(r['acceptance'][0], r['acceptance'][1:], pct=True)} | {_fmt(r['tps'][0], r['tps'][1:])} | "
                      f"{_fmt(r['speedup'])}x |")
     table = "\n".join(lines)
@@ -161,24 +178,41 @@ def _plots(rows: list[dict], plot_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     plot_dir.mkdir(parents=True, exist_ok=True)
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        suffix = "" if dtype == "float32" else f"_{dtype}"  # float32 keeps the historical names
+        _plot_dtype([r for r in rows if r["dtype"] == dtype], plot_dir, dtype, suffix, plt)
+
+
+def _plot_dtype(rows: list[dict], plot_dir: Path, dtype: str, suffix: str, plt) -> None:
     temps = sorted({r["temperature"] for r in rows})
     methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "ar-hf"]
-    for key, label, fname in (("tau", "mean accepted length", "accepted_length.png"),
-                              ("speedup", "speedup vs transformers generate", "speedup.png")):
+    for key, label, fname in (("tau", "mean accepted length", f"accepted_length{suffix}.png"),
+                              ("speedup", "speedup vs transformers generate", f"speedup{suffix}.png")):
         fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(methods)), 4))
         width = 0.8 / max(1, len(temps))
         for i, t in enumerate(temps):
-            vals = []
+            vals, lo, hi = [], [], []
             for m in methods:
                 r = next((r for r in rows if r["method"] == m and r["temperature"] == t), None)
-                v = r[key][0] if (r and key == "tau") else (r[key] if r else float("nan"))
+                if r is None:
+                    v = a = b = float("nan")
+                elif key == "tau":
+                    v, a, b = r["tau"]
+                else:  # speedup's spread: the method's min-max tokens/s over the same median
+                    v = r["speedup"]
+                    a, b = (v * r["tps"][1] / r["tps"][0], v * r["tps"][2] / r["tps"][0])
                 vals.append(v)
-            ax.bar([x + i * width for x in range(len(methods))], vals, width, label=f"T={t}")
+                lo.append(v - a)
+                hi.append(b - v)
+            ax.bar([x + i * width for x in range(len(methods))], vals, width, label=f"T={t}",
+                   yerr=[lo, hi], capsize=2, error_kw={"lw": 0.8})
         ax.set_xticks([x + width * (len(temps) - 1) / 2 for x in range(len(methods))])
         ax.set_xticklabels(methods, rotation=30, ha="right")
         ax.set_ylabel(label)
-        ax.legend()
-        ax.set_title(f"SmolLM2-135M on CPU: {label}")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+        if key == "speedup":
+            ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_title(f"SmolLM2-135M {dtype}, CPU: {label}\n(median; whiskers: min-max over seeds)", fontsize=10)
         fig.tight_layout()
         fig.savefig(plot_dir / fname, dpi=110)
         plt.close(fig)
@@ -192,13 +226,14 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6, 1.0])
     ap.add_argument("--methods", nargs="+", default=None,
                     help="subset of methods (default: all); see the module docstring for names")
-    from rheoplan.cli import DEFAULTS
+    from rheoplan.cli import DEFAULTS, add_dtype
 
     ap.add_argument("--depth", type=int, default=DEFAULTS["depth"])
     ap.add_argument("--frontier", type=int, default=DEFAULTS["frontier"])
     ap.add_argument("--slots", type=int, default=DEFAULTS["slots"])
     ap.add_argument("--budget", type=int, default=DEFAULTS["budget"])
     ap.add_argument("--draft", default="auto", help="as for rheoplan generate (default auto)")
+    add_dtype(ap)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default="bench_out", help="run records and plots (default bench_out)")
     ap.add_argument("--report-md", default=None, help="write the table here too (e.g. docs/results_table.md)")
@@ -224,15 +259,12 @@ def main(argv=None) -> int:
 
         from rheoplan.cli import load_default
 
-        model, tok, draft = load_default(argparse.Namespace(method="rheo", draft=args.draft))
-        todo = [(all_methods[n], t, s) for t in args.temperatures for s in args.seeds for n in names
-                # greedy decoding is deterministic: one seed is enough; and at T = 0 every
-                # RheoSampling variant is EAGLE's tree (no sampled slot), so one variant shows it
-                if not (t == 0 and s != args.seeds[0])
-                and not (t == 0 and n.startswith("rheo-") and n != "rheo-m1-ot")]
+        model, tok, draft = load_default(argparse.Namespace(method="rheo", draft=args.draft, dtype=args.dtype))
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        todo = [(all_methods[n], t, s) for n, t, s in plan_runs(names, args.temperatures, args.seeds)]
         bar = tqdm(todo, desc="bench", unit="run")
         for method, t, s in bar:
-            rec_path = runs_dir / f"{method.name}_T{t}_s{s}_p{len(prompts)}_n{args.tokens}.json"
+            rec_path = runs_dir / f"{method.name}_T{t}_s{s}_p{len(prompts)}_n{args.tokens}_{dtype}.json"
             bar.set_postfix_str(f"{method.name} T={t} seed={s}")
             if rec_path.exists() and not args.no_resume:
                 continue

@@ -38,6 +38,13 @@ def test_bad_values_fail_before_loading(argv, needle, capsys):
     assert rc == 2 and needle in err
 
 
+def test_bad_dtype_names_the_choices(capsys):
+    with pytest.raises(SystemExit) as e:  # argparse's own choice check, before any loading
+        cli.main(["generate", "--dtype", "float16"])
+    assert e.value.code == 2
+    assert "argument --dtype: invalid choice: 'float16' (choose from 'auto', 'float32', 'bfloat16')" in capsys.readouterr().err
+
+
 def test_typo_in_flag_gets_a_suggestion(capsys):
     rc, err = run(["generate", "--temprature", "1"], capsys)
     assert rc == 2 and "did you mean --temperature?" in err

@@ -110,6 +110,26 @@ def test_hf_decode_loop_matches_exact_law(name, record_property):
     assert res.pvalue >= ALPHA, res
 
 
+@pytest.mark.no_ir_lint
+@pytest.mark.parametrize("mutations", [frozenset(), frozenset({"raw_q_ratio"})], ids=["exact", "raw_q_ratio"])
+def test_hf_decode_loop_bf16_target_matches_exact_law(mutations, record_property):
+    """The CLI's configuration on AMX CPUs: a bfloat16 target with a float32 draft. The
+    tree forward's logits may differ from a plain forward's by bf16 rounding; the sampled
+    law must still match the plain forward's law within what the test can see, and the
+    same test must catch a lossy verifier (control (b)) on this pair."""
+    kind, n, runs, cfg, s = HF_CASES["llama_pair_ot_m1"]
+    cfg = cfg.with_(verifier="rheo") if mutations else cfg
+    target = tiny_llama(0, layers=2, dtype=torch.bfloat16)
+    law = target_law(hf_as_functional(target), PREFIX, n, s)
+    res = chi_square(law, _sample(target, tiny_llama(1), n, runs, tree=cfg, sampling=s, mutations=mutations))
+    record_property("pvalue", res.pvalue)
+    if mutations:
+        assert res.pvalue < 1e-6, res
+    else:
+        assert res.unexpected == 0, res
+        assert res.pvalue >= ALPHA, res
+
+
 # --------------------------------------------------------------------------------------
 # Power: the same test fails for deliberately lossy variants run through the real loop
 # --------------------------------------------------------------------------------------
@@ -201,6 +221,20 @@ def test_greedy_parity_with_generate(greedy_models, draft_kind, tree_name):
     assert r.stopped_by == "max_new_tokens"
     # the adapter built inside the loop removed its EAGLE-3 capture hooks from the model
     assert sum(len(layer._forward_pre_hooks) for layer in target.model.layers) == 0
+
+
+@pytest.mark.parametrize("tree_name", sorted(TREES))
+def test_greedy_parity_bf16_target_fp32_head(greedy_models, tree_name):
+    """What ``rheoplan generate --dtype bfloat16`` runs: bf16 target, float32 EAGLE-3 head
+    (its inputs, the target's bf16 features, are cast to the head's dtype)."""
+    import copy
+
+    target = copy.deepcopy(greedy_models[0]).to(torch.bfloat16)
+    prompt, n = [1, 2, 3, 4], 16
+    want = greedy_reference(target, prompt, n)
+    r = plan_and_decode(target, _draft("eagle3", (target,) + tuple(greedy_models[1:])), prompt,
+                        max_new_tokens=n, sampling=GREEDY, tree=TREES[tree_name], seed=0)
+    assert r.tokens == want
 
 
 def test_eagle3_prompt_features_come_from_the_target_prefill(greedy_models, monkeypatch):

@@ -1,0 +1,70 @@
+"""``rheoplan bench cost``: the break-even arithmetic, the forward-cost curve (on a tiny
+random Llama: it must leave the cache as it found it) and argument checks that run
+before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from _bench_models import tiny_llama
+from rheoplan.bench import cost
+
+
+def _record(**kw):
+    rec = {"method": "rheo-m1-ot", "steps": 10, "seconds": 1.5, "mean_accepted_length": 2.0,
+           "tokens_per_second": 20 / 1.5,
+           "phase_seconds": {"draft": 0.2, "plan": 0.1, "verify_forward": 0.9, "walk": 0.1, "commit": 0.05}}
+    rec.update(kw)
+    return rec
+
+
+def test_breakdown_break_even_tau():
+    b = cost.breakdown(_record(), ar_ms_per_token=50.0)
+    assert b["step_ms"] == pytest.approx(150.0)
+    assert b["phase_ms"]["verify_forward"] == pytest.approx(90.0)
+    assert b["phase_ms"]["other"] == pytest.approx(150.0 - 135.0)  # wall time outside the phases
+    assert sum(b["phase_ms"].values()) == pytest.approx(b["step_ms"])
+    assert b["ms_per_token"] == pytest.approx(75.0)
+    assert b["break_even_tau"] == pytest.approx(3.0)  # 150 ms per step / 50 ms per AR token
+    assert b["tau_for_1_3x"] == pytest.approx(3.9)
+
+
+def test_breakdown_rejects_empty_runs():
+    with pytest.raises(ValueError, match="steps >= 1"):
+        cost.breakdown(_record(steps=0), 50.0)
+    with pytest.raises(ValueError, match="ar_ms_per_token > 0"):
+        cost.breakdown(_record(), 0.0)
+
+
+def test_forward_curve_reports_each_size():
+    # forward_curve asserts itself that every timed forward is cropped back off the cache
+    rows = cost.forward_curve(tiny_llama(0), list(range(1, 21)), [1, 3, 8], repeats=2)
+    assert [r["tokens"] for r in rows] == [1, 3, 8]
+    assert all(r["stack_ms"] > 0 and r["head_ms"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--sizes", "0", "4"], r"--sizes=\[0, 4\]: each must be in \[1, 256\]"),
+    (["--tokens", "0"], r"--tokens=0: allowed >= 1"),
+    (["--repeats", "0"], r"--repeats=0: allowed >= 1"),
+    (["--context", "0"], r"--context=0: allowed \[1, 4096\]"),
+    (["--prompts", "99"], r"--prompts=99 is out of range"),
+    (["--temperature", "-1"], r"temperature"),
+    (["--threads", "0"], r"--threads=0: allowed >= 1"),
+])
+def test_bad_arguments_fail_before_the_model_loads(monkeypatch, tmp_path, argv, match):
+    import rheoplan.cli as cli
+
+    monkeypatch.setattr(cli, "load_default", lambda *a: pytest.fail("model loaded before validation"))
+    with pytest.raises(ValueError, match=match):
+        cost.main(argv + ["--out", str(tmp_path)])
+
+
+def test_report_tables():
+    rows = [cost.breakdown(_record(), 50.0)]
+    text = cost.report(rows, [{"tokens": 1, "stack_ms": 40.0, "head_ms": 10.0},
+                              {"tokens": 8, "stack_ms": 80.0, "head_ms": 30.0}], 50.0)
+    assert "| rheo-m1-ot | 2.00 | 20.0 | 10.0 | 90.0 | 10.0 | 5.0 | 15.0 | 150.0 | 75.0 | 3.00 | 3.90 |" in text
+    header, rule = text.splitlines()[:2]
+    assert header.count("|") == rule.count("|")  # a well-formed markdown table
+    assert "| 8 | 80.0 | 30.0 | 2.00x |" in text

@@ -1,0 +1,94 @@
+"""``rheoplan bench decode``: which runs it schedules, what a run records, how runs are
+summarised (median and min-max over seeds) and reported. SmolLM2 is replaced by a tiny
+random Llama; the real benchmark's numbers live in docs/results.md."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from _bench_models import CharTokenizer, tiny_llama
+from rheoplan.bench import decode as bench
+
+
+def test_plan_runs_keeps_every_seed_at_t0_but_one_rheo_variant():
+    runs = bench.plan_runs(["ar-hf", "eagle", "rheo-m1-ot", "rheo-m2-rheo"], [0.0, 1.0], [0, 1, 2])
+    t0 = [(n, s) for n, t, s in runs if t == 0]
+    # greedy: every seed repeats the timing; rheo-m2-rheo is EAGLE's tree at T = 0, skipped
+    assert t0 == [(n, s) for s in (0, 1, 2) for n in ("ar-hf", "eagle", "rheo-m1-ot")]
+    t1 = [(n, s) for n, t, s in runs if t == 1.0]
+    assert len(t1) == 12 and ("rheo-m2-rheo", 2) in t1
+
+
+def test_load_prompts_range_and_category_mix():
+    for bad in (0, 41):
+        with pytest.raises(ValueError, match=r"--prompts=.*allowed \[1, 40\]"):
+            bench.load_prompts(bad)
+    four = bench.load_prompts(4)
+    assert len({cat for cat, _ in four}) == 4  # interleaved: a small n covers every category
+
+
+def _rec(method, t, seed, tau, acc, tps):
+    return {"method": method, "temperature": t, "seed": seed, "mean_accepted_length": tau,
+            "acceptance": acc, "tokens_per_second": tps}
+
+
+def test_summarise_median_spread_and_speedup():
+    recs = [_rec("ar-hf", 1.0, s, 1.0, float("nan"), tps) for s, tps in enumerate((10.0, 20.0, 12.0))]
+    recs += [_rec("eagle", 1.0, s, tau, 0.4, tps) for s, (tau, tps) in enumerate(((1.5, 9.0), (1.7, 6.0), (1.6, 30.0)))]
+    rows = {r["method"]: r for r in bench.summarise(recs)}
+    assert rows["ar-hf"]["tps"] == (12.0, 10.0, 20.0)
+    assert rows["eagle"]["seeds"] == 3
+    assert rows["eagle"]["tau"] == (1.6, 1.5, 1.7)
+    assert rows["eagle"]["speedup"] == pytest.approx(9.0 / 12.0)  # median over median
+
+
+def test_report_table_and_plots(tmp_path):
+    recs = [_rec("ar-hf", 0.6, 0, 1.0, float("nan"), 10.0), _rec("eagle", 0.6, 0, 1.5, 0.25, 8.0),
+            _rec("eagle", 0.6, 1, 1.7, 0.35, 9.0)]
+    table = bench.report(recs, tmp_path / "t.md", tmp_path)
+    assert "| float32 | 0.6 | eagle | 2 | 1.60 (1.50–1.70) | 30.0% (25.0%–35.0%) | 8.50 (8.00–9.00) | 0.85x |" in table
+    assert "| float32 | 0.6 | ar-hf | 1 | 1.00 | – | 10.00 | 1.00x |" in table
+    assert (tmp_path / "t.md").read_text().strip() == table
+    assert (tmp_path / "accepted_length.png").stat().st_size > 0
+
+
+def test_dtypes_are_summarised_and_plotted_apart(tmp_path):
+    """A bfloat16 run is compared with the bfloat16 ``generate`` only; records written
+    before the dtype field count as float32."""
+    recs = [_rec("ar-hf", 1.0, 0, 1.0, float("nan"), 10.0), _rec("eagle", 1.0, 0, 1.5, 0.3, 8.0),
+            dict(_rec("ar-hf", 1.0, 0, 1.0, float("nan"), 20.0), dtype="bfloat16"),
+            dict(_rec("eagle", 1.0, 0, 1.5, 0.3, 30.0), dtype="bfloat16")]
+    rows = {(r["method"], r["dtype"]): r for r in bench.summarise(recs)}
+    assert rows["eagle", "float32"]["speedup"] == pytest.approx(0.8)
+    assert rows["eagle", "bfloat16"]["speedup"] == pytest.approx(1.5)
+    bench.report(recs, tmp_path / "t.md", tmp_path)
+    assert (tmp_path / "speedup.png").exists() and (tmp_path / "speedup_bfloat16.png").exists()
+
+
+@pytest.mark.parametrize("name", ["ar-hf", "eagle", "rheo-m1-ot"])
+def test_run_one_records_tokens_steps_and_phases(name):
+    target, draft = tiny_llama(0), tiny_llama(1, layers=1)
+    method = bench.methods_for(3, 2, 2, 5)[name]
+    rec = bench.run_one(target, CharTokenizer(), draft, method, [("chat", "hello"), ("code", "def f")],
+                        temperature=1.0, seed=0, tokens=6)
+    assert rec["tokens"] == 12 and rec["prompts"] == 2
+    assert rec["seconds"] > 0 and rec["tokens_per_second"] == pytest.approx(12 / rec["seconds"])
+    if name == "ar-hf":
+        assert rec["steps"] == 12 and rec["tree"] is None and rec["phase_seconds"] == {}
+    else:
+        assert 2 <= rec["steps"] <= 12
+        assert rec["mean_accepted_length"] == pytest.approx(12 / rec["steps"])
+        assert set(rec["phase_seconds"]) == {"draft", "plan", "verify_forward", "walk", "commit"}
+        assert sum(rec["phase_seconds"].values()) <= rec["seconds"]
+    assert rec["dtype"] == "float32" and rec["threads"] >= 1
+    json.dumps(rec)  # a run record must be writable as JSON
+
+
+def test_main_rejects_unknown_method_before_loading(monkeypatch, tmp_path):
+    import rheoplan.cli as cli
+
+    monkeypatch.setattr(cli, "load_default", lambda *a: pytest.fail("model loaded before validation"))
+    with pytest.raises(ValueError, match="--methods: unknown \\['eagel'\\]"):
+        bench.main(["--methods", "eagel", "--out", str(tmp_path)])
