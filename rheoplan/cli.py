@@ -333,6 +333,13 @@ def main(argv=None) -> int:
         print(f"rheoplan: error: unknown command {argv[0]!r}{_suggest(argv[0], subs)}; "
               f"allowed: {', '.join(subs)}", file=sys.stderr)
         return 2
+    if argv[:1] == ["bench"] and len(argv) > 1 and not argv[1].startswith("-"):
+        benches = next(a.choices for a in subs["bench"]._actions if a.dest == "what")
+        if argv[1] not in benches:
+            subs["bench"].print_usage(sys.stderr)
+            print(f"rheoplan bench: error: unknown benchmark {argv[1]!r}{_suggest(argv[1], benches)}; "
+                  f"allowed: {', '.join(benches)}", file=sys.stderr)
+            return 2
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         sub = subs.get(args.command, parser)

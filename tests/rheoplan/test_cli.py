@@ -55,6 +55,11 @@ def test_typo_in_command_gets_a_suggestion(capsys):
     assert rc == 2 and "did you mean generate?" in err
 
 
+def test_typo_in_benchmark_gets_a_suggestion(capsys):
+    rc, err = run(["bench", "cots"], capsys)
+    assert rc == 2 and "unknown benchmark 'cots' (did you mean cost?); allowed: decode, cost, kernels, planner" in err
+
+
 def test_no_command_prints_help(capsys):
     assert cli.main([]) == 2
     assert "generate" in capsys.readouterr().out
