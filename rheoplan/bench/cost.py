@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from rheoplan.bench.decode import Method, load_prompts, methods_for, run_one
+from rheoplan.bench.decode import Method, check_run_args, load_prompts, methods_for, model_dtype, run_one
 from rheoplan.config import SamplingConfig
 
 #: plan_and_decode's phases, in the order a step runs them
@@ -98,8 +98,7 @@ def forward_curve(model, context_ids: Sequence[int], sizes: Sequence[int], repea
 
 def _check_args(args) -> None:
     """Every bad value raises before the model loads."""
-    if args.tokens < 1:
-        raise ValueError(f"--tokens={args.tokens}: allowed >= 1")
+    check_run_args(args.tokens, args.threads)
     if args.repeats < 1:
         raise ValueError(f"--repeats={args.repeats}: allowed >= 1")
     if not 1 <= args.context <= 4096:
@@ -107,10 +106,7 @@ def _check_args(args) -> None:
     bad = [n for n in args.sizes if not 1 <= n <= 256]
     if bad:
         raise ValueError(f"--sizes={args.sizes}: each must be in [1, 256] (got {bad})")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads={args.threads}: allowed >= 1")
     SamplingConfig(temperature=args.temperature)
-    load_prompts(args.prompts)
 
 
 def report(rows: list[dict], curve: list[dict], ar_ms: float) -> str:
@@ -225,8 +221,8 @@ def main(argv=None) -> int:
                                                "records": records, "rows": rows, "curve": curve}, indent=1))
     (out / "cost.md").write_text(text + "\n")
     try:
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        _plot(rows, curve, ar_ms, out / "cost.png", what=f"SmolLM2-135M {dtype}, {torch.get_num_threads()} CPU threads")
+        _plot(rows, curve, ar_ms, out / "cost.png",
+              what=f"SmolLM2-135M {model_dtype(model)}, {torch.get_num_threads()} CPU threads")
     except Exception as exc:  # the picture is a convenience; the tables are the result
         print(f"(plot skipped: {exc})", file=sys.stderr)
     print(f"\nwrote {out}/cost.json, cost.md, cost.png")

@@ -73,6 +73,19 @@ def load_prompts(n: int) -> list[tuple[str, str]]:
     return mixed[:n]
 
 
+def model_dtype(model) -> str:
+    """``'float32'``, ``'bfloat16'``...: the dtype a run record and the report name."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def check_run_args(tokens: int, threads: int | None) -> None:
+    """Checks every benchmark shares, made before the model loads."""
+    if tokens < 1:
+        raise ValueError(f"--tokens={tokens}: allowed >= 1")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads={threads}: allowed >= 1")
+
+
 def plan_runs(names: list[str], temperatures: list[float], seeds: list[int]) -> list[tuple[str, float, int]]:
     """The (method, temperature, seed) runs to do, in order.
 
@@ -124,7 +137,7 @@ def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed
             "acceptance": acc / trials if trials else float("nan"),
             "phase_seconds": phases,
             "tree": None if method.tree is None else method.tree.as_dict(),
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
+            "dtype": model_dtype(model), "threads": torch.get_num_threads()}
 
 
 def summarise(records: list[dict]) -> list[dict]:
@@ -247,6 +260,7 @@ def main(argv=None) -> int:
         raise ValueError(f"--methods: unknown {unknown}; allowed: {', '.join(all_methods)}")
     for t in args.temperatures:
         SamplingConfig(temperature=t)
+    check_run_args(args.tokens, args.threads)
     prompts = load_prompts(args.prompts)
     out = Path(args.out)
     runs_dir = out / "runs"
@@ -260,7 +274,7 @@ def main(argv=None) -> int:
         from rheoplan.cli import load_default
 
         model, tok, draft = load_default(argparse.Namespace(method="rheo", draft=args.draft, dtype=args.dtype))
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        dtype = model_dtype(model)
         todo = [(all_methods[n], t, s) for n, t, s in plan_runs(names, args.temperatures, args.seeds)]
         bar = tqdm(todo, desc="bench", unit="run")
         for method, t, s in bar:

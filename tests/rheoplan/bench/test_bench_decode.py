@@ -86,9 +86,14 @@ def test_run_one_records_tokens_steps_and_phases(name):
     json.dumps(rec)  # a run record must be writable as JSON
 
 
-def test_main_rejects_unknown_method_before_loading(monkeypatch, tmp_path):
+@pytest.mark.parametrize("argv, match", [
+    (["--methods", "eagel"], "--methods: unknown \\['eagel'\\]"),
+    (["--tokens", "0"], r"--tokens=0: allowed >= 1"),
+    (["--threads", "0"], r"--threads=0: allowed >= 1"),  # was silently ignored before
+])
+def test_main_rejects_bad_arguments_before_loading(monkeypatch, tmp_path, argv, match):
     import rheoplan.cli as cli
 
     monkeypatch.setattr(cli, "load_default", lambda *a: pytest.fail("model loaded before validation"))
-    with pytest.raises(ValueError, match="--methods: unknown \\['eagel'\\]"):
-        bench.main(["--methods", "eagel", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match=match):
+        bench.main(argv + ["--out", str(tmp_path)])

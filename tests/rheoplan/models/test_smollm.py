@@ -37,7 +37,7 @@ def test_smollm2_tree_forward_matches_plain_forward():
 
 
 AMX_CPUINFO = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
-PLAIN_CPUINFO = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\nbugs\t\t: amx_bf16_fake\n"
+PLAIN_CPUINFO = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\nvmx flags\t: amx_bf16 ept\n"
 
 
 def test_resolve_dtype_auto_follows_amx():
