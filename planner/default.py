@@ -2,22 +2,25 @@
 
     expand@1, assign@1, expand@2, assign@2, ..., expand@D, assign@D, prune, linearize
 
-Any pass can be removed, replaced or wrapped: it is only a list.
+Any pass can be removed, replaced or wrapped: it is only a list. It is the one list
+``plan_tree``, ``plan_and_decode`` and the exact oracle run; each built-in pass names its
+numba and Triton implementations next to itself, and ``rheoplan.pipeline.lower(passes,
+backend)`` swaps them in (a pass of your own stays as written).
 """
 
 from __future__ import annotations
 
-from rheoplan.pipeline import FnPass, Repeat
-from rheoplan.planner.assign import assign
-from rheoplan.planner.expand import expand
-from rheoplan.planner.linearize import linearize
-from rheoplan.planner.prune import prune
+from rheoplan.pipeline import Repeat
+from rheoplan.planner.assign import assign_pass
+from rheoplan.planner.expand import expand_pass
+from rheoplan.planner.linearize import linearize_pass
+from rheoplan.planner.prune import prune_pass
 
 DEFAULT_PIPELINE = [
     Repeat("grow", (
-        FnPass("expand", expand),  # pick the frontier, draft it, create K slots each
-        FnPass("assign", assign),  # draw the sampled tokens, fill PAD slots
+        expand_pass,  # pick the frontier, draft it, create K slots each
+        assign_pass,  # draw the sampled tokens, fill PAD slots
     ), times=lambda ctx: ctx.tree_cfg.depth),
-    FnPass("prune", prune),  # keep the best `budget` nodes
-    FnPass("linearize", linearize),  # order, positions, masks, verifier tables
+    prune_pass,  # keep the best `budget` nodes
+    linearize_pass,  # order, positions, masks, verifier tables
 ]

@@ -19,33 +19,47 @@ import math
 
 import torch
 
-from rheoplan.distributions import draft_probs, rank_support
+from rheoplan.config import PROXIES, TreeConfig
+from rheoplan.distributions import draft_probs, rank_support, tail_mass
 from rheoplan.ir import DraftTree, NodeKind, rank_key_order
-from rheoplan.pipeline import PassContext
+from rheoplan.pipeline import PassContext, builtin_pass
 
 
-def proxy_weight(policy: str, sup_q: torch.Tensor, m: int, n: int) -> float | None:
-    """Shaping weight pi of the sampled slot, or None when it needs the drawn token.
+def proxy_weights(policy: str, sup_q: torch.Tensor, z: torch.Tensor, m: int) -> torch.Tensor:
+    """Shaping weight pi of the sampled slot for every row of ``sup_q [R, S]`` (ranked
+    support probabilities), float64 ``[R]``; NaN when it needs the drawn token.
 
-    ``sup_q`` is one node's ranked support probabilities (``n`` valid entries).
+    ``z [R]`` is the tail mass (``rheoplan.distributions.tail_mass``, float64).
 
     * ``default``:   ``min(q(r_m), z)`` for ``m >= 1``, ``q(r_1)`` for ``m = 0``
     * ``next_rank``: ``q(r_{m+1})``
-    * ``true_q``:    ``q(Y)`` (None here; ``assign`` sets it)
+    * ``true_q``:    ``q(Y)`` (NaN here; ``assign`` sets it)
 
-    Example: sup_q [0.5, 0.3, 0.2], m = 1: default -> min(0.5, 0.5) = 0.5,
-    next_rank -> 0.3.
+    The one definition: the reference, numba and Triton planners all call it (the
+    standalone slot-expansion kernels carry ports pinned to it by parity tests).
+
+    Example: sup_q [[0.5, 0.3, 0.2]], z [0.5], m = 1: default -> [0.5], next_rank -> [0.3].
     """
     if policy == "default":
         if m == 0:
-            return float(sup_q[0])
-        z = float(sup_q[m:n].to(torch.float64).sum())
-        return min(float(sup_q[m - 1]), z)
+            return sup_q[:, 0].to(torch.float64)
+        return torch.minimum(sup_q[:, m - 1].to(torch.float64), z.to(torch.float64))
     if policy == "next_rank":
-        return float(sup_q[m])
+        return sup_q[:, m].to(torch.float64)
     if policy == "true_q":
-        return None
-    raise ValueError(f"proxy={policy!r} is not one of ('default', 'next_rank', 'true_q')")
+        return torch.full((sup_q.shape[0],), math.nan, dtype=torch.float64, device=sup_q.device)
+    raise ValueError(f"proxy={policy!r} is not one of {PROXIES}")
+
+
+def proxy_weight(policy: str, sup_q: torch.Tensor, m: int, n: int) -> float | None:
+    """``proxy_weights`` for one node's ``sup_q`` (``n`` valid entries): a float, or None
+    when it needs the drawn token (``true_q``).
+
+    Example: sup_q [0.5, 0.3, 0.2], m = 1: default -> min(0.5, 0.5) = 0.5, next_rank -> 0.3.
+    """
+    row = sup_q[None, :n]
+    pi = float(proxy_weights(policy, row, tail_mass(row, m, n), m)[0])
+    return None if math.isnan(pi) else pi
 
 
 def log_weight(w: float) -> float:
@@ -59,6 +73,21 @@ def select_frontier(tree: DraftTree, b: int, k: int) -> list[int]:
     ids = torch.nonzero(tree.depth[b, :n] == tree.cur_depth).flatten()
     order = rank_key_order(tree.score[b, ids], ids)
     return [int(i) for i in ids[order[:k]]]
+
+
+def frontier_width(cfg: TreeConfig, slots: int, level: int) -> int:
+    """How many nodes ``expand`` drafts at ``level`` (0 = the root), known on the host.
+
+    Every expanded node gets exactly ``slots`` children, so level ``d`` holds
+    ``slots * width(d - 1)`` nodes and the frontier takes ``min(frontier, that)``; the
+    device planner sizes its draft call from this and never asks the device.
+
+    Example: frontier 3, slots 2: widths 1, 2, 3, 3, ...
+    """
+    w = 1
+    for _ in range(level):
+        w = min(cfg.frontier, w * slots)
+    return w
 
 
 def check_can_expand(tree: DraftTree, ctx: PassContext) -> None:
@@ -106,7 +135,7 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
             t.sup_token[b, row, :n_sup] = sup_tok[j]
             t.sup_q[b, row, :n_sup] = sup_q[j]
             t.sup_n[b, row] = n_sup
-            t.z[b, row] = float(sup_q[j, m:n_sup].to(torch.float64).sum())
+            t.z[b, row] = float(tail_mass(sup_q[j:j + 1], m, n_sup)[0])
             base = float(t.score[b, v])
             pi = proxy_weight(ctx.tree_cfg.proxy, sup_q[j], m, n_sup) if m < K else None
             for s in range(K):
@@ -133,3 +162,9 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
                     t.kind[b, c] = int(NodeKind.PAD)
                     t.score[b, c] = math.nan
     return t.replace(cur_depth=tree.cur_depth + 1)
+
+
+#: the pass with its implementations: torch reference (above), numba CPU, Triton
+expand_pass = builtin_pass("expand", expand,
+                           numba="rheoplan.kernels.slot_expansion.cpu_pass:expand",
+                           triton="rheoplan.kernels.slot_expansion.triton_pass:expand")

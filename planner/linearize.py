@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from rheoplan.ir import DraftTree, LinearTree
-from rheoplan.pipeline import PassContext
+from rheoplan.pipeline import PassContext, builtin_pass
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -91,3 +91,9 @@ def linearize_arrays(kept: torch.Tensor, n_nodes: torch.Tensor, parent: torch.Te
         n_paths=torch.tensor([len(p) for p in all_paths], dtype=torch.int64),
         first_child=first_child, n_children=n_children, exp_row=erow,
     )
+
+
+#: the pass with its implementations: torch reference (above), numba CPU, Triton
+linearize_pass = builtin_pass("linearize", linearize,
+                              numba="rheoplan.kernels.plan.cpu_pass:linearize",
+                              triton="rheoplan.kernels.plan.triton_pass:linearize")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from rheoplan.ir import DraftTree, rank_key_order
-from rheoplan.pipeline import PassContext
+from rheoplan.pipeline import PassContext, builtin_pass
 
 
 def prune(tree: DraftTree, ctx: PassContext) -> DraftTree:
@@ -25,3 +25,9 @@ def prune(tree: DraftTree, ctx: PassContext) -> DraftTree:
         t.kept[b, ids[order[: ctx.tree_cfg.budget]]] = True
         t.kept[b, 0] = True
     return t
+
+
+#: the pass with its implementations: torch reference (above), numba CPU, Triton
+prune_pass = builtin_pass("prune", prune,
+                          numba="rheoplan.kernels.plan.cpu_pass:prune",
+                          triton="rheoplan.kernels.plan.triton_pass:prune")

@@ -11,6 +11,9 @@ from dataclasses import dataclass, fields, replace
 
 VERIFIERS = ("onehot", "rheo", "ot")
 PROXIES = ("default", "next_rank", "true_q")
+#: integer codes the numba and Triton kernels take for a verifier / proxy name (one map each)
+VERIFIER_CODES = {name: code for code, name in enumerate(VERIFIERS)}
+PROXY_CODES = {name: code for code, name in enumerate(PROXIES)}
 
 
 class ConfigError(ValueError):

@@ -46,13 +46,32 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
     return out
 
 
-def draft_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Draft law ``softmax(logits / T_d)`` in float32, ``T_d = T`` (1 when greedy)."""
+#: the message of a broken draft output (raised at once, or after the step on a device)
+BROKEN_DRAFT = ("draft logits contain NaN or +inf, or a row with no finite entry: "
+                "the draft model's output is broken")
+
+#: residual mass at or below this is treated as zero (acceptance is then certain); every
+#: verifier implementation (torch, numba, Triton) imports it from here
+RESIDUAL_EPS = 1e-300
+
+
+def broken_rows(x: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor: some row of ``x [..., V]`` has NaN or +inf, or no finite entry.
+    A tensor, not a bool, so a device caller can defer the host sync."""
+    return torch.isnan(x).any() | (x == float("inf")).any() | ~torch.isfinite(x).any(dim=-1).all()
+
+
+def draft_probs(logits: torch.Tensor, sampling: SamplingConfig, check: bool = True) -> torch.Tensor:
+    """Draft law ``softmax(logits / T_d)`` in float32, ``T_d = T`` (1 when greedy).
+
+    ``check=False`` skips the broken-output check (a host sync); the caller then checks
+    ``broken_rows`` itself (the Triton planner defers it to the end of planning).
+    """
     x = logits.to(torch.float32)
-    if torch.isnan(x).any() or (x == float("inf")).any() or not torch.isfinite(x).any(dim=-1).all():
-        raise ValueError("draft logits contain NaN or +inf, or a row with no finite entry: "
-                         "the draft model's output is broken")
-    return torch.softmax(x / sampling.draft_temperature, dim=-1)
+    if check and bool(broken_rows(x)):
+        raise ValueError(BROKEN_DRAFT)
+    T = sampling.draft_temperature
+    return torch.softmax(x if T == 1.0 else x / T, dim=-1)  # x / 1 is exact: skipping it changes no bit
 
 
 def rank_support(q: torch.Tensor, support: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +96,22 @@ def rank_support(q: torch.Tensor, support: int) -> tuple[torch.Tensor, torch.Ten
     return torch.gather(cand_i, -1, order).contiguous(), torch.gather(cand_q, -1, order).contiguous()
 
 
+def tail_mass(sup_q: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """``z`` = mass of ranks ``m+1..n`` of each row of ``sup_q [R, S]``, float64 ``[R]``.
+
+    Every implementation sums with this torch reduction: a sequential loop rounds
+    differently in the last bit now and then.
+    """
+    return sup_q[..., m:n].to(torch.float64).sum(dim=-1)
+
+
+def tail_law_rows(sup_q: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """``tail_law`` for every row of ``sup_q [R, S]`` at once: ``[R, n - m]`` float64."""
+    tail = sup_q[..., m:n].to(torch.float64)
+    z = tail_mass(sup_q, m, n).unsqueeze(-1)
+    return torch.where(z > 0, tail / torch.where(z > 0, z, 1.0), 1.0 / max(n - m, 1))
+
+
 def tail_law(sup_q: torch.Tensor, m: int, n: int) -> torch.Tensor:
     """The sampled slot's exact proposal law q~ over ranks ``m+1..n`` (float64, sums to 1).
 
@@ -87,8 +122,4 @@ def tail_law(sup_q: torch.Tensor, m: int, n: int) -> torch.Tensor:
 
     Example: sup_q [0.5, 0.3, 0.2], m = 1 -> [0.6, 0.4] (for ranks 2 and 3).
     """
-    tail = sup_q[m:n].to(torch.float64)
-    z = tail.sum()
-    if z <= 0:
-        return torch.full_like(tail, 1.0 / tail.numel())
-    return tail / z
+    return tail_law_rows(sup_q[None], m, n)[0]

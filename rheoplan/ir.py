@@ -135,39 +135,42 @@ class DraftTree:
 
 def empty_tree(batch: int, capacity: int, max_expanded: int, support: int,
                root_tokens: torch.Tensor, prefix_len: torch.Tensor,
-               rheostat: int, slots: int) -> DraftTree:
-    """A tree holding only its root (node 0, depth 0, score 0, kept)."""
+               rheostat: int, slots: int, device: torch.device | str | None = None) -> DraftTree:
+    """A tree holding only its root (node 0, depth 0, score 0, kept), on ``device``
+    (default CPU; the Triton planner keeps its trees on the target's device)."""
     B, M, E, S = batch, capacity, max_expanded, support
-    ilong = lambda *s: torch.full(s, -1, dtype=torch.int64)  # noqa: E731
+    dev = torch.device(device if device is not None else "cpu")
+    ilong = lambda *s: torch.full(s, -1, dtype=torch.int64, device=dev)  # noqa: E731
+    f32 = lambda *s: torch.zeros(s, dtype=torch.float32, device=dev)  # noqa: E731
     t = DraftTree(
-        prefix_len=prefix_len.to(torch.int64).clone(),
-        n_nodes=torch.ones(B, dtype=torch.int64),
-        n_expanded=torch.zeros(B, dtype=torch.int64),
+        prefix_len=prefix_len.to(device=dev, dtype=torch.int64).clone(),
+        n_nodes=torch.ones(B, dtype=torch.int64, device=dev),
+        n_expanded=torch.zeros(B, dtype=torch.int64, device=dev),
         cur_depth=0,
         rheostat=rheostat,
         slots=slots,
         parent=ilong(B, M),
         depth=ilong(B, M),
         token=ilong(B, M),
-        kind=torch.full((B, M), -1, dtype=torch.int8),
+        kind=torch.full((B, M), -1, dtype=torch.int8, device=dev),
         slot=ilong(B, M),
-        q=torch.zeros(B, M, dtype=torch.float32),
-        weight=torch.zeros(B, M, dtype=torch.float32),
-        score=torch.zeros(B, M, dtype=torch.float32),
-        expanded=torch.zeros(B, M, dtype=torch.bool),
-        kept=torch.zeros(B, M, dtype=torch.bool),
+        q=f32(B, M),
+        weight=f32(B, M),
+        score=f32(B, M),
+        expanded=torch.zeros(B, M, dtype=torch.bool, device=dev),
+        kept=torch.zeros(B, M, dtype=torch.bool, device=dev),
         exp_row=ilong(B, M),
         exp_node=ilong(B, E),
         sup_token=ilong(B, E, S),
-        sup_q=torch.zeros(B, E, S, dtype=torch.float32),
-        sup_n=torch.zeros(B, E, dtype=torch.int64),
-        z=torch.zeros(B, E, dtype=torch.float32),
+        sup_q=f32(B, E, S),
+        sup_n=torch.zeros(B, E, dtype=torch.int64, device=dev),
+        z=f32(B, E),
         y_token=ilong(B, E),
-        y_qtilde=torch.zeros(B, E, dtype=torch.float32),
+        y_qtilde=f32(B, E),
         y_node=ilong(B, E),
     )
     t.depth[:, 0] = 0
-    t.token[:, 0] = root_tokens.to(torch.int64)
+    t.token[:, 0] = root_tokens.to(device=dev, dtype=torch.int64)
     t.kind[:, 0] = int(NodeKind.ROOT)
     t.q[:, 0] = 1.0
     t.weight[:, 0] = 1.0

@@ -16,6 +16,7 @@ verify-after-each-pass) in the style of TVM's pass instruments.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
@@ -32,6 +33,20 @@ from rheoplan.ir import DraftTree
 DraftFn = Callable[[DraftTree, torch.Tensor], torch.Tensor]
 #: ``sampler(tree_index, node_id, qtilde [n] float64) -> index into the tail``
 SamplerFn = Callable[[int, int, torch.Tensor], int]
+
+
+class BatchSampler(Protocol):
+    """A sampler that can also give the Gumbel noise of many rows at once; the numba and
+    Triton ``assign`` passes use it (one call per depth, on the tree's device) and fall
+    back to calling the sampler row by row when a sampler lacks it.
+
+    ``gumbel_rows(trees [R], nodes [R], n) -> [R, n]`` float64: the draw of row r is
+    ``argmax(log(qtilde_r) + noise[r, :len(qtilde_r)])``, exactly what ``__call__`` draws.
+    """
+
+    def __call__(self, b: int, node: int, qtilde: torch.Tensor) -> int: ...
+
+    def gumbel_rows(self, trees: torch.Tensor, nodes: torch.Tensor, n: int) -> torch.Tensor: ...
 
 
 class PassError(RuntimeError):
@@ -67,17 +82,77 @@ class PassContext:
     history: list[str] = field(default_factory=list)
     #: test-only switches for deliberately lossy variants (mutation controls)
     mutations: frozenset[str] = frozenset()
+    #: ``(flag, message)`` checks a device pass records instead of syncing the host: a
+    #: 0-d bool tensor, True when broken. ``run_pipeline`` checks them all at once at the end.
+    deferred_checks: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class FnPass:
-    """A named pure function ``(tree, ctx) -> tree``."""
+    """A named pure function ``(tree, ctx) -> tree``.
+
+    A built-in pass also names its other implementations in ``impls``: backend name ->
+    ``"module:function"`` (imported only when ``lower`` picks it, so the reference
+    passes never import numba or Triton). ``fn`` is the implementation that runs; for
+    a pass you write yourself it is the only one, and ``lower`` leaves it alone.
+    """
 
     name: str
     fn: Callable[[DraftTree, PassContext], DraftTree]
+    impls: tuple[tuple[str, str], ...] = ()
+    #: the torch reference of a built-in pass (``fn`` after lowering may be a kernel)
+    reference: Callable[[DraftTree, PassContext], DraftTree] | None = None
 
     def __call__(self, tree: DraftTree, ctx: PassContext) -> DraftTree:
         return self.fn(tree, ctx)
+
+
+def builtin_pass(name: str, fn: Callable[[DraftTree, PassContext], DraftTree], **impls: str) -> FnPass:
+    """A built-in pass: ``fn`` is its torch reference, ``impls`` its kernel implementations
+    by backend (``numba="rheoplan.kernels.plan.cpu_pass:prune"``, ``triton=...``)."""
+    return FnPass(name, fn, tuple(sorted(impls.items())), reference=fn)
+
+
+def _load(spec: str) -> Callable:
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def lower(passes: Sequence, backend: str) -> list:
+    """The pass list with each built-in pass swapped for its ``backend`` implementation.
+
+    ``backend`` is a concrete backend (``reference``, ``numba``, ``triton``; resolve
+    ``auto`` first with ``rheoplan.backends.resolve_backend``). Passes without
+    implementations (your own) run as written, between fast built-ins; ``Repeat`` blocks
+    are lowered inside. Lowering a lowered list again works (it starts from ``reference``).
+
+    Example:
+        >>> from rheoplan.planner.default import DEFAULT_PIPELINE
+        >>> [p.fn.__module__ for p in lower(DEFAULT_PIPELINE, "numba")[1:]]
+        ['rheoplan.kernels.plan.cpu_pass', 'rheoplan.kernels.plan.cpu_pass']
+    """
+    from rheoplan.backends import check_backend
+
+    if check_backend(backend) == "auto":
+        raise ValueError("backend='auto' must be resolved first (rheoplan.backends.resolve_backend): "
+                         "allowed here 'reference', 'numba', 'triton'")
+    out = []
+    for p in passes:
+        if isinstance(p, Repeat):
+            out.append(Repeat(p.name, tuple(lower(p.body, backend)), p.times))
+        elif isinstance(p, FnPass) and p.reference is not None:
+            impls = dict(p.impls)
+            if backend == "reference":
+                fn = p.reference
+            elif backend in impls:
+                fn = _load(impls[backend])
+            else:
+                raise ValueError(f"pass {p.name!r} has no {backend!r} implementation: it has "
+                                 f"{('reference',) + tuple(impls)}")
+            out.append(FnPass(p.name, fn, p.impls, p.reference))
+        else:
+            out.append(p)
+    return out
 
 
 @dataclass(frozen=True)
@@ -119,6 +194,12 @@ def run_pipeline(passes: Sequence, tree: DraftTree, ctx: PassContext) -> DraftTr
         ctx.history.append(name)
         for ins in instruments:
             ins.after_pass(index, name, tree, ctx)
+    if ctx.deferred_checks:  # one host sync for every device-side check of the run
+        flags = torch.stack([f.reshape(()) for f, _ in ctx.deferred_checks]).cpu()
+        bad = [msg for (_, msg), f in zip(ctx.deferred_checks, flags.tolist()) if f]
+        ctx.deferred_checks.clear()
+        if bad:
+            raise ValueError(bad[0])
     for ins in instruments:
         ins.run_end(tree, ctx)
     return tree

@@ -8,7 +8,8 @@ import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.ir import DraftTree, empty_tree
-from rheoplan.pipeline import DraftFn, Instrument, PassContext, SamplerFn, run_pipeline
+from rheoplan.backends import resolve_backend
+from rheoplan.pipeline import DraftFn, Instrument, PassContext, SamplerFn, lower, run_pipeline
 from rheoplan.rng import Streams
 
 
@@ -16,11 +17,17 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
               tree: TreeConfig, sampling: SamplingConfig, prefix_len=None,
               seed: int = 0, step: int = 0, sampler: SamplerFn | None = None,
               passes: Sequence | None = None, instruments: Sequence[Instrument] = (),
-              mutations: frozenset[str] = frozenset()) -> DraftTree:
+              mutations: frozenset[str] = frozenset(), backend: str = "auto",
+              device: torch.device | str | None = None) -> DraftTree:
     """Build, prune and linearise ``B = len(root_tokens)`` draft trees.
 
     ``draft(tree, nodes [B, n]) -> logits [B, n, V]`` is called once per depth.
     ``sampler`` overrides the Gumbel draw of sampled tokens (the oracle injects draws).
+    ``passes`` (default ``DEFAULT_PIPELINE``) is lowered to ``backend`` (``'auto'``,
+    ``'reference'``, ``'numba'``, ``'triton'``; see ``rheoplan.backends``): built-in passes
+    run that backend's implementation, your own passes run as written. ``device`` is
+    where the planner's tensors live (default CPU; ``'triton'`` keeps them on the device,
+    the other backends on the CPU).
 
     Example:
         >>> import torch
@@ -34,6 +41,8 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
     from rheoplan.planner.assign import gumbel_sampler
     from rheoplan.planner.default import DEFAULT_PIPELINE
 
+    backend = resolve_backend(backend, device)
+    dev = torch.device(device) if backend == "triton" and device is not None else torch.device("cpu")
     roots = torch.as_tensor(root_tokens, dtype=torch.int64).reshape(-1)
     B = roots.numel()
     if B == 0:
@@ -42,8 +51,9 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
         prefix_len = torch.zeros(B, dtype=torch.int64)
     prefix_len = torch.as_tensor(prefix_len, dtype=torch.int64).reshape(-1).expand(B)
     m = tree.effective_rheostat(sampling)
-    t0 = empty_tree(B, tree.capacity, tree.max_expanded, tree.support, roots, prefix_len, m, tree.slots)
+    t0 = empty_tree(B, tree.capacity, tree.max_expanded, tree.support, roots, prefix_len, m, tree.slots,
+                    device=dev)
     ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=draft,
-                      sampler=sampler or gumbel_sampler(Streams(seed), step), step=step,
+                      sampler=sampler or gumbel_sampler(Streams(seed), step, backend), step=step,
                       instruments=list(instruments), mutations=frozenset(mutations))
-    return run_pipeline(DEFAULT_PIPELINE if passes is None else passes, t0, ctx)
+    return run_pipeline(lower(DEFAULT_PIPELINE if passes is None else passes, backend), t0, ctx)

@@ -67,4 +67,10 @@ class Streams:
 
     def gumbel(self, step: int, tree: int, node: int, purpose: Purpose, n: int) -> torch.Tensor:
         """``n`` standard Gumbel variables, float64: ``-log(-log(u))``."""
-        return -torch.log(-torch.log(self.uniform(step, tree, node, purpose, n)))
+        return gumbel_from_uniform(self.uniform(step, tree, node, purpose, n))
+
+
+def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel variables ``-log(-log(u))`` from uniforms in (0, 1): the one place
+    the transform is written (every noise generator, CPU or device, ends here)."""
+    return -torch.log(-torch.log(u))

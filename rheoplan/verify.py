@@ -34,15 +34,12 @@ from typing import Callable
 import torch
 
 from rheoplan.config import SamplingConfig, VERIFIERS
-from rheoplan.distributions import tail_law, target_probs
+from rheoplan.distributions import RESIDUAL_EPS as _RESIDUAL_EPS, tail_law, target_probs
 from rheoplan.ir import DraftTree
 from rheoplan.rng import Purpose, Streams
 
 #: the mutation switches this module understands
 MUTATIONS = ("skip_pruned_sampled", "raw_q_ratio")
-
-#: residual mass at or below this is treated as zero (acceptance is then certain)
-_RESIDUAL_EPS = 1e-300
 
 
 def _check_verifier(verifier: str) -> None:

@@ -11,7 +11,15 @@ Opt out (e.g. a test that plans thousands of trees, or one that checks
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without CUDA, Triton kernels (the 'triton' backend included) run under Triton's CPU
+# interpreter. It must be chosen before triton is first imported, hence here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

@@ -150,8 +150,14 @@ def linearize_kernel(kept_ptr, n_nodes_ptr, parent_ptr, token_ptr, depth_ptr, ex
     tl.store(n_paths_ptr + b, tl.sum(leaf.to(tl.int32), axis=0).to(tl.int64))
 
 
-def linearize(kept, n_nodes, parent, token, depth, exp_row, prefix_len, budget, max_depth) -> Linear:
-    """Same contract as ``reference.linearize`` (L = 1 + budget must fit one block)."""
+def linearize(kept, n_nodes, parent, token, depth, exp_row, prefix_len, budget, max_depth,
+              trim_paths: bool = True) -> Linear:
+    """Same contract as ``reference.linearize`` (L = 1 + budget must fit one block).
+
+    ``trim_paths=False`` keeps ``paths`` at its capacity ``[B, L, D+1]`` (rows past
+    ``n_paths`` are -1) instead of trimming it to the most leaves: trimming reads
+    ``n_paths`` on the host, a sync the device planner does not make.
+    """
     B, M = kept.shape
     L, D = 1 + budget, max_depth
     W = (L + 63) // 64
@@ -168,5 +174,6 @@ def linearize(kept, n_nodes, parent, token, depth, exp_row, prefix_len, budget, 
                            exp_row.contiguous(), prefix_len.contiguous(), lin_of, n, node, tok, pos, par, dep, erow,
                            first, nch, mask, bits, paths, n_paths, M, L, W=W, D=D,
                            BLOCK_M=min(1024, triton.next_power_of_2(M)), BLOCK_L=triton.next_power_of_2(L))
-    P = int(n_paths.max())
-    return Linear(n, node, tok, pos, par, dep, mask, bits, paths[:, :P].contiguous(), n_paths, first, nch, erow)
+    if trim_paths:
+        paths = paths[:, :int(n_paths.max())].contiguous()
+    return Linear(n, node, tok, pos, par, dep, mask, bits, paths, n_paths, first, nch, erow)

@@ -11,11 +11,9 @@ from typing import NamedTuple
 
 import torch
 
+from rheoplan.config import PROXY_CODES
 from rheoplan.distributions import rank_support, tail_law
 from rheoplan.planner.expand import log_weight, proxy_weight
-
-#: integer codes of the proxy policies, shared by the numba and Triton kernels
-PROXY_CODES = {"default": 0, "next_rank": 1, "true_q": 2}
 
 
 class SlotExpansion(NamedTuple):

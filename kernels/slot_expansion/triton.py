@@ -22,8 +22,10 @@ from rheoplan.kernels.slot_expansion.reference import PROXY_CODES, SlotExpansion
 
 
 @triton.jit
-def _q_block(logits_ptr, row, offs, V, INV_T, mx, ssum):
+def _q_block(logits_ptr, row, offs, V, INV_T, mx, ssum, PROBS: tl.constexpr):
     x = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    if PROBS:  # the input already is the draft law (the planner computes it with torch)
+        return tl.where(offs < V, x, -1.0)
     return tl.where(offs < V, tl.exp(x * INV_T - mx) / ssum, -1.0)  # -1 marks padding
 
 
@@ -32,7 +34,8 @@ def slot_expansion_kernel(logits_ptr, parent_score_ptr, noise_ptr, cand_tok_ptr,
                           sup_token_ptr, sup_q_ptr, z_ptr, y_rank_ptr, y_token_ptr, y_qtilde_ptr,
                           child_token_ptr, child_q_ptr, child_weight_ptr, child_score_ptr,
                           V, noise_stride, INV_T: tl.constexpr, S: tl.constexpr, S_BLOCK: tl.constexpr,
-                          M: tl.constexpr, K: tl.constexpr, PROXY: tl.constexpr, BLOCK: tl.constexpr):
+                          M: tl.constexpr, K: tl.constexpr, PROXY: tl.constexpr, BLOCK: tl.constexpr,
+                          PROBS: tl.constexpr = False):
     row = tl.program_id(0)
     offs0 = tl.arange(0, BLOCK)
     # -- softmax statistics (online max / sum) -------------------------------------------
@@ -50,21 +53,21 @@ def slot_expansion_kernel(logits_ptr, parent_score_ptr, noise_ptr, cand_tok_ptr,
         cand = t | (1 << (30 - i))
         cnt = tl.full((), 0, tl.int32)
         for start in range(0, V, BLOCK):
-            q = _q_block(logits_ptr, row, start + offs0, V, INV_T, mx, ssum)
+            q = _q_block(logits_ptr, row, start + offs0, V, INV_T, mx, ssum, PROBS)
             bits = q.to(tl.int32, bitcast=True)
             cnt += tl.sum(((bits >= cand) & (q >= 0)).to(tl.int32), axis=0)
         t = tl.where(cnt >= S, cand, t)
     # -- compaction in id order: all above t, then the first (S - above) equal to t -------
     above = 0
     for start in range(0, V, BLOCK):
-        q = _q_block(logits_ptr, row, start + offs0, V, INV_T, mx, ssum)
+        q = _q_block(logits_ptr, row, start + offs0, V, INV_T, mx, ssum, PROBS)
         bits = q.to(tl.int32, bitcast=True)
         above += tl.sum(((bits > t) & (q >= 0)).to(tl.int32), axis=0)
     taken = 0
     eq_seen = 0
     for start in range(0, V, BLOCK):
         offs = start + offs0
-        q = _q_block(logits_ptr, row, offs, V, INV_T, mx, ssum)
+        q = _q_block(logits_ptr, row, offs, V, INV_T, mx, ssum, PROBS)
         bits = q.to(tl.int32, bitcast=True)
         valid = q >= 0
         eq = (bits == t) & valid
@@ -133,8 +136,13 @@ def slot_expansion_kernel(logits_ptr, parent_score_ptr, noise_ptr, cand_tok_ptr,
 
 def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torch.Tensor, *,
                    temperature: float, support: int, rheostat: int, slots: int,
-                   proxy: str = "default", block: int = 1024) -> SlotExpansion:
-    """Same contract as ``reference.slot_expansion``; tensors on the kernel's device."""
+                   proxy: str = "default", block: int = 1024, probs: bool = False) -> SlotExpansion:
+    """Same contract as ``reference.slot_expansion``; tensors on the kernel's device.
+
+    ``probs=True``: ``logits`` already holds the draft law ``q [n, V]`` (the Triton
+    planner computes it with ``distributions.draft_probs``, the one definition), and the
+    kernel skips its softmax; ``temperature`` is then ignored.
+    """
     check_args(logits, parent_score, noise, support, rheostat, slots, proxy)
     n, V = logits.shape
     s, m, K = min(support, V), rheostat, slots
@@ -155,5 +163,5 @@ def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torc
         out.sup_token, out.sup_q, out.z, out.y_rank, out.y_token, out.y_qtilde,
         out.child_token, out.child_q, out.child_weight, out.child_score,
         V, noise.shape[1], INV_T=1.0 / temperature, S=s, S_BLOCK=triton.next_power_of_2(s), M=m, K=K,
-        PROXY=PROXY_CODES[proxy], BLOCK=min(block, triton.next_power_of_2(V)))
+        PROXY=PROXY_CODES[proxy], BLOCK=min(block, triton.next_power_of_2(V)), PROBS=probs)
     return out

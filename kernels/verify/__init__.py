@@ -7,4 +7,4 @@ Ground truth: ``rheoplan.verify.coupling_sample``. ``reference`` (torch), ``cpu`
 (numba) and ``triton`` share signatures.
 """
 
-VERIFIER_CODES = {"onehot": 0, "rheo": 1, "ot": 2}
+from rheoplan.config import VERIFIER_CODES  # noqa: F401  (re-exported for the kernels)

@@ -22,7 +22,7 @@ from numba import njit
 from rheoplan.kernels.verify import VERIFIER_CODES
 from rheoplan.kernels.verify.reference import WalkOut
 
-_RESIDUAL_EPS = 1e-300  # as rheoplan.verify._RESIDUAL_EPS
+from rheoplan.distributions import RESIDUAL_EPS as _RESIDUAL_EPS  # numba reads it as a constant
 
 
 @njit(cache=True)

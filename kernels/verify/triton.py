@@ -20,8 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
+from rheoplan.distributions import RESIDUAL_EPS
 from rheoplan.kernels.verify import VERIFIER_CODES
 from rheoplan.kernels.verify.reference import WalkOut
+
+#: the one residual epsilon (``rheoplan.distributions``), as a compile-time constant
+_RESIDUAL_EPS = tl.constexpr(RESIDUAL_EPS)
 
 
 @triton.jit
@@ -83,7 +87,7 @@ def _coupling(p_ptr, g_ptr, law_ptr, tok_ptr, q_ptr, n, y, u, V, M: tl.constexpr
         le = tl.sum(tl.where(ins & (stok == e), law, 0.0), axis=0)
         pe = tl.load(p_ptr + e)
         a = tl.where(le <= 0.0, 1.0, tl.minimum(1.0, pe / le))
-        accept = (mass <= 1e-300) | (u < a)
+        accept = (mass <= _RESIDUAL_EPS) | (u < a)
         xr = _gumbel_argmax(p_ptr, g_ptr, law_ptr, mass, V, True, BLOCK)
         x = tl.where(accept, e, xr).to(tl.int64)
         tl.debug_barrier()

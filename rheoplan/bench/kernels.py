@@ -44,7 +44,6 @@ def _tree_cfg():
 
 def cpu_section(vocabs, reps: int, ref_reps: int, out) -> None:
     from rheoplan import SamplingConfig, plan_tree
-    from rheoplan.kernels.pipeline import kernel_pipeline
     from rheoplan.kernels.slot_expansion.cpu import rank_support_rows
     from rheoplan.kernels.verify import cpu as vcpu, reference as vref
     from rheoplan.verify import node_y
@@ -58,12 +57,11 @@ def cpu_section(vocabs, reps: int, ref_reps: int, out) -> None:
         g = torch.Generator().manual_seed(0)
         bank = torch.randn(1, cfg.frontier, V, generator=g) * 3
         draft = lambda t, nodes: bank[:, : nodes.shape[1]]  # noqa: E731
-        P = kernel_pipeline()
         step = [0]
 
-        def plan(passes):
+        def plan(backend):
             step[0] += 1
-            return plan_tree(draft, [1], tree=cfg, sampling=sampling, passes=passes, step=step[0])
+            return plan_tree(draft, [1], tree=cfg, sampling=sampling, backend=backend, step=step[0])
 
         def vocab_part():
             x = torch.softmax(bank[0], dim=-1)
@@ -73,7 +71,7 @@ def cpu_section(vocabs, reps: int, ref_reps: int, out) -> None:
                 rank_support_rows(x.numpy(), 128, tok, val)
                 x = torch.softmax(bank[0], dim=-1)
 
-        tree = plan(P)
+        tree = plan("numba")
         lin = tree.linear
         L = lin.token.shape[1]
         p = torch.softmax(torch.randn(1, L, V, generator=g, dtype=torch.float64) * 3, dim=-1)
@@ -83,9 +81,8 @@ def cpu_section(vocabs, reps: int, ref_reps: int, out) -> None:
         vargs = (p, u, gum, lin.token, lin.first_child, lin.n_children, lin.exp_row, tree.sup_token,
                  tree.sup_q, tree.sup_n, y, tree.rheostat, tree.slots, "ot")
         t_vocab = _time_cpu(vocab_part, reps)
-        for name, passes, walk, r in (("numba", P, vcpu.verify_walk, reps),
-                                      ("reference", None, vref.verify_walk, ref_reps)):
-            t_plan = _time_cpu(lambda: plan(passes), r)
+        for name, walk, r in (("numba", vcpu.verify_walk, reps), ("reference", vref.verify_walk, ref_reps)):
+            t_plan = _time_cpu(lambda: plan(name), r)
             t_verify = _time_cpu(lambda: walk(*vargs), r)
             vp = f"{1e3 * t_vocab:14.2f}" if name == "numba" else f"{'-':>14}"
             tb = f"{1e3 * (t_plan - t_vocab):20.2f}" if name == "numba" else f"{'-':>20}"

@@ -55,11 +55,7 @@ def main(argv=None) -> int:
 
 
 def run(args, pipeline_name: str) -> None:
-    passes = None
-    if pipeline_name == "kernels":
-        from rheoplan.kernels.pipeline import kernel_pipeline
-
-        passes = kernel_pipeline("cpu")
+    backend = "numba" if pipeline_name == "kernels" else "reference"
 
     cfg = TreeConfig(depth=8, frontier=10, slots=10, budget=60, rheostat=1, support=128)
     sampling = SamplingConfig(temperature=1.0)
@@ -73,14 +69,14 @@ def run(args, pipeline_name: str) -> None:
         return out
 
     roots = list(range(args.batch))
-    plan_tree(draft, roots, tree=cfg, sampling=sampling, passes=passes)  # warm-up (numba compile)
+    plan_tree(draft, roots, tree=cfg, sampling=sampling, backend=backend)  # warm-up (numba compile)
     per_step = StepTimes()
     totals, drafts = [], []
     for step in range(args.steps):
         draft_time[0] = 0.0
         t0 = time.perf_counter()
         tree = plan_tree(draft, roots, tree=cfg, sampling=sampling, seed=1, step=step,
-                         instruments=[per_step, PassTiming()], passes=passes)
+                         instruments=[per_step, PassTiming()], backend=backend)
         totals.append(time.perf_counter() - t0)
         drafts.append(draft_time[0])
     ms = lambda xs: f"mean {1e3 * statistics.mean(xs):8.2f} ms   median {1e3 * statistics.median(xs):8.2f} ms"  # noqa: E731

@@ -1,0 +1,255 @@
+"""numba implementations of the ``expand`` and ``assign`` passes (``backend='numba'``).
+
+Same names, same output as ``planner/expand.py`` and ``planner/assign.py``: the
+``DraftTree`` after each pass equals the reference's tensor for tensor for the same seed
+(``tests/kernels/slot_expansion/test_cpu_pass.py``). The kernels do the selection
+(``frontier_rows``, ``rank_support_rows``) and the table writes; every formula comes from
+its one definition: the draft law (``distributions.draft_probs``), the tail mass and tail
+law (``distributions.tail_mass`` / ``tail_law_rows``), the proxy
+(``planner.expand.proxy_weights``), the score rule (``add_log_weight``) and the Gumbel
+noise (the sampler's ``gumbel_rows``, numba Philox).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from rheoplan.distributions import draft_probs, tail_law, tail_law_rows, tail_mass
+from rheoplan.ir import DraftTree, NodeKind
+from rheoplan.kernels.plan.cpu import frontier_rows
+from rheoplan.kernels.slot_expansion.cpu import add_log_weight, rank_support_rows
+from rheoplan.pipeline import PassContext
+from rheoplan.planner.expand import check_can_expand, check_draft_logits, proxy_weights
+
+_DET, _SAMPLED, _PAD = int(NodeKind.DET), int(NodeKind.SAMPLED), int(NodeKind.PAD)
+
+
+def _clone(tree: DraftTree, names: tuple[str, ...]) -> DraftTree:
+    """A new tree whose ``names`` tensors are fresh copies (the others are shared and
+    not written: passes stay pure without copying all ~25 tensors)."""
+    # numpy copies: a third of the cost of torch.clone for these small CPU tensors
+    return tree.replace(**{n: torch.from_numpy(getattr(tree, n).numpy().copy()) for n in names})
+
+
+def _score_children(t: DraftTree, out_b, out_c, wbuf, ns: int) -> None:
+    """``score[c] = add_log_weight(score[parent(c)], w)`` for the listed children."""
+    if ns:
+        b, c = torch.from_numpy(out_b[:ns]), torch.from_numpy(out_c[:ns])
+        base = t.score[b, t.parent[b, c]]
+        t.score[b, c] = add_log_weight(base, torch.from_numpy(wbuf[:ns]))
+
+
+# -- expand -------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _frontier_rows(nodes, count, rows_b, rows_v):
+    """Flatten the -1 padded frontier ``nodes [B, w]`` into (tree, node) rows, b-major."""
+    r = 0
+    for b in range(nodes.shape[0]):
+        for j in range(count[b]):
+            rows_b[r] = b
+            rows_v[r] = nodes[b, j]
+            r += 1
+    return r
+
+
+@njit(cache=True)
+def _expand_write(rows_b, rows_v, sup_tok, sup_q, s, z64, pi, m, K, level,
+                  n_nodes, n_expanded, expanded, exp_row, exp_node, t_sup_token, t_sup_q, t_sup_n, t_z,
+                  parent, depth, slot, kind, token, q, weight, score, y_node, out_b, out_c, wbuf):
+    """Create the K slots of every frontier row (``planner.expand`` body). Children whose
+    weight is known get ``(b, c, w)`` in ``out_b/out_c/wbuf`` for scoring; the pending
+    ones (PAD, and SAMPLED when ``pi`` is NaN) get a NaN score like the reference.
+    Returns how many were listed."""
+    ns = 0
+    for r in range(rows_b.shape[0]):
+        b, v = rows_b[r], rows_v[r]
+        row = n_expanded[b]
+        n_expanded[b] += 1
+        expanded[b, v] = True
+        exp_row[b, v] = row
+        exp_node[b, row] = v
+        t_sup_token[b, row, :s] = sup_tok[r]
+        t_sup_q[b, row, :s] = sup_q[r]
+        t_sup_n[b, row] = s
+        t_z[b, row] = np.float32(z64[r])
+        for sl in range(K):
+            c = n_nodes[b]
+            n_nodes[b] += 1
+            parent[b, c] = v
+            depth[b, c] = level + 1
+            slot[b, c] = sl
+            if sl < m:
+                kind[b, c] = _DET
+                token[b, c] = sup_tok[r, sl]
+                q[b, c] = sup_q[r, sl]
+                weight[b, c] = sup_q[r, sl]
+            elif sl == m:
+                kind[b, c] = _SAMPLED
+                y_node[b, row] = c
+                if np.isnan(pi[r]):
+                    score[b, c] = np.nan
+                    continue
+                weight[b, c] = np.float32(pi[r])
+            else:
+                kind[b, c] = _PAD
+                score[b, c] = np.nan
+                continue
+            out_b[ns] = b
+            out_c[ns] = c
+            wbuf[ns] = weight[b, c]
+            ns += 1
+    return ns
+
+
+_EXPAND_FIELDS = ("n_nodes", "n_expanded", "expanded", "exp_row", "exp_node", "sup_token", "sup_q",
+                  "sup_n", "z", "parent", "depth", "slot", "kind", "token", "q", "weight", "score", "y_node")
+
+
+def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
+    """``planner.expand.expand`` with numba frontier selection, top-S and slot writes."""
+    cfg = ctx.tree_cfg
+    check_can_expand(tree, ctx)
+    K, m, B = tree.slots, tree.rheostat, tree.batch
+    k = 1 if tree.cur_depth == 0 else cfg.frontier
+    nodes_np = np.empty((B, k), dtype=np.int64)
+    count = np.empty(B, dtype=np.int64)
+    frontier_rows(tree.score.numpy(), tree.depth.numpy(), tree.n_nodes.numpy(), tree.cur_depth, k,
+                  nodes_np, count)
+    width = int(count.max())
+    nodes = torch.from_numpy(nodes_np[:, :width].copy())
+    logits = ctx.draft(tree, nodes)
+    V = check_draft_logits(logits, B, width, K, cfg.support)
+    rows_b = np.empty(B * width, dtype=np.int64)
+    rows_v = np.empty(B * width, dtype=np.int64)
+    R = _frontier_rows(nodes_np, count, rows_b, rows_v)
+    rows = logits.reshape(B * width, V) if R == B * width else logits[nodes.to(logits.device) >= 0]  # b-major
+    q = draft_probs(rows.to(device="cpu"), ctx.sampling).contiguous()  # row-wise: same bits as per-tree calls
+    s = min(cfg.support, V)
+    sup_tok = np.empty((R, s), dtype=np.int64)
+    sup_q = np.empty((R, s), dtype=np.float32)
+    rank_support_rows(q.numpy(), s, sup_tok, sup_q)
+    sup_q_t = torch.from_numpy(sup_q)
+    z64 = tail_mass(sup_q_t, m, s)
+    pi = proxy_weights(cfg.proxy, sup_q_t, z64, m) if m < K else torch.full((R,), float("nan"), dtype=torch.float64)
+    t = _clone(tree, _EXPAND_FIELDS)
+    out_b = np.empty(R * K, dtype=np.int64)
+    out_c = np.empty(R * K, dtype=np.int64)
+    wbuf = np.empty(R * K, dtype=np.float32)
+    a = [getattr(t, f).numpy() for f in _EXPAND_FIELDS]
+    ns = _expand_write(rows_b[:R], rows_v[:R], sup_tok, sup_q, s, z64.numpy(), pi.numpy(), m, K,
+                       tree.cur_depth, *a, out_b, out_c, wbuf)
+    _score_children(t, out_b, out_c, wbuf, ns)
+    return t.replace(cur_depth=tree.cur_depth + 1)
+
+
+# -- assign -------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _pending_rows(n_expanded, y_token, exp_node, sup_n, m, bi, ri, nodes, n_tail):
+    """Expansion rows whose Y is not drawn yet, b-major (the reference's loop order)."""
+    R = 0
+    for b in range(n_expanded.shape[0]):
+        for row in range(n_expanded[b]):
+            if y_token[b, row] < 0:
+                bi[R] = b
+                ri[R] = row
+                nodes[R] = exp_node[b, row]
+                n_tail[R] = sup_n[b, row] - m
+                R += 1
+    return R
+
+
+@njit(cache=True)
+def _assign_write(bi, ri, y_tail, y_qt, m, K, proxy_true_q, sup_token, sup_q, y_node,
+                  token, q, weight, y_token, y_qtilde, out_b, out_c, wbuf):
+    """Fill the SAMPLED and PAD slots of each drawn row (``planner.assign`` body)."""
+    ns = 0
+    for r in range(bi.shape[0]):
+        b, row = bi[r], ri[r]
+        yr = m + y_tail[r]
+        y_token[b, row] = sup_token[b, row, yr]
+        y_qtilde[b, row] = np.float32(y_qt[r])
+        c = y_node[b, row]
+        token[b, c] = sup_token[b, row, yr]
+        q[b, c] = sup_q[b, row, yr]
+        if proxy_true_q:
+            weight[b, c] = sup_q[b, row, yr]
+            out_b[ns], out_c[ns], wbuf[ns] = b, c, weight[b, c]
+            ns += 1
+        p = c + 1
+        rank = m
+        while p < c + K - m:  # PAD: tail ranks in order, skipping Y
+            if rank != yr:
+                token[b, p] = sup_token[b, row, rank]
+                q[b, p] = sup_q[b, row, rank]
+                weight[b, p] = sup_q[b, row, rank]
+                out_b[ns], out_c[ns], wbuf[ns] = b, p, weight[b, p]
+                ns += 1
+                p += 1
+            rank += 1
+    return ns
+
+
+_ASSIGN_FIELDS = ("token", "q", "weight", "score", "y_token", "y_qtilde")
+
+
+def draw_rows(sampler, sup_q: torch.Tensor, trees: torch.Tensor, nodes: torch.Tensor, m: int,
+              n_tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tail index and ``q~`` of the draw of every row of ``sup_q [R, S]``.
+
+    Through the sampler's batch interface (``gumbel_rows``) when it has one: one noise
+    call, then ``argmax(log q~ + g)`` per row, exactly the per-row draw. Otherwise the
+    sampler is called row by row with the same ``q~`` tensor the reference passes.
+    Shared by the numba and Triton ``assign`` (``n_tail`` on the host only for numba).
+    """
+    R = sup_q.shape[0]
+    gumbel_rows = getattr(sampler, "gumbel_rows", None)
+    if gumbel_rows is not None and R > 0 and bool((n_tail == n_tail[0]).all()):
+        nt = int(n_tail[0])
+        qt = tail_law_rows(sup_q, m, m + nt)
+        g = gumbel_rows(trees, nodes, nt)
+        i = torch.argmax(torch.log(qt) + g, dim=1)
+        return i, qt.gather(1, i[:, None])[:, 0]
+    i = torch.empty(R, dtype=torch.int64)
+    y_qt = torch.empty(R, dtype=torch.float64)
+    for r in range(R):
+        law = tail_law(sup_q[r], m, m + int(n_tail[r]))
+        j = sampler(int(trees[r]), int(nodes[r]), law)
+        if not 0 <= j < law.numel():
+            raise ValueError(f"sampler returned tail index {j}, allowed [0, {law.numel()})")
+        i[r], y_qt[r] = j, float(law[j])
+    return i, y_qt
+
+
+def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
+    """``planner.assign.assign`` with batched noise, draws and slot writes."""
+    if ctx.sampler is None:
+        raise ValueError("assign needs ctx.sampler (e.g. gumbel_sampler(Streams(seed), step))")
+    K, m = tree.slots, tree.rheostat
+    if m >= K:
+        return tree
+    cap = tree.batch * tree.exp_node.shape[1]
+    bi, ri, nodes, n_tail = (np.empty(cap, dtype=np.int64) for _ in range(4))
+    R = _pending_rows(tree.n_expanded.numpy(), tree.y_token.numpy(), tree.exp_node.numpy(),
+                      tree.sup_n.numpy(), m, bi, ri, nodes, n_tail)
+    if R == 0:
+        return tree
+    bi, ri, nodes, n_tail = bi[:R], ri[:R], nodes[:R], n_tail[:R]
+    sq = tree.sup_q[torch.from_numpy(bi), torch.from_numpy(ri)]
+    y_tail, y_qt = draw_rows(ctx.sampler, sq, torch.from_numpy(bi), torch.from_numpy(nodes), m,
+                             torch.from_numpy(n_tail))
+    t = _clone(tree, _ASSIGN_FIELDS)
+    out_b = np.empty(R * K, dtype=np.int64)
+    out_c = np.empty(R * K, dtype=np.int64)
+    wbuf = np.empty(R * K, dtype=np.float32)
+    ns = _assign_write(bi, ri, y_tail.numpy(), y_qt.numpy(), m, K, ctx.tree_cfg.proxy == "true_q",
+                       tree.sup_token.numpy(), tree.sup_q.numpy(), tree.y_node.numpy(), t.token.numpy(),
+                       t.q.numpy(), t.weight.numpy(), t.y_token.numpy(), t.y_qtilde.numpy(),
+                       out_b, out_c, wbuf)
+    _score_children(t, out_b, out_c, wbuf, ns)
+    return t
