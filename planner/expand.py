@@ -161,7 +161,7 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
                 else:  # PAD: token chosen by assign (it skips the sampled token)
                     t.kind[b, c] = int(NodeKind.PAD)
                     t.score[b, c] = math.nan
-    return t.replace(cur_depth=tree.cur_depth + 1)
+    return t.replace(cur_depth=tree.cur_depth + 1, sup_width=n_sup)
 
 
 #: the pass with its implementations: torch reference (above), numba CPU, Triton

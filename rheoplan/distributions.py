@@ -7,22 +7,27 @@ import torch
 from rheoplan.config import SamplingConfig
 
 
-def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+#: the message of a broken target output
+BROKEN_TARGET = ("target logits contain NaN or +inf, or a row with no finite entry: "
+                 "the target model's output is broken")
+
+
+def target_probs(logits: torch.Tensor, sampling: SamplingConfig, check: bool = True) -> torch.Tensor:
     """The processed target law ``softmax(top_p(top_k(logits / T)))`` in float64.
 
     ``T = 0`` gives a one-hot on the argmax (ties: lowest token id). Top-k keeps the
     ``k`` best tokens by rank (value descending, ties lower id); top-p then keeps the
     shortest rank prefix whose mass reaches ``top_p`` (at least one token).
-    Works on ``[..., V]``.
+    Works on ``[..., V]``. ``check=False`` skips the broken-output check (a host sync);
+    the caller checks ``broken_rows`` itself (the device walk sends it with the tokens).
 
     Example:
         >>> target_probs(torch.tensor([0., 1., 1.]), SamplingConfig(temperature=0)).tolist()
         [0.0, 1.0, 0.0]
     """
     x = logits.to(torch.float64)
-    if not torch.isfinite(x).any(dim=-1).all() or torch.isnan(x).any() or (x == float("inf")).any():
-        raise ValueError("target logits contain NaN or +inf, or a row with no finite entry: "
-                         "the target model's output is broken")
+    if check and bool(broken_rows(x)):
+        raise ValueError(BROKEN_TARGET)
     if sampling.greedy:
         out = torch.zeros_like(x)
         out.scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)

@@ -90,7 +90,8 @@ def to_text(tree: DraftTree, tokenizer=None) -> str:
     t = tree
     S = t.sup_token.shape[-1]
     out = [f"draft_tree B={t.batch} capacity={t.capacity} max_expanded={t.exp_node.shape[1]} "
-           f"support={S} cur_depth={t.cur_depth} rheostat={t.rheostat} slots={t.slots}"]
+           f"support={S} cur_depth={t.cur_depth} rheostat={t.rheostat} slots={t.slots}"
+           + (f" sup_width={t.sup_width}" if t.sup_width else "")]
     f = fmt_float
     for b in range(t.batch):
         n, E = int(t.n_nodes[b]), int(t.n_expanded[b])
@@ -190,7 +191,7 @@ def from_text(s: str) -> DraftTree:
     B, M, E, S = (int(h[k]) for k in ("B", "capacity", "max_expanded", "support"))
     t = empty_tree(B, M, E, S, torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
                    int(h["rheostat"]), int(h["slots"]))
-    t = t.replace(cur_depth=int(h["cur_depth"]))
+    t = t.replace(cur_depth=int(h["cur_depth"]), sup_width=int(h.get("sup_width", 0)))
     for x in (t.depth, t.token, t.kind):  # the root line fills these back in
         x[:, 0] = -1
     t.q[:, 0] = t.weight[:, 0] = 0.0

@@ -98,6 +98,9 @@ class DraftTree:
 
     # -- filled by linearize --------------------------------------------------------------
     linear: LinearTree | None = field(default=None)
+    #: S' = min(support, V), the valid support entries of every expansion row (0 before the
+    #: first expand). A host-side int: the device planner slices by it without asking the device.
+    sup_width: int = 0
 
     # ---------------------------------------------------------------------------------
     @property

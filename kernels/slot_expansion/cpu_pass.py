@@ -143,7 +143,7 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     ns = _expand_write(rows_b[:R], rows_v[:R], sup_tok, sup_q, s, z64.numpy(), pi.numpy(), m, K,
                        tree.cur_depth, *a, out_b, out_c, wbuf)
     _score_children(t, out_b, out_c, wbuf, ns)
-    return t.replace(cur_depth=tree.cur_depth + 1)
+    return t.replace(cur_depth=tree.cur_depth + 1, sup_width=s)
 
 
 # -- assign -------------------------------------------------------------------------------

@@ -13,18 +13,17 @@ indices, and the broken-draft check is deferred to the end of planning
 * ``assign``: over all expansion rows at once, masked to the pending ones: the tail law
   (``distributions.tail_law_rows``), the sampler's batched Gumbel noise (the Triton
   Philox kernel for the default sampler) and ``argmax(log q~ + g)``; the SAMPLED and PAD
-  slots are scattered. A sampler without the batch interface is called row by row
-  (host syncs, as the oracle's injected draws need).
+  slots are scattered. A sampler without the batch interface (the oracle's injected
+  draws) is called row by row for the indices (host syncs); the writes are the same.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rheoplan.distributions import BROKEN_DRAFT, broken_rows, draft_probs, tail_mass
+from rheoplan.distributions import BROKEN_DRAFT, broken_rows, draft_probs, tail_law, tail_law_rows, tail_mass
 from rheoplan.ir import DraftTree, NodeKind
 from rheoplan.kernels.plan.triton import frontier_topk
-from rheoplan.kernels.slot_expansion.cpu_pass import draw_rows
 from rheoplan.kernels.slot_expansion.triton import slot_expansion
 from rheoplan.pipeline import PassContext
 from rheoplan.planner.expand import check_can_expand, check_draft_logits, frontier_width, proxy_weights
@@ -100,7 +99,7 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
         if K - m - 1:
             t.score[bb[:, m + 1:], c[:, m + 1:]] = float("nan")
     t.n_nodes.add_(width * K)
-    return t.replace(cur_depth=tree.cur_depth + 1)
+    return t.replace(cur_depth=tree.cur_depth + 1, sup_width=s)
 
 
 def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
@@ -110,24 +109,18 @@ def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
     K, m = tree.slots, tree.rheostat
     if m >= K:
         return tree
-    B, E, S = tree.sup_q.shape
+    B, E, _ = tree.sup_q.shape
+    S = tree.sup_width  # every row has S valid support entries (one vocabulary per plan)
     dev = tree.sup_q.device
-    if getattr(ctx.sampler, "gumbel_rows", None) is None:
-        return _assign_rowwise(tree, ctx)
     rows = torch.arange(E, device=dev)
     pending = (rows[None, :] < tree.n_expanded[:, None]) & (tree.y_token < 0)  # [B, E]
-    # Every row is drawn with the full support width S (padding masked to -inf below):
-    # the noise of the first sup_n - m tail indices is what the reference draws.
-    n_tail = (tree.sup_n - m).clamp(min=1)  # [B, E]
-    sq = tree.sup_q.reshape(B * E, S)
-    tail = sq[:, m:].to(torch.float64)
-    z = tail_mass(sq, m, S)[:, None]
-    qt = torch.where(z > 0, tail / torch.where(z > 0, z, 1.0), 1.0 / n_tail.reshape(-1, 1).to(torch.float64))
-    inside = torch.arange(S - m, device=dev)[None, :] < n_tail.reshape(-1, 1)
-    trees = torch.arange(B, device=dev).repeat_interleave(E)
-    g = ctx.sampler.gumbel_rows(trees, tree.exp_node.reshape(-1), S - m)
-    key = torch.where(inside, torch.log(qt) + g, float("-inf"))
-    i = torch.argmax(key, dim=1).reshape(B, E)  # tail index
+    qt = tail_law_rows(tree.sup_q.reshape(B * E, -1), m, S)  # [B*E, S-m], unused rows too
+    if getattr(ctx.sampler, "gumbel_rows", None) is not None:
+        trees = torch.arange(B, device=dev).repeat_interleave(E)
+        g = ctx.sampler.gumbel_rows(trees, tree.exp_node.reshape(-1), S - m)
+        i = torch.argmax(torch.log(qt) + g, dim=1).reshape(B, E)  # tail index
+    else:
+        i = _indices_rowwise(tree, ctx, pending, m)
     yr = m + i  # support rank of Y
     y_tok = tree.sup_token.gather(2, yr[..., None])[..., 0]
     y_q = tree.sup_q.gather(2, yr[..., None])[..., 0]
@@ -159,8 +152,14 @@ def _put(t: DraftTree, pending, c, tok, qv, weighted: bool, base) -> None:
         t.score.scatter_(1, c, keep(add_log_weight(base, qv), t.score))
 
 
-def _assign_rowwise(tree: DraftTree, ctx: PassContext) -> DraftTree:
-    """A sampler without ``gumbel_rows``: call it per pending row (host syncs)."""
-    from rheoplan.planner.assign import assign as reference_assign
-
-    return reference_assign(tree, ctx)
+def _indices_rowwise(tree: DraftTree, ctx: PassContext, pending, m: int) -> torch.Tensor:
+    """A sampler without ``gumbel_rows`` (the oracle's injected draws): call it for each
+    pending row, in the reference's order, with the reference's ``q~`` (host syncs)."""
+    i = torch.zeros(pending.shape, dtype=torch.int64)
+    for b, row in pending.nonzero().tolist():  # row-major = the reference's loop order
+        law = tail_law(tree.sup_q[b, row].cpu(), m, int(tree.sup_n[b, row]))
+        j = ctx.sampler(b, int(tree.exp_node[b, row]), law)
+        if not 0 <= j < law.numel():
+            raise ValueError(f"sampler returned tail index {j}, allowed [0, {law.numel()})")
+        i[b, row] = j
+    return i.to(pending.device)

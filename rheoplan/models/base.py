@@ -31,6 +31,9 @@ class TreeLogits(Protocol):
     def features(self, i: int) -> torch.Tensor | None:
         """Target hidden features at linear node ``i`` for an EAGLE-3 head, or None."""
 
+    # Optional: ``all_logits() -> [n, V]`` at every real linear node in one projection, on
+    # the target's device. The Triton backend's walk (``rheoplan.walk``) needs it.
+
 
 @runtime_checkable
 class TargetModel(Protocol):

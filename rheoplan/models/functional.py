@@ -204,6 +204,14 @@ class _FunctionalTreeLogits:
             self._memo[i] = self._lm([self.path(i)])[0]
         return self._memo[i]
 
+    def all_logits(self) -> torch.Tensor:
+        """Logits ``[n, V]`` at every real linear node (what the device walk reads)."""
+        todo = [i for i in range(self._n) if i not in self._memo]
+        if todo:
+            for i, row in zip(todo, self._lm([self.path(i) for i in todo])):
+                self._memo[i] = row
+        return torch.stack([self._memo[i] for i in range(self._n)])
+
     def features(self, i: int) -> torch.Tensor | None:
         return None
 

@@ -83,7 +83,8 @@ def test_text_has_one_line_per_node_and_the_documented_fields():
     cfg = TreeConfig(depth=2, frontier=1, slots=2, budget=2, rheostat=1, support=4)
     t = plan_tree(PathDraft([[2.0, 1.0, 0.0, -1.0]]), [3], tree=cfg, sampling=SamplingConfig())
     lines = to_text(t, tokenizer=Words()).splitlines()
-    assert lines[0] == "draft_tree B=1 capacity=5 max_expanded=2 support=4 cur_depth=2 rheostat=1 slots=2"
+    assert lines[0] == ("draft_tree B=1 capacity=5 max_expanded=2 support=4 cur_depth=2 rheostat=1 slots=2 "
+                        "sup_width=4")
     assert lines[1] == "tree 0 prefix_len=0 n_nodes=5 n_expanded=2"
     assert lines[2].startswith('  %0 = ROOT depth=0 token=3 "cat\\n" q=1 w=1 score=0 kept expanded row=0')
     assert lines[3].startswith("  %1 = DET parent=%0 depth=1 slot=0 token=0 \"the\" q=0.6")

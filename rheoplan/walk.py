@@ -1,0 +1,123 @@
+"""The verification walk of one decode step, by backend (RHEOSAMPLING.md §5).
+
+* ``reference`` and ``numba``: ``rheoplan.verify.walk``, reading target logits lazily at
+  the nodes the walk visits (on a CPU target, projecting every node of the tree costs
+  more than the walk saves; ``docs/kernels.md``).
+* ``triton``: the whole walk on the target's device. Every node's logits in one
+  projection (``TreeLogits.all_logits``), the target law by ``distributions.target_probs``,
+  the accept uniforms and residual noise by the device Philox (the same numbers as
+  ``Streams``), the phantom rule as a tensor op, then the Triton walk kernel; the host
+  receives the emitted tokens, the path and the step's statistics in one transfer.
+
+Both return a ``StepWalk`` with the same fields; for the same seed the tokens are equal
+(``tests/rheoplan/test_backends.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rheoplan.config import SamplingConfig
+from rheoplan.distributions import BROKEN_TARGET, broken_rows, target_probs
+from rheoplan.ir import DraftTree
+from rheoplan.rng import Purpose, Streams
+
+
+@dataclass(frozen=True)
+class StepWalk:
+    """What one verification walk decided, on the host."""
+
+    path: list[int]  #: linear indices: root, then the accepted nodes
+    nodes: list[int]  #: creation ids of the same nodes
+    emitted: list[int]  #: accepted drafted tokens, then the one extra token
+    visited: int  #: nodes whose target law the walk read
+    trials: int  #: path nodes with kept children (acceptance trials)
+    tree_size: int  #: drafted nodes kept (root excluded)
+
+
+def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, streams: Streams, step: int,
+                backend: str, mutations: frozenset[str] = frozenset()) -> StepWalk:
+    """Walk tree 0 of ``tree`` given ``fw`` (the target's ``TreeLogits``) with ``backend``.
+
+    Mutation ``raw_q_ratio`` (a test-only lossy variant) exists only in the reference
+    walk, so it always runs there.
+    """
+    if backend == "triton" and "raw_q_ratio" not in mutations:
+        return _walk_device(tree, fw, sampling, verifier, streams, step, mutations)
+    from rheoplan.verify import walk
+
+    if hasattr(fw, "prefetch"):
+        # One batched output projection for the path the walk most likely takes is
+        # cheaper than projecting node by node (each projection reads the whole lm_head).
+        fw.prefetch(likely_path(tree))
+    res = walk(tree, 0, fw.logits, sampling, verifier, streams, step, mutations=mutations)
+    lin = tree.linear
+    trials = sum(1 for i in res.path if int(lin.n_children[0, i]) > 0)
+    return StepWalk(list(res.path), list(res.nodes), list(res.emitted), res.visited, trials,
+                    int(lin.n[0]) - 1)
+
+
+def likely_path(tree: DraftTree, b: int = 0) -> list[int]:
+    """Linear indices of the walk's most likely route: from the root, always the kept
+    child with the best score (the first kept child: DET rank 1 when ``m >= 1``).
+
+    Example: a chain root -> 1 -> 3 with 2 a sibling of 1 gives [0, 1, 3].
+    """
+    lin = tree.linear
+    out, i = [0], 0
+    while int(lin.n_children[b, i]) > 0:
+        first = int(lin.first_child[b, i])
+        kids = range(first, first + int(lin.n_children[b, i]))
+        i = max(kids, key=lambda c: (float(tree.score[b, int(lin.node[b, c])]), -c))
+        out.append(i)
+    return out
+
+
+def phantom_y(tree: DraftTree, mutations: frozenset[str] = frozenset()) -> torch.Tensor:
+    """``y_token [B, E]`` as the verifier uses it (``rheoplan.verify.node_y`` for every row):
+    ``Y`` even when its sampled child was pruned; ``skip_pruned_sampled`` drops it then."""
+    y = tree.y_token
+    if "skip_pruned_sampled" in mutations:
+        c = tree.y_node
+        pruned = (c >= 0) & ~tree.kept.gather(1, c.clamp(min=0))
+        y = torch.where((y >= 0) & pruned, -1, y)
+    return y
+
+
+def _walk_device(tree, fw, sampling, verifier, streams, step, mutations) -> StepWalk:
+    from rheoplan.kernels.noise import gumbel_rows, uniform_rows
+    from rheoplan.kernels.verify.triton import verify_walk
+
+    lin = tree.linear
+    L = lin.token.shape[1]
+    logits = fw.all_logits()  # [n, V], n <= L real nodes
+    dev = lin.token.device
+    logits = logits.to(dev)
+    V = logits.shape[-1]
+    bad = broken_rows(logits)  # sent to the host with the tokens, not synced here
+    if logits.shape[0] < L:  # padding rows are never visited; zeros keep them finite
+        logits = torch.cat([logits, logits.new_zeros(L - logits.shape[0], V)])
+    p = target_probs(logits, sampling, check=False)
+    trees = torch.zeros(L, dtype=torch.int64, device=dev)
+    u = uniform_rows(streams, step, trees, lin.node[0], Purpose.VERIFY_ACCEPT, 1, "triton")[:, 0]
+    g = gumbel_rows(streams, step, trees, lin.node[0], Purpose.VERIFY_RESIDUAL, V, "triton")
+    out = verify_walk(p[None], u[None], g[None], lin.token, lin.first_child, lin.n_children, lin.exp_row,
+                      tree.sup_token, tree.sup_q, tree.sup_n, phantom_y(tree, mutations), tree.rheostat,
+                      tree.slots, verifier)
+    path = out.path[0]
+    on = path >= 0
+    safe = path.clamp(min=0)
+    nodes = torch.where(on, lin.node[0].gather(0, safe), -1)
+    trial = (on & (lin.n_children[0].gather(0, safe) > 0)).sum()
+    # the one device-to-host transfer of the walk
+    head = torch.stack([out.n_emitted[0], lin.n[0], trial, bad.to(torch.int64)])
+    host = torch.cat([head, out.emitted[0], path, nodes]).tolist()
+    k, n, trials, broken = host[:4]
+    if broken:
+        raise ValueError(BROKEN_TARGET)
+    emitted = host[4:4 + k]
+    path_h = host[4 + L:4 + L + k]
+    nodes_h = host[4 + 2 * L:4 + 2 * L + k]
+    return StepWalk(path_h, nodes_h, emitted, k, trials, n - 1)
