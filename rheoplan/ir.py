@@ -122,6 +122,18 @@ class DraftTree:
             out[f.name] = v.clone() if isinstance(v, torch.Tensor) else v
         return DraftTree(**out)
 
+    def to(self, device: torch.device | str) -> "DraftTree":
+        """The same tree with every tensor (the linear form's too) on ``device``."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                v = v.to(device)
+            elif isinstance(v, LinearTree):
+                v = LinearTree(**{g.name: getattr(v, g.name).to(device) for g in fields(v)})
+            out[f.name] = v
+        return DraftTree(**out)
+
     def children(self, b: int, node: int) -> list[int]:
         """Node ids of all created children of ``node`` in tree ``b`` (kept or not)."""
         n = int(self.n_nodes[b])

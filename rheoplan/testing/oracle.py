@@ -135,23 +135,27 @@ def functional_draft_fn_batch(draft, contexts: Sequence[Sequence[int]]):
 
 
 def enumerate_trees(draft, context: Sequence[int], tree: TreeConfig, sampling: SamplingConfig,
-                    mutations: frozenset[str] = frozenset(), passes=None):
+                    mutations: frozenset[str] = frozenset(), passes=None, backend: str = "reference"):
     """Yield ``(probability, DraftTree)`` for every realisation of the draft draws of one
     step whose root is ``context[-1]`` (probabilities sum to 1).
 
     The pass list is run in order and forked at each ``assign`` pass: a probe run records
     the tail laws ``q~`` it would draw from, then one branch per joint choice of tail
-    indices (with nonzero probability) continues with the remaining passes.
+    indices (with nonzero probability) continues with the remaining passes. The list is
+    lowered to ``backend`` (a concrete one: 'reference', 'numba' or 'triton').
     """
+    from rheoplan.pipeline import lower
     from rheoplan.planner.default import DEFAULT_PIPELINE
 
     ctx_tokens = tuple(int(t) for t in context)
     m = tree.effective_rheostat(sampling)
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     t0 = empty_tree(1, tree.capacity, tree.max_expanded, tree.support,
-                    torch.tensor([ctx_tokens[-1]]), torch.tensor([len(ctx_tokens) - 1]), m, tree.slots)
+                    torch.tensor([ctx_tokens[-1]]), torch.tensor([len(ctx_tokens) - 1]), m, tree.slots,
+                    device=device)
     ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=functional_draft_fn(draft, ctx_tokens),
                       sampler=None, step=0, mutations=frozenset(mutations))
-    plist = flatten(DEFAULT_PIPELINE if passes is None else passes, ctx)
+    plist = flatten(lower(DEFAULT_PIPELINE if passes is None else passes, backend), ctx)
 
     def rec(k: int, t: DraftTree, w: float):
         if k == len(plist):
@@ -224,7 +228,12 @@ class ExactOracle:
     """
 
     def __init__(self, target, draft, tree: TreeConfig, sampling: SamplingConfig,
-                 mutations: frozenset[str] = frozenset(), coupling=None, passes=None):
+                 mutations: frozenset[str] = frozenset(), coupling=None, passes=None,
+                 backend: str = "auto"):
+        from rheoplan.backends import resolve_backend
+
+        self.backend = resolve_backend(backend, "cuda" if backend == "triton" and torch.cuda.is_available()
+                                       else "cpu")
         self.target, self.draft, self.tree, self.sampling = target, draft, tree, sampling
         self.coupling = coupling
         self.passes = passes
@@ -240,8 +249,9 @@ class ExactOracle:
         if got is None:
             got = defaultdict(float)
             for w, t in enumerate_trees(self.draft, ctx, self.tree, self.sampling, self.mutations,
-                                           passes=self.passes):
+                                           passes=self.passes, backend=self.backend):
                 self.n_trees += 1
+                t = t.to("cpu")  # the enumeration reads it on the host
                 for seq, pv in verify_law(t, ctx, self.probs, self.tree.verifier, self.mutations,
                                            coupling=self.coupling).items():
                     got[seq] += w * pv
@@ -270,7 +280,8 @@ class ExactOracle:
 def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
               tree: TreeConfig = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8),
               sampling: SamplingConfig = SamplingConfig(),
-              mutations: frozenset[str] = frozenset(), coupling=None, passes=None) -> Law:
+              mutations: frozenset[str] = frozenset(), coupling=None, passes=None,
+              backend: str = "auto") -> Law:
     """Exact law of the first ``n_tokens`` tokens emitted by the whole multi-step decode.
 
     Args:
@@ -287,12 +298,15 @@ def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
         passes: a pass list of your own instead of ``DEFAULT_PIPELINE`` (see
             ``examples/custom_pass.py``); sampled tokens are forked at every pass named
             ``assign@d``.
+        backend: which implementation of the built-in passes plans the trees ('auto',
+            'reference', 'numba', 'triton'; ``rheoplan.backends``); the oracle then proves
+            the lowered pipeline lossless, not only the reference passes.
 
     Returns ``{tokens: probability}``; compare with ``target_law`` by ``total_variation``.
     Cost grows like (tail size) ** (expanded nodes) per step: keep vocabularies at 3-6
     tokens, depth <= 3, frontier <= 2.
     """
-    return ExactOracle(target, draft, tree, sampling, mutations, coupling, passes).law(prefix, n_tokens)
+    return ExactOracle(target, draft, tree, sampling, mutations, coupling, passes, backend).law(prefix, n_tokens)
 
 
 def coupling_marginal_error(coupling, p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor,
