@@ -16,7 +16,16 @@ from typing import Any
 
 from rheoplan.models.base import DraftModel, TargetModel, TreeLogits
 
-__all__ = ["DraftModel", "TargetModel", "TreeLogits", "as_draft", "as_target"]
+__all__ = ["DraftModel", "TargetModel", "TreeLogits", "as_draft", "as_target", "load_eagle3_checkpoint"]
+
+
+def load_eagle3_checkpoint(path, target, **kwargs):
+    """Load an EAGLE-3 checkpoint as a draft for ``target``; see
+    ``rheoplan.models.eagle3.load_eagle3_checkpoint`` (imported lazily: it needs torch.nn
+    modules and safetensors only when used)."""
+    from rheoplan.models.eagle3 import load_eagle3_checkpoint as load
+
+    return load(path, target, **kwargs)
 
 
 def _is_hf_causal_lm(model: Any) -> bool:
@@ -66,4 +75,4 @@ def as_draft(model: Any, **kwargs: Any) -> DraftModel:
         return model
     raise TypeError(f"cannot use {type(model).__name__} as a draft: allowed FunctionalLM, a "
                     "transformers *ForCausalLM, or an object implementing DraftModel "
-                    "(an EAGLE-3 head needs load_eagle3 / Eagle3Draft)")
+                    "(an EAGLE-3 head needs load_eagle3_checkpoint / Eagle3Draft)")
