@@ -6,7 +6,7 @@ LM, or an adapter already) into the adapter the decode loop expects.
 Public names: the interfaces ``TargetModel``, ``DraftModel``, ``TreeLogits``; functional
 models ``FunctionalLM``, ``hashed_context_lm``; the adapters ``FunctionalTarget``,
 ``FunctionalDraft``, ``HFTarget``, ``HFDraft``, ``Eagle3Draft``; ``as_target``,
-``as_draft``; the EAGLE-3 loader ``load_eagle3``.
+``as_draft``; the EAGLE-3 loader ``load_eagle3_checkpoint``.
 
 Example:
     >>> from rheoplan.models import as_target, hashed_context_lm
@@ -20,15 +20,15 @@ from __future__ import annotations
 from typing import Any
 
 from rheoplan.models.base import DraftModel, TargetModel, TreeLogits
-from rheoplan.models.eagle3 import Eagle3Draft, load_eagle3
+from rheoplan.models.eagle3 import Eagle3Draft, load_eagle3_checkpoint
 from rheoplan.models.functional import (FunctionalDraft, FunctionalLM, FunctionalTarget,
                                         hashed_context_lm)
 from rheoplan.models.hf_draft import HFDraft
 from rheoplan.models.hf_target import HFTarget
 
 __all__ = ["DraftModel", "TargetModel", "TreeLogits", "FunctionalLM", "hashed_context_lm",
-           "FunctionalTarget", "FunctionalDraft", "HFTarget", "HFDraft", "Eagle3Draft", "load_eagle3",
-           "as_draft", "as_target"]
+           "FunctionalTarget", "FunctionalDraft", "HFTarget", "HFDraft", "Eagle3Draft",
+           "load_eagle3_checkpoint", "as_draft", "as_target"]
 
 
 def _is_hf_causal_lm(model: Any) -> bool:
@@ -70,4 +70,4 @@ def as_draft(model: Any, **kwargs: Any) -> DraftModel:
         return model
     raise TypeError(f"cannot use {type(model).__name__} as a draft: allowed FunctionalLM, a "
                     "transformers *ForCausalLM, or an object implementing DraftModel "
-                    "(an EAGLE-3 head needs load_eagle3)")
+                    "(an EAGLE-3 head needs load_eagle3_checkpoint / Eagle3Draft)")
