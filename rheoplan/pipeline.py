@@ -80,8 +80,6 @@ class PassContext:
     step: int = 0
     instruments: list[Instrument] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
-    #: test-only switches for deliberately lossy variants (mutation controls)
-    mutations: frozenset[str] = frozenset()
     #: ``(flag, message)`` checks a device pass records instead of syncing the host: a
     #: 0-d bool tensor, True when broken. ``run_pipeline`` checks them all at once at the end.
     deferred_checks: list = field(default_factory=list)

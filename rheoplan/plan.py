@@ -17,8 +17,7 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
               tree: TreeConfig, sampling: SamplingConfig, prefix_len=None,
               seed: int = 0, step: int = 0, sampler: SamplerFn | None = None,
               passes: Sequence | None = None, instruments: Sequence[Instrument] = (),
-              mutations: frozenset[str] = frozenset(), backend: str = "auto",
-              device: torch.device | str | None = None) -> DraftTree:
+              backend: str = "auto", device: torch.device | str | None = None) -> DraftTree:
     """Build, prune and linearise ``B = len(root_tokens)`` draft trees.
 
     ``draft(tree, nodes [B, n]) -> logits [B, n, V]`` is called once per depth.
@@ -55,5 +54,5 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
                     device=dev)
     ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=draft,
                       sampler=sampler or gumbel_sampler(Streams(seed), step, backend), step=step,
-                      instruments=list(instruments), mutations=frozenset(mutations))
+                      instruments=list(instruments))
     return run_pipeline(lower(DEFAULT_PIPELINE if passes is None else passes, backend), t0, ctx)

@@ -22,6 +22,7 @@ import torch
 from rheoplan.config import SamplingConfig
 from rheoplan.distributions import BROKEN_TARGET, broken_rows, target_probs
 from rheoplan.ir import DraftTree
+from rheoplan.mutation import active
 from rheoplan.rng import Purpose, Streams
 
 
@@ -38,21 +39,22 @@ class StepWalk:
 
 
 def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, streams: Streams, step: int,
-                backend: str, mutations: frozenset[str] = frozenset()) -> StepWalk:
+                backend: str) -> StepWalk:
     """Walk tree 0 of ``tree`` given ``fw`` (the target's ``TreeLogits``) with ``backend``.
 
-    Mutation ``raw_q_ratio`` (a test-only lossy variant) exists only in the reference
-    walk, so it always runs there.
+    The device walk needs ``fw.all_logits()``; without it (an adapter that projects only
+    node by node) the lazy reference walk runs. The test-only switch ``raw_q_ratio``
+    (``rheoplan.mutation``) exists only in the reference walk, so it runs there too.
     """
-    if backend == "triton" and "raw_q_ratio" not in mutations:
-        return _walk_device(tree, fw, sampling, verifier, streams, step, mutations)
+    if backend == "triton" and not active("raw_q_ratio") and _has_all_logits(fw):
+        return _walk_device(tree, fw, sampling, verifier, streams, step)
     from rheoplan.verify import walk
 
-    if hasattr(fw, "prefetch"):
-        # One batched output projection for the path the walk most likely takes is
-        # cheaper than projecting node by node (each projection reads the whole lm_head).
-        fw.prefetch(likely_path(tree))
-    res = walk(tree, 0, fw.logits, sampling, verifier, streams, step, mutations=mutations)
+    # One batched output projection for the path the walk most likely takes is
+    # cheaper than projecting node by node (each projection reads the whole lm_head).
+    fw.prefetch(likely_path(tree))
+    host = tree.token.device  # the CPU planners' tables; logits of a GPU target come over
+    res = walk(tree, 0, lambda i: fw.logits(i).to(host), sampling, verifier, streams, step)
     lin = tree.linear
     trials = sum(1 for i in res.path if int(lin.n_children[0, i]) > 0)
     return StepWalk(list(res.path), list(res.nodes), list(res.emitted), res.visited, trials,
@@ -75,18 +77,26 @@ def likely_path(tree: DraftTree, b: int = 0) -> list[int]:
     return out
 
 
-def phantom_y(tree: DraftTree, mutations: frozenset[str] = frozenset()) -> torch.Tensor:
+def _has_all_logits(fw) -> bool:
+    from rheoplan.models.base import TreeLogits
+
+    impl = getattr(type(fw), "all_logits", None)
+    return impl is not None and impl is not TreeLogits.all_logits
+
+
+def phantom_y(tree: DraftTree) -> torch.Tensor:
     """``y_token [B, E]`` as the verifier uses it (``rheoplan.verify.node_y`` for every row):
-    ``Y`` even when its sampled child was pruned; ``skip_pruned_sampled`` drops it then."""
+    ``Y`` even when its sampled child was pruned; the test-only switch
+    ``skip_pruned_sampled`` drops it then."""
     y = tree.y_token
-    if "skip_pruned_sampled" in mutations:
+    if active("skip_pruned_sampled"):
         c = tree.y_node
         pruned = (c >= 0) & ~tree.kept.gather(1, c.clamp(min=0))
         y = torch.where((y >= 0) & pruned, -1, y)
     return y
 
 
-def _walk_device(tree, fw, sampling, verifier, streams, step, mutations) -> StepWalk:
+def _walk_device(tree, fw, sampling, verifier, streams, step) -> StepWalk:
     from rheoplan.kernels.noise import gumbel_rows, uniform_rows
     from rheoplan.kernels.verify.triton import verify_walk
 
@@ -104,7 +114,7 @@ def _walk_device(tree, fw, sampling, verifier, streams, step, mutations) -> Step
     u = uniform_rows(streams, step, trees, lin.node[0], Purpose.VERIFY_ACCEPT, 1, "triton")[:, 0]
     g = gumbel_rows(streams, step, trees, lin.node[0], Purpose.VERIFY_RESIDUAL, V, "triton")
     out = verify_walk(p[None], u[None], g[None], lin.token, lin.first_child, lin.n_children, lin.exp_row,
-                      tree.sup_token, tree.sup_q, tree.sup_n, phantom_y(tree, mutations), tree.rheostat,
+                      tree.sup_token, tree.sup_q, tree.sup_n, phantom_y(tree), tree.rheostat,
                       tree.slots, verifier)
     path = out.path[0]
     on = path >= 0

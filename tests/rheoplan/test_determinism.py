@@ -1,7 +1,7 @@
 """Reproducibility of ``plan_and_decode`` from one seed (RHEOSAMPLING.md §5, "Randomness"):
-same seed -> same tokens (FunctionalLM and HF); different seeds differ; and the kernel-
-backed CPU planner (``passes=None`` -> ``kernel_pipeline('cpu')``) gives the same tokens
-as the reference passes (``DEFAULT_PIPELINE``)."""
+same seed -> same tokens (FunctionalLM and HF); different seeds differ; and the numba
+backend (what ``backend='auto'`` picks on the CPU) gives the same tokens as the reference
+passes. ``test_backends.py`` adds the Triton backend."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import torch
 
 from _decode_models import tiny_llama
 from rheoplan import SamplingConfig, TreeConfig
-from rheoplan.decode import _default_passes, plan_and_decode
+from rheoplan.decode import plan_and_decode
 from rheoplan.models.functional import hashed_context_lm
-from rheoplan.planner.default import DEFAULT_PIPELINE
 
 CFGS = {
     "ot_m1": (TreeConfig(depth=3, frontier=2, slots=3, budget=6, rheostat=1, support=8, verifier="ot"),
@@ -35,9 +34,9 @@ def _functional():
     return hashed_context_lm(8, seed=31, sharpness=1.5), hashed_context_lm(8, seed=32, sharpness=1.5)
 
 
-def _run(tgt, drf, cfg, s, seed, passes=None, n=30, prompt=(0, 1, 2)):
+def _run(tgt, drf, cfg, s, seed, backend="auto", n=30, prompt=(0, 1, 2)):
     return plan_and_decode(tgt, drf, list(prompt), max_new_tokens=n, tree=cfg, sampling=s, seed=seed,
-                           passes=passes)
+                           backend=backend)
 
 
 @pytest.mark.parametrize("name", sorted(CFGS))
@@ -71,35 +70,22 @@ def test_same_seed_same_tokens_hf():
     assert _run(target, None, cfg, s, 3, n=10).tokens == _run(target, None, cfg, s, 3, n=10).tokens
 
 
-def _kernel_pipeline_or_xfail():
-    try:
-        passes = _default_passes()
-    except Exception as exc:  # a kernel pipeline that fails to build is a failure to report
-        pytest.xfail(f"kernels.pipeline.kernel_pipeline('cpu') failed to build: {exc!r}")
-    if passes is None:
-        pytest.xfail("rheoplan.kernels.pipeline is not importable: passes=None falls back to the "
-                     "reference planner, so there is nothing to compare")
-    return passes
-
-
 @pytest.mark.parametrize("name", sorted(CFGS))
-def test_kernel_pipeline_matches_reference_functional(name):
-    _kernel_pipeline_or_xfail()
+def test_numba_backend_matches_reference_functional(name):
     cfg, s = CFGS[name]
     tgt, drf = _functional()
     for seed in (0, 1, 2):
-        kernel = _run(tgt, drf, cfg, s, seed, passes=None)
-        ref = _run(tgt, drf, cfg, s, seed, passes=DEFAULT_PIPELINE)
+        kernel = _run(tgt, drf, cfg, s, seed, backend="numba")
+        ref = _run(tgt, drf, cfg, s, seed, backend="reference")
         assert kernel.tokens == ref.tokens, (name, seed)
         assert [x.tree_size for x in kernel.steps] == [x.tree_size for x in ref.steps]
 
 
-def test_kernel_pipeline_matches_reference_hf():
-    _kernel_pipeline_or_xfail()
+def test_numba_backend_matches_reference_hf():
     target, draft = tiny_llama(43, vocab=16, layers=2, head_scale=2.0), tiny_llama(44, vocab=16, head_scale=2.0)
     for name in ("ot_m1", "onehot_eagle"):
         cfg, s = CFGS[name]
         cfg = cfg.with_(support=16)
-        kernel = _run(target, draft, cfg, s, 7, passes=None, n=20)
-        ref = _run(target, draft, cfg, s, 7, passes=DEFAULT_PIPELINE, n=20)
+        kernel = _run(target, draft, cfg, s, 7, backend="numba", n=20)
+        ref = _run(target, draft, cfg, s, 7, backend="reference", n=20)
         assert kernel.tokens == ref.tokens, name

@@ -1,0 +1,113 @@
+"""One decode, three backends (issue 11): for the same seed ``plan_and_decode`` emits the
+same tokens with ``backend='reference'``, ``'numba'`` and ``'triton'`` (Triton under
+``TRITON_INTERPRET=1`` on the CPU, set in tests/conftest.py), on functional models and a
+tiny transformers Llama, at T = 0 and T = 1, for the verifiers onehot / rheo / ot and
+rheostat m = 0, 1, K-1; and the tree of every step is equal tensor for tensor.
+
+The interpreter is slow (~2 s per step here): a covering subset runs by default, the rest
+of the grid is marked slow."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import rheoplan.decode as decode_mod
+from _decode_models import tiny_llama
+from rheoplan import SamplingConfig, TreeConfig
+from rheoplan.decode import plan_and_decode
+from rheoplan.models.functional import hashed_context_lm
+from test_lower import assert_trees_equal
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+K = 3
+BACKENDS = ("reference", "numba", "triton")
+
+
+def _decode_recording(monkeypatch, tgt, drf, cfg, s, backend, n, seed=5, prompt=(0, 1, 2)):
+    """The decode's tokens and the tree of every step (each moved to the CPU)."""
+    decode_mod._warm_up(backend)  # its tiny tree is not one of the decode's
+    trees = []
+    real = decode_mod.plan_tree
+
+    def recording(*a, **kw):
+        t = real(*a, **kw)
+        trees.append(t.to("cpu"))
+        return t
+
+    monkeypatch.setattr(decode_mod, "plan_tree", recording)
+    res = plan_and_decode(tgt, drf, list(prompt), max_new_tokens=n, tree=cfg, sampling=s, seed=seed,
+                          backend=backend)
+    monkeypatch.setattr(decode_mod, "plan_tree", real)
+    return res, trees
+
+
+def _assert_same_decode(monkeypatch, make_models, cfg, s, n):
+    runs = {}
+    for b in BACKENDS:
+        tgt, drf = make_models()
+        runs[b] = _decode_recording(monkeypatch, tgt, drf, cfg, s, b, n)
+    ref, ref_trees = runs["reference"]
+    for b in BACKENDS[1:]:
+        res, trees = runs[b]
+        assert res.tokens == ref.tokens, b
+        assert [(x.accepted, x.tree_size, x.trials, x.emitted) for x in res.steps] == \
+            [(x.accepted, x.tree_size, x.trials, x.emitted) for x in ref.steps], b
+        assert len(trees) == len(ref_trees)
+        for a, c in zip(ref_trees, trees):
+            assert_trees_equal(a, c)
+
+
+GRID = list(itertools.product((0.0, 1.0), ("onehot", "rheo", "ot"), (0, 1, K - 1)))
+# every verifier, every m and both temperatures appear in the default subset
+FAST = {(1.0, "onehot", 0), (1.0, "rheo", 1), (1.0, "ot", K - 1), (0.0, "ot", 1), (1.0, "ot", 0)}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,verifier,m", [pytest.param(*c, marks=() if c in FAST else pytest.mark.slow)
+                                          for c in GRID])
+def test_backends_same_tokens_and_trees_functional(monkeypatch, T, verifier, m):
+    cfg = TreeConfig(depth=3, frontier=2, slots=K, budget=6, rheostat=m, support=8, verifier=verifier)
+    make = lambda: (hashed_context_lm(16, seed=31, sharpness=1.5), hashed_context_lm(16, seed=32, sharpness=1.5))  # noqa: E731
+    _assert_same_decode(monkeypatch, make, cfg, SamplingConfig(temperature=T), n=6)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,verifier,m", [(1.0, "ot", 1), pytest.param(0.0, "rheo", 0, marks=pytest.mark.slow),
+                                          pytest.param(1.0, "onehot", K - 1, marks=pytest.mark.slow)])
+def test_backends_same_tokens_and_trees_tiny_llama(monkeypatch, T, verifier, m):
+    cfg = TreeConfig(depth=2, frontier=2, slots=K, budget=4, rheostat=m, support=16, verifier=verifier)
+    make = lambda: (tiny_llama(43, vocab=16, layers=2, head_scale=2.0), tiny_llama(44, vocab=16, head_scale=2.0))  # noqa: E731
+    _assert_same_decode(monkeypatch, make, cfg, SamplingConfig(temperature=T), n=5)
+
+
+@pytest.mark.interpreter
+def test_backends_same_tokens_autoregressive(monkeypatch):
+    """``draft=None``: the root-only tree goes through the backend's linearize and walk."""
+    tgt = hashed_context_lm(16, seed=31, sharpness=1.5)
+    s = SamplingConfig(temperature=1.0)
+    toks = {b: plan_and_decode(tgt, None, [0, 1], max_new_tokens=4, sampling=s, seed=9, backend=b).tokens
+            for b in BACKENDS}
+    assert toks["numba"] == toks["reference"] == toks["triton"]
+
+
+@pytest.mark.parametrize("bad", ["gpu", "Triton", None])
+def test_bad_backend_is_refused_before_model_work(bad):
+    lm = hashed_context_lm(8, seed=1)
+    calls = lm.n_calls
+    with pytest.raises(ValueError, match=r"backend=.*not one of \('auto', 'reference', 'numba', 'triton'\)"):
+        plan_and_decode(lm, lm, [0, 1], max_new_tokens=3, backend=bad)
+    assert lm.n_calls == calls
+
+
+def test_triton_without_cuda_or_interpreter_is_refused_first(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: 'triton' is allowed")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lm = hashed_context_lm(8, seed=1)
+    with pytest.raises(ValueError, match="backend='triton' needs the target on a CUDA device"):
+        plan_and_decode(lm, lm, [0, 1], max_new_tokens=3, backend="triton")
+    assert lm.n_calls == 0
