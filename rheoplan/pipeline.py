@@ -193,8 +193,8 @@ def run_pipeline(passes: Sequence, tree: DraftTree, ctx: PassContext) -> DraftTr
         for ins in instruments:
             ins.after_pass(index, name, tree, ctx)
     if ctx.deferred_checks:  # one host sync for every device-side check of the run
-        flags = torch.stack([f.reshape(()) for f, _ in ctx.deferred_checks]).cpu()
-        bad = [msg for (_, msg), f in zip(ctx.deferred_checks, flags.tolist()) if f]
+        flags = torch.stack([f.reshape(()) for f, _ in ctx.deferred_checks]).tolist()
+        bad = [msg for (_, msg), f in zip(ctx.deferred_checks, flags) if f]
         ctx.deferred_checks.clear()
         if bad:
             raise ValueError(bad[0])

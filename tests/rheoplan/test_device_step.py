@@ -1,0 +1,109 @@
+"""What one decode step on the Triton backend costs the host (issue 11): the step stays
+on the device, so the host syncs a constant number of times per step (at most 3; the
+loop makes 2: the deferred draft check at the end of planning, and the walk's tokens),
+and the Triton launches of a step are the planner's, the noise's and the walk's.
+
+Counted with ``rheoplan.testing.device`` (see there how a sync is counted on the CPU:
+explicit conversions, since the interpreter has no device). The models here are
+device-clean on purpose (a bigram table gathered by token tensors, no host reads), so
+the count is the decode loop's own; the functional and HF adapters read token ids on
+the host and add their own syncs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rheoplan import SamplingConfig, TreeConfig
+from rheoplan.decode import plan_and_decode
+from rheoplan.models.base import DraftModel, TargetModel, TreeLogits
+from rheoplan.testing.device import count_host_syncs, count_triton_launches
+
+V = 24
+
+
+def _table(seed: int) -> torch.Tensor:
+    return torch.randn(V, V, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+class _TableLogits(TreeLogits):
+    def __init__(self, table, tokens):
+        self._table, self._tokens = table, tokens
+
+    def logits(self, i: int) -> torch.Tensor:
+        return self._table[self._tokens[i]]
+
+    def all_logits(self) -> torch.Tensor:
+        return self._table[self._tokens]  # every linear slot (padding rows are never read)
+
+
+class BigramTarget(TargetModel):
+    """Next-token logits = a row of a fixed table picked by the current token, on tensors."""
+
+    vocab_size = V
+
+    def __init__(self, seed=0):
+        self.table = _table(seed)
+
+    def start(self, prompt_ids):
+        pass
+
+    def forward_tree(self, linear):
+        return _TableLogits(self.table, linear.token[0])
+
+    def commit(self, path):
+        pass
+
+
+class BigramDraft(DraftModel):
+    vocab_size = V
+
+    def __init__(self, seed=1):
+        self.table = _table(seed)
+
+    def start(self, prompt_ids):
+        pass
+
+    def node_logits(self, tree, nodes):
+        nodes = torch.as_tensor(nodes, dtype=torch.int64, device=tree.token.device)
+        return self.table[tree.token[0, nodes]]  # one batched call per depth, on the tree's device
+
+    def commit(self, tree, path_nodes, emitted, features):
+        pass
+
+
+@pytest.mark.interpreter
+@pytest.mark.no_ir_lint  # the test suite's lint-after-every-pass reads the IR on the host
+@pytest.mark.parametrize("verifier,m,T", [("ot", 1, 1.0), ("rheo", 0, 1.0), ("onehot", 2, 0.0)])
+def test_triton_step_syncs_and_launches(verifier, m, T):
+    D = 3
+    cfg = TreeConfig(depth=D, frontier=2, slots=3, budget=6, rheostat=m, support=8, verifier=verifier)
+    s = SamplingConfig(temperature=T)
+    with count_host_syncs() as syncs, count_triton_launches() as launches:
+        res = plan_and_decode(BigramTarget(), BigramDraft(), [0, 1, 2], max_new_tokens=6, tree=cfg,
+                              sampling=s, seed=4, backend="triton")
+    n = len(res.steps)
+    # a constant per step, not a function of the tree: planning (1) + walk (1)
+    assert syncs.count == 2 * n, syncs.where
+    k = launches.by_kernel
+    # per depth: frontier top-k, slot expansion (expand), Philox noise (assign: none when m = K)
+    # then prune top-k, linearize; the walk: Philox (accept uniforms, residual noise), walk
+    draws = D if cfg.effective_rheostat(s) < cfg.slots else 0  # greedy: m = K, nothing drawn
+    assert k["topk_kernel"] == n * (D + 1)
+    assert k["slot_expansion_kernel"] == n * D
+    assert k["linearize_kernel"] == n
+    assert k["walk_kernel"] == n
+    assert k["streams_uniform_kernel"] == n * (draws + 2)
+    assert launches.total == sum(k.values())
+    # the same tokens as the reference backend
+    ref = plan_and_decode(BigramTarget(), BigramDraft(), [0, 1, 2], max_new_tokens=6, tree=cfg, sampling=s,
+                          seed=4, backend="reference")
+    assert res.tokens == ref.tokens
+
+
+def test_sync_counter_sees_host_reads():
+    """The counter can fail: a host read in the step is counted."""
+    with count_host_syncs() as syncs:
+        x = torch.arange(4)
+        int(x[1]), x.tolist(), bool(x.any()), float(x.sum()), x.numpy(), x.cpu()
+    assert syncs.count == 6
