@@ -111,6 +111,22 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "target's first L layers, no training) (default auto)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     add_dtype(g)
+    add_backend(g)
+
+
+def add_backend(p) -> None:
+    from rheoplan.backends import BACKENDS
+
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="what plans and verifies: 'auto' (Triton when the model is on a CUDA device, "
+                        "numba on the CPU), 'reference' (readable torch passes), 'numba', 'triton' "
+                        "(needs CUDA or TRITON_INTERPRET=1); same tokens for the same seed "
+                        "(default auto)")
+
+
+def _model_device() -> str:
+    """Where ``load_default`` puts the model: the CPU (the embedded GGUF loads there)."""
+    return "cpu"
 
 
 def add_dtype(p) -> None:
@@ -232,6 +248,7 @@ def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:
 
 
 def cmd_generate(args) -> int:
+    from rheoplan.backends import resolve_backend
     from rheoplan.config import SamplingConfig
     from rheoplan.decode import plan_and_decode
 
@@ -241,6 +258,7 @@ def cmd_generate(args) -> int:
         _parse_draft_spec(args.draft)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} is out of range: allowed >= 1")
+    resolve_backend(args.backend, _model_device())  # before the model loads
     model, tok, draft = load_default(args)
     ids = encode_prompt(tok, args.prompt, not args.no_chat)
     out: list[int] = []
@@ -254,7 +272,8 @@ def cmd_generate(args) -> int:
         shown[0] = len(text)
 
     res = plan_and_decode(model, draft, ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                          tree=tree, seed=args.seed, eos_token_id=tok.eos_token_id, callback=stream)
+                          tree=tree, seed=args.seed, eos_token_id=tok.eos_token_id, callback=stream,
+                          backend=args.backend)
     print()
     print(f"\n[{args.method}] {res.summary()}", file=sys.stderr)
     return 0
@@ -262,6 +281,7 @@ def cmd_generate(args) -> int:
 
 def cmd_dump(args) -> int:
     from rheoplan import dump
+    from rheoplan.backends import resolve_backend
     from rheoplan.config import SamplingConfig
     from rheoplan.models import as_draft
     from rheoplan.plan import plan_tree
@@ -272,6 +292,7 @@ def cmd_dump(args) -> int:
     if args.method == "autoregressive":
         raise ValueError("--method=autoregressive has no draft tree to dump")
     _parse_draft_spec(args.draft)
+    backend = resolve_backend(args.backend, _model_device())  # before the model loads
     model, tok, draft = load_default(args)
     ids = encode_prompt(tok, args.prompt, not args.no_chat)
     drf = as_draft(draft)
@@ -281,7 +302,7 @@ def cmd_dump(args) -> int:
     instruments = [DumpIR(out / "passes", tokenizer=tok)] if args.passes else []
     t = plan_tree(lambda tr, nodes: drf.node_logits(tr, nodes[0][nodes[0] >= 0].tolist()).unsqueeze(0),
                   [ids[-1]], tree=tree, sampling=sampling, prefix_len=[len(ids) - 1], seed=args.seed,
-                  instruments=instruments)
+                  instruments=instruments, backend=backend).to("cpu")
     (out / "tree.txt").write_text(dump.to_text(t, tokenizer=tok) + "\n")
     (out / "tree.json").write_text(dump.to_json(t))
     (out / "tree.dot").write_text(dump.to_dot(t, tokenizer=tok))

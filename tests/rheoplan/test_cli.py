@@ -45,6 +45,25 @@ def test_bad_dtype_names_the_choices(capsys):
     assert "argument --dtype: invalid choice: 'float16' (choose from 'auto', 'float32', 'bfloat16')" in capsys.readouterr().err
 
 
+def test_bad_backend_names_the_choices(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--backend", "cuda"])
+    assert e.value.code == 2
+    assert ("argument --backend: invalid choice: 'cuda' (choose from 'auto', 'reference', 'numba', 'triton')"
+            in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("command", ["generate", "dump"])
+def test_triton_backend_without_cuda_fails_before_loading(command, capsys, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: --backend triton is allowed")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    rc, err = run([command, "--backend", "triton"], capsys)
+    assert rc == 2 and "backend='triton' needs the target on a CUDA device" in err
+
+
 def test_typo_in_flag_gets_a_suggestion(capsys):
     rc, err = run(["generate", "--temprature", "1"], capsys)
     assert rc == 2 and "did you mean --temperature?" in err
