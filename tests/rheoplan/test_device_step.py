@@ -60,11 +60,13 @@ class BigramDraft(DraftModel):
 
     def __init__(self, seed=1):
         self.table = _table(seed)
+        self.calls: list[tuple[int, torch.device]] = []  #: (nodes in the call, their device)
 
     def start(self, prompt_ids):
         pass
 
     def node_logits(self, tree, nodes):
+        self.calls.append((len(nodes), nodes.device if isinstance(nodes, torch.Tensor) else None))
         nodes = torch.as_tensor(nodes, dtype=torch.int64, device=tree.token.device)
         return self.table[tree.token[0, nodes]]  # one batched call per depth, on the tree's device
 
@@ -79,10 +81,14 @@ def test_triton_step_syncs_and_launches(verifier, m, T):
     D = 3
     cfg = TreeConfig(depth=D, frontier=2, slots=3, budget=6, rheostat=m, support=8, verifier=verifier)
     s = SamplingConfig(temperature=T)
+    draft = BigramDraft()
     with count_host_syncs() as syncs, count_triton_launches() as launches:
-        res = plan_and_decode(BigramTarget(), BigramDraft(), [0, 1, 2], max_new_tokens=6, tree=cfg,
+        res = plan_and_decode(BigramTarget(), draft, [0, 1, 2], max_new_tokens=6, tree=cfg,
                               sampling=s, seed=4, backend="triton")
     n = len(res.steps)
+    # the draft: one batched call per depth, node ids as a tensor on the target's device
+    assert [c for c, _ in draft.calls] == [1, 2, 2] * n
+    assert {d for _, d in draft.calls} == {torch.device("cpu")}
     # a constant per step, not a function of the tree: planning (1) + walk (1)
     assert syncs.count == 2 * n, syncs.where
     k = launches.by_kernel
