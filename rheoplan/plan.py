@@ -25,8 +25,8 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
     ``passes`` (default ``DEFAULT_PIPELINE``) is lowered to ``backend`` (``'auto'``,
     ``'reference'``, ``'numba'``, ``'triton'``; see ``rheoplan.backends``): built-in passes
     run that backend's implementation, your own passes run as written. ``device`` is
-    where the planner's tensors live (default CPU; ``'triton'`` keeps them on the device,
-    the other backends on the CPU).
+    where the draft runs and, for ``'triton'``, where the planner's tensors live (default:
+    the CPU, or CUDA for ``'triton'`` when present); the other backends plan on the CPU.
 
     Example:
         >>> import torch
@@ -40,6 +40,8 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
     from rheoplan.planner.assign import gumbel_sampler
     from rheoplan.planner.default import DEFAULT_PIPELINE
 
+    if device is None and backend == "triton" and torch.cuda.is_available():
+        device = "cuda"  # 'triton' plans on the GPU unless told otherwise
     backend = resolve_backend(backend, device)
     dev = torch.device(device) if backend == "triton" and device is not None else torch.device("cpu")
     roots = torch.as_tensor(root_tokens, dtype=torch.int64).reshape(-1)

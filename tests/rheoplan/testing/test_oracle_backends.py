@@ -9,7 +9,7 @@ import pytest
 
 from rheoplan import SamplingConfig, TreeConfig
 from rheoplan.models.functional import hashed_context_lm
-from rheoplan.testing import exact_law, target_law, total_variation
+from rheoplan.testing import exact_law, mutation, target_law, total_variation
 
 TOL = 1e-9
 K = 3
@@ -48,8 +48,9 @@ def test_mutation_a_detected_with_lowered_pipeline(backend):
     V, S = 5, SamplingConfig(temperature=1.0)
     tgt, drf = hashed_context_lm(V, seed=0, sharpness=1.5), hashed_context_lm(V, seed=50, sharpness=1.5)
     cfg = TreeConfig(depth=2, frontier=2, slots=2, budget=3, rheostat=1, support=5, verifier="ot", proxy="true_q")
-    tv = total_variation(exact_law(tgt, drf, (0, 1), 2, tree=cfg, sampling=S, backend=backend,
-                                   mutations=frozenset({"skip_pruned_sampled"})), target_law(tgt, (0, 1), 2, S))
+    with mutation("skip_pruned_sampled"):
+        law = exact_law(tgt, drf, (0, 1), 2, tree=cfg, sampling=S, backend=backend)
+    tv = total_variation(law, target_law(tgt, (0, 1), 2, S))
     assert tv == pytest.approx(0.1565, abs=1e-3)
 
 
