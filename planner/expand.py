@@ -67,6 +67,12 @@ def log_weight(w: float) -> float:
     return float(torch.log(torch.tensor(w, dtype=torch.float32)))
 
 
+def add_log_weight(base: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``float32(float64(base) + float64(log(weight)))`` elementwise: the score rule
+    ``base + log_weight(w)`` for many children at once (what the kernel passes call)."""
+    return (base.to(torch.float64) + torch.log(weight).to(torch.float64)).to(torch.float32)
+
+
 def select_frontier(tree: DraftTree, b: int, k: int) -> list[int]:
     """Node ids of the ``k`` best nodes at the deepest level of tree ``b`` (root at depth 0)."""
     n = int(tree.n_nodes[b])

@@ -109,7 +109,9 @@ def _walk_device(tree, fw, sampling, verifier, streams, step) -> StepWalk:
     bad = broken_rows(logits)  # sent to the host with the tokens, not synced here
     if logits.shape[0] < L:  # padding rows are never visited; zeros keep them finite
         logits = torch.cat([logits, logits.new_zeros(L - logits.shape[0], V)])
-    p = target_probs(logits, sampling, check=False)
+    # a broken output is reported after the walk (with its tokens, no extra sync); until
+    # then the kernels get a finite stand-in law
+    p = torch.where(bad, 1.0 / V, target_probs(logits, sampling, check=False))
     trees = torch.zeros(L, dtype=torch.int64, device=dev)
     u = uniform_rows(streams, step, trees, lin.node[0], Purpose.VERIFY_ACCEPT, 1, "triton")[:, 0]
     g = gumbel_rows(streams, step, trees, lin.node[0], Purpose.VERIFY_RESIDUAL, V, "triton")

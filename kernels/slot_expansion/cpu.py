@@ -1,10 +1,11 @@
 """numba CPU path of the slot-expansion kernel (same signature as ``reference``).
 
-Split into row kernels that the CPU pipeline (``rheoplan.kernels.pipeline``) also calls:
+Split into row kernels that the numba passes (``cpu_pass.py``) also call:
 
 * ``rank_support_rows``: top-S by q (ties lower id) by radix select on the float32
   bits, O(V) per row instead of a full sort.
-* ``tail_stats_rows``: tail mass z, proxy pi and the tail law q~ (float64).
+* tail mass, proxy and tail law: not ported; their one definitions
+  (``distributions.tail_mass`` / ``tail_law_rows``, ``planner.expand.proxy_weights``).
 * ``fill_children_rows``: child tokens / q / weights given the drawn tail index.
 
 Three steps deliberately stay in torch, because the reference computes them with
@@ -20,7 +21,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from rheoplan.kernels.slot_expansion.reference import PROXY_CODES, SlotExpansion, check_args
+from rheoplan.distributions import tail_law_rows, tail_mass
+from rheoplan.kernels.slot_expansion.reference import SlotExpansion, check_args
+from rheoplan.planner.expand import add_log_weight, proxy_weights  # noqa: F401  (re-exported)
 
 
 @njit(cache=True, inline="always")
@@ -120,24 +123,6 @@ def rank_support_rows(q, s, tok, val):
 
 
 @njit(cache=True)
-def tail_stats_rows(sup_q, s, m, K, proxy_code, z, pi, qt):
-    """Per row, given the tail mass ``z`` (float64, from ``tail_mass``): ``pi`` = proxy
-    weight (NaN for 'true_q', which needs Y) and ``qt[r, :s-m]`` = the tail law q~
-    (uniform when z == 0; skipped when ``qt`` has no columns)."""
-    for r in range(sup_q.shape[0]):
-        acc = z[r]
-        if m < K:
-            if proxy_code == 0:
-                pi[r] = np.float64(sup_q[r, 0]) if m == 0 else min(np.float64(sup_q[r, m - 1]), acc)
-            elif proxy_code == 1:
-                pi[r] = np.float64(sup_q[r, m])
-            else:
-                pi[r] = np.nan
-            for i in range(min(s - m, qt.shape[1])):
-                qt[r, i] = np.float64(sup_q[r, m + i]) / acc if acc > 0 else 1.0 / (s - m)
-
-
-@njit(cache=True)
 def fill_children_rows(sup_tok, sup_q, s, m, K, y_rank, pi, child_token, child_q, child_weight):
     """Children of each row: DET ranks 0..m-1, then (m < K) the sampled rank ``y_rank[r]``
     with weight ``pi[r]`` (its own q when pi is NaN), then PAD: tail ranks skipping Y."""
@@ -164,20 +149,9 @@ def fill_children_rows(sup_tok, sup_q, s, m, K, y_rank, pi, child_token, child_q
                 k += 1
 
 
-def tail_mass(sup_q: torch.Tensor, m: int, s: int) -> torch.Tensor:
-    """``z`` per row in float64 with torch's reduction: its summation order differs from a
-    sequential loop in the last bit now and then, and the reference sums with torch."""
-    return sup_q[:, m:s].to(torch.float64).sum(dim=1)
-
-
 def draw_tail(qt: torch.Tensor, noise: torch.Tensor, n_tail: int) -> torch.Tensor:
     """Gumbel-max tail index per row: ``argmax(log(q~) + noise)`` (torch, see module doc)."""
     return torch.argmax(torch.log(qt[:, :n_tail]) + noise[:, :n_tail].to(torch.float64), dim=1)
-
-
-def add_log_weight(base: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``float32(float64(base) + float64(log(weight)))``, the reference's score rule."""
-    return (base.to(torch.float64) + torch.log(weight).to(torch.float64)).to(torch.float32)
 
 
 def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torch.Tensor, *,
@@ -193,9 +167,9 @@ def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torc
     sup_q = torch.empty(n, s, dtype=torch.float32)
     rank_support_rows(q.numpy(), s, sup_token.numpy(), sup_q.numpy())
     z64 = tail_mass(sup_q, m, s).numpy()
-    pi = np.full(n, np.nan)
-    qt = torch.zeros(n, max(s - m, 1), dtype=torch.float64)
-    tail_stats_rows(sup_q.numpy(), s, m, K, PROXY_CODES[proxy], z64, pi, qt.numpy())
+    # the proxy and the tail law: their one definitions (torch, vectorised over rows)
+    pi = proxy_weights(proxy, sup_q, torch.from_numpy(z64), m).numpy() if m < K else np.full(n, np.nan)
+    qt = tail_law_rows(sup_q, m, s) if m < K else torch.zeros(n, 1, dtype=torch.float64)
     y_rank = torch.full((n,), -1, dtype=torch.int64)
     y_token = torch.full((n,), -1, dtype=torch.int64)
     y_qtilde = torch.zeros(n, dtype=torch.float32)

@@ -19,9 +19,9 @@ from numba import njit
 from rheoplan.distributions import draft_probs, tail_law, tail_law_rows, tail_mass
 from rheoplan.ir import DraftTree, NodeKind
 from rheoplan.kernels.plan.cpu import frontier_rows
-from rheoplan.kernels.slot_expansion.cpu import add_log_weight, rank_support_rows
+from rheoplan.kernels.slot_expansion.cpu import rank_support_rows
 from rheoplan.pipeline import PassContext
-from rheoplan.planner.expand import check_can_expand, check_draft_logits, proxy_weights
+from rheoplan.planner.expand import add_log_weight, check_can_expand, check_draft_logits, proxy_weights
 
 _DET, _SAMPLED, _PAD = int(NodeKind.DET), int(NodeKind.SAMPLED), int(NodeKind.PAD)
 

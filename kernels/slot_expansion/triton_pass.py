@@ -26,14 +26,8 @@ from rheoplan.ir import DraftTree, NodeKind
 from rheoplan.kernels.plan.triton import frontier_topk
 from rheoplan.kernels.slot_expansion.triton import slot_expansion
 from rheoplan.pipeline import PassContext
-from rheoplan.planner.expand import check_can_expand, check_draft_logits, frontier_width, proxy_weights
-
-
-def add_log_weight(base: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``float32(float64(base) + float64(log(weight)))``: the score rule (``log_weight``)."""
-    from rheoplan.kernels.slot_expansion.cpu import add_log_weight as rule
-
-    return rule(base, weight)
+from rheoplan.planner.expand import (add_log_weight, check_can_expand, check_draft_logits, frontier_width,
+                                     proxy_weights)
 
 
 def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
@@ -47,8 +41,9 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     logits = ctx.draft(tree, nodes)
     V = check_draft_logits(logits, B, width, K, cfg.support)
     rows = logits.reshape(B * width, V).to(dev)
-    ctx.deferred_checks.append((broken_rows(rows.to(torch.float32)), BROKEN_DRAFT))
-    q = draft_probs(rows, ctx.sampling, check=False).contiguous()
+    bad = broken_rows(rows.to(torch.float32))
+    ctx.deferred_checks.append((bad, BROKEN_DRAFT))  # raised at the end of planning, no sync here
+    q = torch.where(bad, 1.0 / V, draft_probs(rows, ctx.sampling, check=False)).contiguous()
     s = min(cfg.support, V)
     R = B * width
     # top-S only (rheostat = slots: no draw here; assign draws)

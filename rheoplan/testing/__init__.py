@@ -12,6 +12,8 @@
   statistical tests; ``chi_square`` compares its samples with an exact law.
 * ``mutation(*names)``: a context manager that turns on the test-only lossy switches
   of ``rheoplan.mutation`` (the mutation controls every losslessness test must fail on).
+* ``rheoplan.testing.device``: ``count_host_syncs()`` and ``count_triton_launches()``, what
+  one decode step costs the host on the Triton backend.
 * ``rheoplan.testing.strategies`` (needs ``hypothesis``): tiny vocabularies, awkward
   logits, hashed-context models, tree / sampling configs, whole oracle cases.
 

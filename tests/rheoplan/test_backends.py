@@ -111,3 +111,18 @@ def test_triton_without_cuda_or_interpreter_is_refused_first(monkeypatch):
     with pytest.raises(ValueError, match="backend='triton' needs the target on a CUDA device"):
         plan_and_decode(lm, lm, [0, 1], max_new_tokens=3, backend="triton")
     assert lm.n_calls == 0
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("who", ["target", "draft"])
+def test_broken_logits_triton(who):
+    """The device checks are deferred (no sync) but still raise the reference's message:
+    the draft's at the end of planning, the target's with the walk's tokens."""
+    from rheoplan.models.functional import FunctionalLM
+
+    good = hashed_context_lm(8, seed=1)
+    bad = FunctionalLM(lambda paths: torch.full((len(paths), 8), float("nan")), vocab_size=8)
+    tgt, drf = (bad, good) if who == "target" else (good, bad)
+    cfg = TreeConfig(depth=2, frontier=2, slots=2, budget=3, support=8)
+    with pytest.raises(ValueError, match=rf"{who} logits contain NaN or \+inf.*{who} model's output is broken"):
+        plan_and_decode(tgt, drf, [0, 1], max_new_tokens=3, tree=cfg, seed=0, backend="triton")

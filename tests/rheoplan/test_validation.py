@@ -4,8 +4,9 @@ work. "No model work" is checked by counters: ``FunctionalLM.n_calls`` and a for
 pre-hook on the HF models' decoder stacks.
 
 Not here: NaN / inf logits cannot be seen before the model runs; they get a clear error
-from the first step that reads them (``test_broken_logits_*``). Kernel limits: the CPU
-kernel pipeline (``kernels/pipeline.py``) declares none beyond ``TreeConfig``'s own ranges.
+from the first step that reads them (``test_broken_logits_*``). Kernel limits: the numba
+passes (``kernels/*/cpu_pass.py``) declare none beyond ``TreeConfig``'s own ranges. The
+``backend`` checks are in ``test_backends.py``.
 """
 
 from __future__ import annotations
