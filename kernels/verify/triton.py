@@ -33,8 +33,8 @@ def _gumbel_argmax(p_ptr, g_ptr, law_ptr, mass, V, USE_LAW: tl.constexpr, BLOCK:
     for start in range(0, V, BLOCK):
         t = start + tl.arange(0, BLOCK)
         ok = t < V
-        p = tl.load(p_ptr + t, mask=ok, other=0.0)
-        g = tl.load(g_ptr + t, mask=ok, other=0.0)
+        p = tl.load(p_ptr + t, mask=ok, other=0.0).to(tl.float64)  # native dtype in memory
+        g = tl.load(g_ptr + t, mask=ok, other=0.0).to(tl.float64)
         if USE_LAW:
             r = p - tl.load(law_ptr + t, mask=ok, other=0.0)
             key = tl.log(tl.maximum(r, 0.0) / mass) + g
@@ -78,10 +78,10 @@ def _coupling(p_ptr, g_ptr, law_ptr, tok_ptr, q_ptr, n, y, u, V, M: tl.constexpr
         for start in range(0, V, BLOCK):
             t = start + tl.arange(0, BLOCK)
             ok = t < V
-            r = tl.load(p_ptr + t, mask=ok, other=0.0) - tl.load(law_ptr + t, mask=ok, other=0.0)
+            r = tl.load(p_ptr + t, mask=ok, other=0.0).to(tl.float64) - tl.load(law_ptr + t, mask=ok, other=0.0)
             mass += tl.sum(tl.where(r > 0, r, 0.0), axis=0)
         le = tl.sum(tl.where(ins & (stok == e), law, 0.0), axis=0)
-        pe = tl.load(p_ptr + e)
+        pe = tl.load(p_ptr + e).to(tl.float64)
         a = tl.where(le <= 0.0, 1.0, tl.minimum(1.0, pe / le))
         accept = (mass <= 1e-300) | (u < a)
         xr = _gumbel_argmax(p_ptr, g_ptr, law_ptr, mass, V, True, BLOCK)
@@ -96,7 +96,7 @@ def _coupling(p_ptr, g_ptr, law_ptr, tok_ptr, q_ptr, n, y, u, V, M: tl.constexpr
 def coupling_kernel(p_ptr, tok_ptr, q_ptr, n_ptr, y_ptr, u_ptr, g_ptr, law_ptr, out_ptr, V, S,
                     M: tl.constexpr, K: tl.constexpr, CODE: tl.constexpr, S_BLOCK: tl.constexpr,
                     BLOCK: tl.constexpr):
-    j = tl.program_id(0)
+    j = tl.program_id(0).to(tl.int64)  # j * V overflows int32 past ~16.7k rows at V = 128k
     y = tl.load(y_ptr + j)
     code = CODE
     if y < 0:  # no sampled slot recorded: X ~ p
@@ -108,16 +108,40 @@ def coupling_kernel(p_ptr, tok_ptr, q_ptr, n_ptr, y_ptr, u_ptr, g_ptr, law_ptr, 
     tl.store(out_ptr + j, x.to(tl.int64))
 
 
+_SCRATCH: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _law_scratch(device: torch.device, rows: int, V: int) -> torch.Tensor:
+    """A zeroed float64 ``[rows, V]`` scratch, reused across calls: the kernels put the
+    proposal law on <= S entries of a row and zero them again before they finish, so the
+    buffer is all zeros between launches and needs neither a new allocation nor a memset."""
+    key = (str(device), V)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.shape[0] < rows:
+        buf = torch.zeros(max(rows, 1), V, dtype=torch.float64, device=device)
+        _SCRATCH[key] = buf
+    return buf
+
+
+def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the kernel's device, contiguous; the dtype is kept (the kernels upcast in
+    registers, so a float32 or bfloat16 ``p`` is never copied to a float64 tensor)."""
+    return t.to(device).contiguous()
+
+
 def coupling_rows(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, u_accept, gumbel, block=1024):
-    """Same contract as ``reference.coupling_rows``; tensors on the kernel's device."""
+    """Same contract as ``reference.coupling_rows``; ``p`` and ``gumbel`` may be any float
+    dtype (upcast to float64 inside the kernel, exactly as ``.double()`` would)."""
     n, V = p.shape
     S = sup_token.shape[1]
-    out = torch.empty(n, dtype=torch.int64, device=p.device)
-    law = torch.zeros(n, V, dtype=torch.float64, device=p.device)
-    coupling_kernel[(n,)](p.to(torch.float64).contiguous(), sup_token.contiguous(), sup_q.float().contiguous(),
-                          sup_n.contiguous(), y_token.contiguous(), u_accept.to(torch.float64).contiguous(),
-                          gumbel.to(torch.float64).contiguous(), law, out, V, S, M=m, K=K,
-                          CODE=VERIFIER_CODES[verifier], S_BLOCK=triton.next_power_of_2(S),
+    dev = p.device
+    out = torch.empty(n, dtype=torch.int64, device=dev)
+    if n == 0:
+        return out
+    law = _law_scratch(dev, n, V)
+    coupling_kernel[(n,)](_on(dev, p), _on(dev, sup_token), _on(dev, sup_q.float()), _on(dev, sup_n),
+                          _on(dev, y_token), _on(dev, u_accept.to(torch.float64)), _on(dev, gumbel), law, out,
+                          V, S, M=m, K=K, CODE=VERIFIER_CODES[verifier], S_BLOCK=triton.next_power_of_2(S),
                           BLOCK=min(block, triton.next_power_of_2(V)))
     return out
 
@@ -127,7 +151,7 @@ def walk_kernel(p_ptr, u_ptr, g_ptr, token_ptr, first_ptr, nch_ptr, erow_ptr, to
                 law_ptr, emitted_ptr, n_emitted_ptr, path_ptr, L, V, E, S,
                 M: tl.constexpr, K: tl.constexpr, CODE: tl.constexpr, S_BLOCK: tl.constexpr,
                 C_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     i = tl.full((), 0, tl.int64)
     active = tl.full((), 1, tl.int1)
     count = tl.full((), 0, tl.int32)
@@ -164,18 +188,21 @@ def walk_kernel(p_ptr, u_ptr, g_ptr, token_ptr, first_ptr, nch_ptr, erow_ptr, to
 
 def verify_walk(p, u_accept, gumbel, token, first_child, n_children, exp_row, sup_token, sup_q, sup_n,
                 y_token, m, K, verifier, block=1024) -> WalkOut:
-    """Same contract as ``reference.verify_walk``; tensors on the kernel's device."""
+    """Same contract as ``reference.verify_walk``; ``p`` and ``gumbel`` may be any float dtype
+    (upcast to float64 inside the kernel; the walk reads only the rows it visits, so no
+    ``[B, L, V]`` float64 copy is made). Small tables are moved to ``p``'s device."""
     B, L, V = p.shape
     E, S = sup_token.shape[1], sup_token.shape[2]
     dev = p.device
     emitted = torch.full((B, L), -1, dtype=torch.int64, device=dev)
     path = torch.full((B, L), -1, dtype=torch.int64, device=dev)
     n_emitted = torch.zeros(B, dtype=torch.int64, device=dev)
-    law = torch.zeros(B, V, dtype=torch.float64, device=dev)
-    walk_kernel[(B,)](p.to(torch.float64).contiguous(), u_accept.to(torch.float64).contiguous(),
-                      gumbel.to(torch.float64).contiguous(), token.contiguous(), first_child.contiguous(),
-                      n_children.contiguous(), exp_row.contiguous(), sup_token.contiguous(),
-                      sup_q.float().contiguous(), sup_n.contiguous(), y_token.contiguous(), law,
+    if B == 0:
+        return WalkOut(emitted, n_emitted, path)
+    law = _law_scratch(dev, B, V)
+    walk_kernel[(B,)](_on(dev, p), _on(dev, u_accept.to(torch.float64)), _on(dev, gumbel), _on(dev, token),
+                      _on(dev, first_child), _on(dev, n_children), _on(dev, exp_row), _on(dev, sup_token),
+                      _on(dev, sup_q.float()), _on(dev, sup_n), _on(dev, y_token), law,
                       emitted, n_emitted, path, L, V, E, S, M=m, K=K, CODE=VERIFIER_CODES[verifier],
                       S_BLOCK=triton.next_power_of_2(S), C_BLOCK=triton.next_power_of_2(max(K, 2)),
                       BLOCK=min(block, triton.next_power_of_2(V)))
