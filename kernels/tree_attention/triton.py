@@ -15,7 +15,8 @@ allows TF32 (compiled fp32 dots default to TF32, the interpreter computes exact 
 Any head dim up to 256: ``D`` is padded to the next power of two (at least 16) inside the
 kernel and the padded lanes are masked on every load and store (80 -> 128, 96 -> 128,
 8 -> 16); zero lanes add nothing to ``q . k``. Every tensor is addressed through its
-strides (a ``view(B, L, H, d).transpose(1, 2)`` query needs no copy) and offsets are int64.
+strides (a ``view(B, L, H, d).transpose(1, 2)`` query needs no copy); the batch and head
+base offsets are int64, offsets inside one batch row int32 (checked by the wrapper).
 """
 
 from __future__ import annotations
@@ -48,48 +49,54 @@ def tree_attention_kernel(q_ptr, kc_ptr, vc_ptr, kt_ptr, vt_ptr, prefix_ptr, bit
                           skt_b, skt_h, skt_l, skt_d, svt_b, svt_h, svt_l, svt_d, so_b, so_h, so_l, so_d,
                           Hkv, L, P, W, SCALE, GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
-    b = bh // Hkv
+    # int64 only in the per-(batch, head) base pointers; offsets inside one head's slice are
+    # int32 (the wrapper checks that a slice spans < 2**31 elements): int64 [BLOCK, D] offset
+    # tiles double the registers of the address arithmetic and made the kernel spill
+    bh = tl.program_id(0)
+    b = (bh // Hkv).to(tl.int64)
     hk = bh % Hkv
-    r = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     h = hk * GROUP + r // L  # query head of each packed row
     qi = r % L  # query (linear tree node) of each packed row
     rmask = r < GROUP * L
     dd = tl.arange(0, D_PAD)
     dmask = dd < D
-    qv = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + qi[:, None] * sq_l + dd[None, :] * sq_d,
+    qv = tl.load(q_ptr + b * sq_b + (h[:, None] * sq_h + qi[:, None] * sq_l + dd[None, :] * sq_d),
                  mask=rmask[:, None] & dmask[None, :], other=0.0)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kc_base = kc_ptr + b * skc_b + hk.to(tl.int64) * skc_h
+    vc_base = vc_ptr + b * svc_b + hk.to(tl.int64) * svc_h
+    kt_base = kt_ptr + b * skt_b + hk.to(tl.int64) * skt_h
+    vt_base = vt_ptr + b * svt_b + hk.to(tl.int64) * svt_h
+    bits_base = bits_ptr + b * L * W
     # the kernel never reads past the capacity P, whatever prefix_len says
-    plen = tl.minimum(tl.load(prefix_ptr + b), P)
+    plen = tl.minimum(tl.load(prefix_ptr + b), P).to(tl.int32)
     for start in range(0, plen, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N).to(tl.int64)
+        cols = start + tl.arange(0, BLOCK_N)
         cin = cols < plen
         visible = rmask[:, None] & cin[None, :]
         kv_mask = cin[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + b * skc_b + hk * skc_h + cols[:, None] * skc_l + dd[None, :] * skc_d,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + b * svc_b + hk * svc_h + cols[:, None] * svc_l + dd[None, :] * svc_d,
-                    mask=kv_mask, other=0.0)
+        k = tl.load(kc_base + (cols[:, None] * skc_l + dd[None, :] * skc_d), mask=kv_mask, other=0.0)
+        v = tl.load(vc_base + (cols[:, None] * svc_l + dd[None, :] * svc_d), mask=kv_mask, other=0.0)
         m_i, l_i, acc = _online_softmax_step(qv, k, v, visible, m_i, l_i, acc, SCALE, PREC)
     for start in range(0, L, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N).to(tl.int64)
+        cols = start + tl.arange(0, BLOCK_N)
         cin = cols < L
-        words = tl.load(bits_ptr + (b * L + qi[:, None]) * W + cols[None, :] // 64,
-                        mask=rmask[:, None] & cin[None, :], other=0)
-        visible = ((words >> (cols[None, :] % 64)) & 1) != 0
+        # BLOCK_N <= 64 and start % BLOCK_N == 0: the whole tile lies in word start // 64, so one
+        # word per row (a [BLOCK_M] vector, not a [BLOCK_M, BLOCK_N] int64 tile that spilled)
+        word = tl.load(bits_base + (qi * W + start // 64), mask=rmask, other=0)
+        visible = ((word[:, None] >> (cols[None, :] % 64).to(tl.int64)) & 1) != 0
+        visible = visible & cin[None, :]
         kv_mask = cin[:, None] & dmask[None, :]
-        k = tl.load(kt_ptr + b * skt_b + hk * skt_h + cols[:, None] * skt_l + dd[None, :] * skt_d,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(vt_ptr + b * svt_b + hk * svt_h + cols[:, None] * svt_l + dd[None, :] * svt_d,
-                    mask=kv_mask, other=0.0)
+        k = tl.load(kt_base + (cols[:, None] * skt_l + dd[None, :] * skt_d), mask=kv_mask, other=0.0)
+        v = tl.load(vt_base + (cols[:, None] * svt_l + dd[None, :] * svt_d), mask=kv_mask, other=0.0)
         m_i, l_i, acc = _online_softmax_step(qv, k, v, visible, m_i, l_i, acc, SCALE, PREC)
     # a row that sees nothing (no prefix, padded tree row) writes 0, not 0/0 = NaN: a NaN
     # row would poison every row of the next layer's tiles through 0 * NaN in dot(p, v)
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(out_ptr + b * so_b + h[:, None] * so_h + qi[:, None] * so_l + dd[None, :] * so_d,
+    tl.store(out_ptr + b * so_b + (h[:, None] * so_h + qi[:, None] * so_l + dd[None, :] * so_d),
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
@@ -99,19 +106,21 @@ def _pow2_at_least_16(name: str, value: int) -> None:
 
 
 def launch_config(dtype: torch.dtype, d_pad: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) sized for sm_90 (232,448 B shared memory per block).
+    """(BLOCK_M, BLOCK_N, num_warps) sized for sm_90 (232,448 B shared memory, 255 registers).
 
-    float32 tiles take twice the shared memory and registers of 16-bit ones: 64x64 tiles at
-    d=128 in fp32 need ~295 KB and fail to launch, so fp32 uses 32x32. 16-bit at d=128 uses
-    8 warps (4 warps spill 352-816 B per thread at 64x64, per the sm_90 cubins).
+    Chosen from ahead-of-time sm_90 compiles (Triton 3.9, ``scripts/aot_sm90.py``, GROUP 4,
+    3 stages): each row of the table compiles with 0 bytes of spill stack. Examples:
+    bf16 d=128 64/32/8 warps -> 254 registers, 33.8 KB shared; bf16 d=128 at 64/64 spilled
+    (24-232 B per thread at 8/4 warps); fp32 d=128 32/32/4 -> 182 registers, 86.5 KB;
+    fp32 d=256 16/16/8 -> 105 registers, 83.3 KB.
 
-    Example: ``launch_config(torch.bfloat16, 128) == (64, 64, 8)``.
+    Example: ``launch_config(torch.bfloat16, 128) == (64, 32, 8)``.
     """
     if dtype == torch.float32:
-        return (32, 32, 4) if d_pad <= 128 else (16, 32, 8)
+        return (32, 32, 4) if d_pad <= 128 else (16, 16, 8)
     if d_pad <= 64:
-        return 64, 64, 4
-    return (64, 64, 8) if d_pad <= 128 else (64, 32, 8)
+        return 64, 64, 8
+    return (64, 32, 8) if d_pad <= 128 else (32, 32, 8)
 
 
 def tree_attention(q, k_cache, v_cache, k_tree, v_tree, prefix_len, ancestor_bits, scale=None,
@@ -151,11 +160,19 @@ def tree_attention(q, k_cache, v_cache, k_tree, v_tree, prefix_len, ancestor_bit
     if tuple(ancestor_bits.shape) != (B, L, W):
         raise ValueError(f"ancestor_bits must be [{B}, {L}, {W}] (64 nodes per int64 word), "
                          f"got {tuple(ancestor_bits.shape)}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_tree", k_tree),
+                    ("v_tree", v_tree)):
+        span = sum(abs(st) * (n - 1) for st, n in zip(t.stride()[1:], t.shape[1:]))
+        if span >= 2 ** 31:
+            raise ValueError(f"{name}: one batch row spans {span} elements; the kernel's in-row offsets "
+                             "are int32 (allowed < 2**31)")
     d_pad = max(16, triton.next_power_of_2(d))
     bm, bn, nw = launch_config(q.dtype, d_pad)
     block_m, block_n, num_warps = block_m or bm, block_n or bn, num_warps or nw
     _pow2_at_least_16("block_m", block_m)
     _pow2_at_least_16("block_n", block_n)
+    if block_n > 64:
+        raise ValueError(f"block_n={block_n}: allowed <= 64 (one ancestor word covers a column tile)")
     group = Hq // Hkv
     buf = torch.empty(B, L, Hq, d, dtype=q.dtype, device=q.device)
     out = buf.transpose(1, 2)
