@@ -66,7 +66,7 @@ def _launch(seed: int, step: int, tree: int, node: int, purpose: int, n: int, de
             raise ValueError(f"{name}={v}: allowed >= 0")
     out = torch.empty(n, dtype=torch.float64, device=device)
     if n:
-        block = min(1024, triton.next_power_of_2(n))
+        block = min(256, triton.next_power_of_2(n))
         _streams_kernel[(triton.cdiv(n, block),)](out, seed, step, tree, node * 8 + purpose, n,
                                                   GUMBEL=gumbel, BLOCK=block)
     return out

@@ -176,6 +176,7 @@ def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torc
         logits, parent_score.to(device=dev, dtype=torch.float32).contiguous(), noise, cand_tok, cand_q,
         out.sup_token, out.sup_q, out.z, out.y_rank, out.y_token, out.y_qtilde,
         out.child_token, out.child_q, out.child_weight, out.child_score,
-        V, noise.shape[1], 1.0 / temperature, S=s, S_BLOCK=s_block, S_TILE=min(s_block, 32), M=m, K=K,
-        PROXY=PROXY_CODES[proxy], BLOCK=min(block, triton.next_power_of_2(V)))
+        V, noise.shape[1], 1.0 / temperature, S=s, S_BLOCK=s_block, S_TILE=min(s_block, 32 if s_block <= 128 else 16),
+        M=m, K=K, PROXY=PROXY_CODES[proxy], BLOCK=min(block, triton.next_power_of_2(V)),
+        num_warps=4 if s_block <= 128 else 8)  # spill-free on sm_90 at S = 128 and 256 (scripts/aot_sm90.py)
     return out
