@@ -213,9 +213,9 @@ def load_default(args):
 
             draft = early_exit_draft(model, int(arg))
         else:
-            from rheoplan.models.eagle3 import load_eagle3_draft
+            from rheoplan.models.eagle3 import load_eagle3_checkpoint
 
-            draft = load_eagle3_draft(arg, model)
+            draft = load_eagle3_checkpoint(arg, model)
         print(f"draft: {kind} {arg}", file=sys.stderr)
     print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return model, tok, draft

@@ -110,7 +110,7 @@ def head_config_for(target_config, draft_vocab_size: int) -> Eagle3Config:
         intermediate_size=int(tc.intermediate_size), num_attention_heads=int(tc.num_attention_heads),
         num_key_value_heads=int(tc.num_key_value_heads), rms_norm_eps=float(tc.rms_norm_eps),
         rope_theta=float(theta), rope_scaling=scaling, hidden_act=str(tc.hidden_act),
-        max_position_embeddings=int(tc.max_position_embeddings), bias=False,
+        max_position_embeddings=int(tc.max_position_embeddings),
         head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads))
 
 
