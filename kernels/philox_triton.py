@@ -1,18 +1,19 @@
-"""Triton draws of ``rheoplan.rng.Streams`` inside a kernel (Philox4x64-10, as numpy's).
+"""Triton Philox4x64-10 that reproduces ``rheoplan.rng.Streams`` bit for bit, in a kernel.
 
-A draw of ``Streams`` is ``numpy.random.Philox(key=seed, counter=[0, step, tree,
-node * 8 + purpose])``: number ``i`` of the stream is word ``i % 4`` of the Philox block
-with counter word 0 equal to ``i // 4 + 1`` (numpy bumps the counter before each block of
-four), turned into a float64 by ``(x >> 11) * 2**-53`` and clipped like ``Streams.uniform``.
-``tl.philox`` on uint64 counters is the same Philox4x64-10 (same multipliers and Weyl key
-increments; the key's high word is 0 because ``seed < 2**63``), so the raw words and the
-uniforms are bit-identical to numpy's. The Gumbel transform ``-log(-log(u))`` uses the
-device's float64 ``log`` (libdevice on CUDA, numpy under the interpreter), which may differ
-from torch's CPU ``log`` in the last bit; that matters only at exact near-ties of two
-Gumbel keys.
+The counter-based streams are a pure function of ``(seed, step, tree, node, purpose)``
+(``rheoplan.rng.philox_counter``), so the device can generate the very numbers numpy
+draws on the host: ``tl.philox`` on uint64 counters with key ``(seed, 0)`` is numpy's
+Philox4x64-10 (same multipliers and Weyl key increments; the key's high word is 0 because
+``seed < 2**63``); numpy bumps word 0 of the counter before each block of 4 numbers (it
+starts at 0, so number ``i`` is word ``i % 4`` of the block with word 0 equal to
+``i // 4 + 1``), and a double is ``(word >> 11) * 2**-53``, clipped like
+``Streams.uniform``. The Gumbel transform ``-log(-log(u))`` uses the device's float64
+``log`` (libdevice on CUDA, numpy under the interpreter); it may differ from torch's CPU
+``log`` in the last bit, which matters only at exact near-ties of two Gumbel keys.
 
-``streams_uniform`` / ``streams_gumbel`` launch it for one stream (parity tests, and a
-device-side replacement for ``Streams.gumbel``).
+``philox_uniform`` / ``philox_gumbel`` are the ``@triton.jit`` helpers a kernel calls (the
+verify walk draws its noise with them); ``streams_uniform`` / ``streams_gumbel`` launch them
+for many streams at once.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import triton.language as tl
 
 @triton.jit
 def philox_uniform(seed, step, tree, word3, idx):
-    """Uniforms in (0, 1), float64, of stream (seed, [0, step, tree, word3]) at indices ``idx``
-    (an int tensor); equal bit for bit to ``Streams.uniform``."""
+    """Uniforms in (0, 1), float64, of stream ``(seed, [0, step, tree, word3])`` at indices
+    ``idx`` (an int tensor); ``word3 = node * 8 + purpose``. Equal bit for bit to
+    ``Streams.uniform``. The result has ``idx``'s shape, at least ``[1]``."""
     c0 = (idx // 4 + 1).to(tl.uint64)
     zero = tl.zeros_like(c0)
-    c1 = zero + step.to(tl.uint64)
-    c2 = zero + tree.to(tl.uint64)
-    c3 = zero + word3.to(tl.uint64)
+    c1 = zero + step.to(tl.uint64, bitcast=True)
+    c2 = zero + tree.to(tl.uint64, bitcast=True)
+    c3 = zero + word3.to(tl.uint64, bitcast=True)
     r0, r1, r2, r3 = tl.philox(seed.to(tl.int64), c0, c1, c2, c3, 10)
     w = idx % 4
     x = tl.where(w == 0, r0, tl.where(w == 1, r1, tl.where(w == 2, r2, r3)))
@@ -47,36 +49,49 @@ def philox_gumbel(seed, step, tree, word3, idx):
 
 
 @triton.jit
-def _streams_kernel(out_ptr, seed, step, tree, word3, n, GUMBEL: tl.constexpr, BLOCK: tl.constexpr):
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def streams_uniform_kernel(out_ptr, tree_ptr, node_ptr, seed, step, purpose, n, GUMBEL: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """Row r of ``out [R, n]`` = ``Streams(seed).uniform(step, tree[r], node[r], purpose, n)``
+    (``.gumbel`` when GUMBEL)."""
+    r = tl.program_id(0)
+    i = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    tree = tl.load(tree_ptr + r)
+    w3 = tl.load(node_ptr + r) * 8 + purpose
+    seed_ = tl.full((), seed, tl.int64)  # a scalar argument equal to 1 arrives as a constexpr
+    step_ = tl.full((), step, tl.int64)
     if GUMBEL:
-        v = philox_gumbel(tl.full((), seed, tl.int64), tl.full((), step, tl.int64), tl.full((), tree, tl.int64),
-                          tl.full((), word3, tl.int64), idx)
+        v = philox_gumbel(seed_, step_, tree, w3, i)
     else:
-        v = philox_uniform(tl.full((), seed, tl.int64), tl.full((), step, tl.int64), tl.full((), tree, tl.int64),
-                           tl.full((), word3, tl.int64), idx)
-    tl.store(out_ptr + idx, v, mask=idx < n)
+        v = philox_uniform(seed_, step_, tree, w3, i)
+    tl.store(out_ptr + r.to(tl.int64) * n + i, v, mask=i < n)
 
 
-def _launch(seed: int, step: int, tree: int, node: int, purpose: int, n: int, device, gumbel: bool):
-    if not 0 <= seed < 2 ** 63:
+def _streams(seed, step, trees, nodes, purpose, n, block, gumbel):
+    if not 0 <= int(seed) < 2 ** 63:
         raise ValueError(f"seed={seed} is out of range: allowed [0, 2**63)")
-    for name, v in (("step", step), ("tree", tree), ("node", node), ("purpose", purpose), ("n", n)):
-        if v < 0:
-            raise ValueError(f"{name}={v}: allowed >= 0")
-    out = torch.empty(n, dtype=torch.float64, device=device)
-    if n:
-        block = min(256, triton.next_power_of_2(n))
-        _streams_kernel[(triton.cdiv(n, block),)](out, seed, step, tree, node * 8 + purpose, n,
-                                                  GUMBEL=gumbel, BLOCK=block)
+    if int(step) < 0 or int(n) < 0:
+        raise ValueError(f"step={step}, n={n}: allowed >= 0")
+    if trees.shape != nodes.shape or nodes.dim() != 1:
+        raise ValueError(f"trees and nodes must be [R] alike, got {tuple(trees.shape)}, {tuple(nodes.shape)}")
+    R = nodes.shape[0]
+    out = torch.empty(R, n, dtype=torch.float64, device=nodes.device)
+    if R == 0 or n == 0:
+        return out
+    BLOCK = min(block, triton.next_power_of_2(n))
+    streams_uniform_kernel[(R, triton.cdiv(n, BLOCK))](
+        out, trees.to(device=nodes.device, dtype=torch.int64).contiguous(), nodes.to(torch.int64).contiguous(),
+        int(seed), int(step), int(purpose), n, GUMBEL=gumbel, BLOCK=BLOCK)
     return out
 
 
-def streams_uniform(seed: int, step: int, tree: int, node: int, purpose: int, n: int, device="cuda"):
-    """``Streams(seed).uniform(step, tree, node, purpose, n)`` computed on ``device``."""
-    return _launch(seed, step, tree, node, int(purpose), n, device, False)
+def streams_uniform(seed: int, step: int, trees: torch.Tensor, nodes: torch.Tensor, purpose: int,
+                    n: int, block: int = 256) -> torch.Tensor:
+    """Uniforms ``[R, n]`` float64 on ``nodes``' device (``purpose`` is the counter's purpose
+    word, ``Streams.purpose_key``)."""
+    return _streams(seed, step, trees, nodes, purpose, n, block, False)
 
 
-def streams_gumbel(seed: int, step: int, tree: int, node: int, purpose: int, n: int, device="cuda"):
-    """``Streams(seed).gumbel(step, tree, node, purpose, n)`` computed on ``device``."""
-    return _launch(seed, step, tree, node, int(purpose), n, device, True)
+def streams_gumbel(seed: int, step: int, trees: torch.Tensor, nodes: torch.Tensor, purpose: int,
+                   n: int, block: int = 256) -> torch.Tensor:
+    """Gumbel variables ``[R, n]`` float64: ``Streams(seed).gumbel(step, trees[r], nodes[r], purpose, n)``."""
+    return _streams(seed, step, trees, nodes, purpose, n, block, True)

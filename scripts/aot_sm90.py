@@ -106,8 +106,8 @@ def cases():
                {"p_ptr": "*fp32", "q_ptr": "*fp32", "u_ptr": "*fp64", "g_ptr": "*fp32", "law_ptr": "*fp64"},
                {"seed_arg": "i64", "step_arg": "i32"},
                dict(M=1, K=10, CODE=2, S_BLOCK=128, C_BLOCK=16, BLOCK=1024, NOISE=noise, PA=2, PR=3), 4)
-    yield ("philox streams (gumbel)", philox_triton._streams_kernel, {"out_ptr": "*fp64"},
-           {"seed": "i64", "step": "i32", "tree": "i32", "word3": "i32", "n": "i32"}, dict(GUMBEL=True, BLOCK=256), 4)
+    yield ("philox streams (gumbel)", philox_triton.streams_uniform_kernel, {"out_ptr": "*fp64"},
+           {"seed": "i64", "step": "i32", "purpose": "i32", "n": "i32"}, dict(GUMBEL=True, BLOCK=256), 4)
 
 
 def main(argv: list[str]) -> int:

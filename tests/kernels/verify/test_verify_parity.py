@@ -170,7 +170,9 @@ def test_philox_streams_bit_exact(device, seed, step, tree, node, purpose):
     from rheoplan.rng import Streams
 
     st = Streams(seed)
-    assert torch.equal(pt.streams_uniform(seed, step, tree, node, purpose, 37, device=device).cpu(),
-                       st.uniform(step, tree, node, purpose, 37))
-    g = pt.streams_gumbel(seed, step, tree, node, purpose, 37, device=device).cpu()
-    torch.testing.assert_close(g, st.gumbel(step, tree, node, purpose, 37), rtol=4e-16, atol=0)
+    trees, nodes = torch.tensor([tree, tree + 1], device=device), torch.tensor([node, node], device=device)
+    u = pt.streams_uniform(seed, step, trees, nodes, purpose, 37).cpu()
+    assert torch.equal(u[0], st.uniform(step, tree, node, purpose, 37))
+    assert torch.equal(u[1], st.uniform(step, tree + 1, node, purpose, 37))
+    g = pt.streams_gumbel(seed, step, trees, nodes, purpose, 37).cpu()
+    torch.testing.assert_close(g[0], st.gumbel(step, tree, node, purpose, 37), rtol=4e-16, atol=0)
