@@ -34,6 +34,14 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
+from rheoplan.config import SamplingConfig, TreeConfig
+from rheoplan.decode import plan_and_decode
+from rheoplan.models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Head
+from rheoplan.models.hf_draft import HFDraft
+from rheoplan.models.hf_target import HFTarget
+
 #: SmolLM2-135M(-Instruct) config.json, the fields a LlamaConfig needs
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
@@ -79,8 +87,6 @@ def log(msg: str, fh=None) -> None:
 
 def has_backend_argument() -> bool:
     """Whether this checkout's ``plan_and_decode`` takes ``backend=`` (issue 11's lowering)."""
-    from rheoplan import plan_and_decode
-
     return "backend" in inspect.signature(plan_and_decode).parameters
 
 
@@ -90,8 +96,7 @@ def build_target(shape: dict, device, dtype, seed: int):
     The final norm is scaled by 8 so next-token laws have a realistic spread (with the
     default init the tied-embedding logits have std ~0.5: nearly uniform over the vocabulary).
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional dependency (the hf extra)
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(**shape)
@@ -110,9 +115,6 @@ def build_target(shape: dict, device, dtype, seed: int):
 
 def build_eagle3(target, shape: dict, device, dtype, seed: int):
     """A random one-layer EAGLE-3 head shaped for ``target`` (its hidden size, heads and vocab)."""
-    import torch
-    from rheoplan.models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Head
-
     torch.manual_seed(seed + 1)
     cfg = Eagle3Config(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
                        intermediate_size=shape["intermediate_size"], num_attention_heads=shape["num_attention_heads"],
@@ -133,8 +135,6 @@ def _counters():
 
 class Runner:
     def __init__(self, args, fh):
-        import torch
-
         self.args = args
         self.fh = fh
         self.device = torch.device("cpu" if args.smoke else "cuda")
@@ -148,31 +148,22 @@ class Runner:
         return self.deadline - time.monotonic()
 
     def _sync(self):
-        import torch
-
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     # -- one plan_and_decode row ------------------------------------------------------------
     def _target(self, model, draft_kind: str, tree_attention: bool):
-        from rheoplan.models.hf_target import HFTarget
-
         t = HFTarget(model, capture_layers="eagle3" if draft_kind == "eagle3" else None)
         if tree_attention:
             t.use_tree_attention(True)
         return t
 
     def _draft(self, model, head, draft_kind: str, target):
-        from rheoplan.models.eagle3 import Eagle3Draft
-        from rheoplan.models.hf_draft import HFDraft
-
         if draft_kind == "eagle3":
             return Eagle3Draft(head, model.get_input_embeddings(), features_from=target)
         return HFDraft(model)
 
     def _decode(self, model, head, draft_kind, impl, T, n_tokens, prompt, seed):
-        from rheoplan import SamplingConfig, TreeConfig, plan_and_decode
-
         backend = {"triton": "triton", "numba": "numba", "numba+tree_attn": "numba"}[impl]
         target = self._target(model, draft_kind, tree_attention=impl in ("triton", "numba+tree_attn"))
         draft = self._draft(model, head, draft_kind, target)
@@ -231,8 +222,6 @@ class Runner:
 
     # -- transformers generate -----------------------------------------------------------------
     def run_generate_row(self, name, model, T, prompt):
-        import torch
-
         row = Row(name, "none", T, "generate")
         if self.left() < 10:
             row.error = "skipped: e2e time budget spent"
@@ -324,9 +313,6 @@ def main(argv=None) -> int:
     for name in ("tokens", "warmup_tokens", "count_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: allowed >= 1")
-
-    import torch
-
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             print("gpu_e2e --smoke: set TRITON_INTERPRET=1 (the Triton kernels run in the interpreter on CPU)",
