@@ -1,12 +1,14 @@
-"""Batched noise of the counter-based streams, by backend: row r of the result is
-``streams.uniform(step, trees[r], nodes[r], purpose, n)`` (or ``.gumbel``), whichever
-implementation makes it:
+"""Batched uniforms of the counter-based streams, by backend: row r of the result is
+``Streams(seed).uniform(step, trees[r], nodes[r], purpose, n)`` with ``purpose`` the
+counter word (``Streams.purpose_key``):
 
-* ``reference``: ``Streams`` itself, one numpy Generator per row;
-* ``numba``: ``rheoplan.kernels.philox`` (numba, CPU), many rows per call;
-* ``triton``: ``rheoplan.kernels.philox_triton`` on the rows' device: no host transfer.
+* ``numba_uniform``: ``rheoplan.kernels.philox`` (numba, CPU), many rows per call;
+* ``rheoplan.kernels.philox_triton.streams_uniform``: the same numbers on the device.
 
-All three give the same bits (tested); the Gumbel transform is ``rheoplan.rng.gumbel_from_uniform``.
+``uniform_fn(backend)`` picks one; the kernel passes hand it to the sampler's batch
+interface (``GumbelSampler.gumbel_rows``). ``uniform_rows`` / ``gumbel_rows`` take a
+``Streams`` and a backend ('reference' loops over ``Streams``), for tests and benchmarks.
+All give the same bits (``tests/kernels/test_philox.py``).
 """
 
 from __future__ import annotations
@@ -14,35 +16,43 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rheoplan.kernels.philox import streams_uniform as _numba_streams_uniform
 from rheoplan.rng import Purpose, Streams, gumbel_from_uniform, philox_counter
+
+
+def numba_uniform(seed: int, step: int, trees: torch.Tensor, nodes: torch.Tensor, purpose: int,
+                  n: int) -> torch.Tensor:
+    """Uniforms ``[R, n]`` float64 (numba Philox on the CPU), returned on ``nodes``' device."""
+    R = int(nodes.shape[0])
+    t = trees.cpu().numpy().astype(np.uint64)
+    v = nodes.cpu().numpy().astype(np.uint64)
+    ctr = np.empty((R, 4), dtype=np.uint64)
+    for w, word in enumerate(philox_counter(step, t, v, purpose)):
+        ctr[:, w] = word
+    out = np.full((R, n), 0.5)
+    _numba_streams_uniform(seed, ctr, np.full(R, n, dtype=np.int64), out)
+    return torch.from_numpy(out).to(nodes.device)
+
+
+def uniform_fn(backend: str):
+    """The batched ``Streams.uniform`` of ``backend`` ('numba' or 'triton')."""
+    if backend == "numba":
+        return numba_uniform
+    if backend == "triton":
+        from rheoplan.kernels.philox_triton import streams_uniform
+
+        return streams_uniform
+    raise ValueError(f"backend={backend!r}: a batched generator exists for 'numba' and 'triton'")
 
 
 def uniform_rows(streams: Streams, step: int, trees: torch.Tensor, nodes: torch.Tensor, purpose: Purpose,
                  n: int, backend: str) -> torch.Tensor:
-    """Uniforms ``[R, n]`` float64 on ``nodes``' device."""
-    key = streams.purpose_key(purpose)  # mutation (c) collapses the purposes here
-    R = int(nodes.shape[0])
-    if backend == "triton":
-        from rheoplan.kernels.philox_triton import streams_uniform
-
-        return streams_uniform(streams.seed, step, trees, nodes, key, n)
-    if backend == "numba":
-        from rheoplan.kernels.philox import streams_uniform
-
-        t = trees.cpu().numpy().astype(np.uint64)
-        v = nodes.cpu().numpy().astype(np.uint64)
-        ctr = np.empty((R, 4), dtype=np.uint64)
-        for w, word in enumerate(philox_counter(step, t, v, key)):
-            ctr[:, w] = word
-        out = np.full((R, n), 0.5)
-        streams_uniform(streams.seed, ctr, np.full(R, n, dtype=np.int64), out)
-        return torch.from_numpy(out).to(nodes.device)
+    """Uniforms ``[R, n]`` float64 on ``nodes``' device, from ``backend``'s generator."""
     if backend == "reference":
-        rows = [streams.uniform(step, int(b), int(v), Purpose(purpose), n) for b, v in
-                zip(trees.tolist(), nodes.tolist())]
+        rows = [streams.uniform(step, int(b), int(v), purpose, n) for b, v in zip(trees.tolist(), nodes.tolist())]
         out = torch.stack(rows) if rows else torch.empty(0, n, dtype=torch.float64)
         return out.to(nodes.device)
-    raise ValueError(f"backend={backend!r} is not one of ('reference', 'numba', 'triton')")
+    return uniform_fn(backend)(streams.seed, step, trees, nodes, streams.purpose_key(purpose), n)
 
 
 def gumbel_rows(streams: Streams, step: int, trees: torch.Tensor, nodes: torch.Tensor, purpose: Purpose,

@@ -28,6 +28,8 @@ import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.ir import DraftTree
+from rheoplan.ir_text import to_text
+from rheoplan.planner.lint import lint
 
 #: ``draft(tree, nodes [B, n] int64, -1 padded) -> logits [B, n, V]``
 DraftFn = Callable[[DraftTree, torch.Tensor], torch.Tensor]
@@ -40,13 +42,15 @@ class BatchSampler(Protocol):
     Triton ``assign`` passes use it (one call per depth, on the tree's device) and fall
     back to calling the sampler row by row when a sampler lacks it.
 
-    ``gumbel_rows(trees [R], nodes [R], n) -> [R, n]`` float64: the draw of row r is
-    ``argmax(log(qtilde_r) + noise[r, :len(qtilde_r)])``, exactly what ``__call__`` draws.
+    ``gumbel_rows(trees [R], nodes [R], n, uniform) -> [R, n]`` float64: the draw of row r
+    is ``argmax(log(qtilde_r) + noise[r, :len(qtilde_r)])``, exactly what ``__call__``
+    draws. ``uniform(seed, step, trees, nodes, purpose, n)`` is the pass's generator of
+    ``Streams`` uniforms (numba or Triton Philox), so the sampler imports no kernel.
     """
 
     def __call__(self, b: int, node: int, qtilde: torch.Tensor) -> int: ...
 
-    def gumbel_rows(self, trees: torch.Tensor, nodes: torch.Tensor, n: int) -> torch.Tensor: ...
+    def gumbel_rows(self, trees: torch.Tensor, nodes: torch.Tensor, n: int, uniform) -> torch.Tensor: ...
 
 
 class PassError(RuntimeError):
@@ -237,8 +241,6 @@ class VerifyAfterEach(Instrument):
     """Check the IR invariants after every pass; raise naming the pass and its predecessors."""
 
     def after_pass(self, index, name, tree, ctx):
-        from rheoplan.planner.lint import lint
-
         problems = lint(tree, ctx)
         if problems:
             raise PassError(f"IR ill-formed after pass {name!r} (ran: {ctx.history}):\n  - "
@@ -253,8 +255,6 @@ class PrintAfterAll(Instrument):
         self.tokenizer = tokenizer
 
     def after_pass(self, index, name, tree, ctx):
-        from rheoplan.dump import to_text
-
         print(f"# ---- after {index:03d} {name} ----", file=self.stream)
         print(to_text(tree, tokenizer=self.tokenizer), file=self.stream)
 
@@ -270,8 +270,6 @@ class DumpIR(Instrument):
         (self.dir / f"step{ctx.step:04d}").mkdir(parents=True, exist_ok=True)
 
     def after_pass(self, index, name, tree, ctx):
-        from rheoplan.dump import to_text
-
         path = self.dir / f"step{ctx.step:04d}" / f"{index:03d}_{name.replace('@', '_d')}.txt"
         path.write_text(to_text(tree, tokenizer=self.tokenizer) + "\n")
 

@@ -10,6 +10,8 @@ from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.backends import resolve_backend
 from rheoplan.pipeline import DraftFn, Instrument, PassContext, SamplerFn, lower, run_pipeline
+from rheoplan.planner.assign import gumbel_sampler
+from rheoplan.planner.default import DEFAULT_PIPELINE
 from rheoplan.rng import Streams
 
 
@@ -37,9 +39,6 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
         >>> int(t.linear.n[0])
         5
     """
-    from rheoplan.planner.assign import gumbel_sampler
-    from rheoplan.planner.default import DEFAULT_PIPELINE
-
     if device is None and backend == "triton" and torch.cuda.is_available():
         device = "cuda"  # 'triton' plans on the GPU unless told otherwise
     backend = resolve_backend(backend, device)
@@ -55,6 +54,6 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
     t0 = empty_tree(B, tree.capacity, tree.max_expanded, tree.support, roots, prefix_len, m, tree.slots,
                     device=dev)
     ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=draft,
-                      sampler=sampler or gumbel_sampler(Streams(seed), step, backend), step=step,
+                      sampler=sampler or gumbel_sampler(Streams(seed), step), step=step,
                       instruments=list(instruments))
     return run_pipeline(lower(DEFAULT_PIPELINE if passes is None else passes, backend), t0, ctx)

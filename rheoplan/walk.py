@@ -5,9 +5,10 @@
   more than the walk saves; ``docs/kernels.md``).
 * ``triton``: the whole walk on the target's device. Every node's logits in one
   projection (``TreeLogits.all_logits``), the target law by ``distributions.target_probs``,
-  the accept uniforms and residual noise by the device Philox (the same numbers as
-  ``Streams``), the phantom rule as a tensor op, then the Triton walk kernel; the host
-  receives the emitted tokens, the path and the step's statistics in one transfer.
+  the phantom rule as a tensor op, then the Triton walk kernel, which draws the accept
+  uniforms and residual noise itself (the device Philox: the same streams as
+  ``Streams``); the host receives the emitted tokens, the path and the step's
+  statistics in one transfer.
 
 Both return a ``StepWalk`` with the same fields; for the same seed the tokens are equal
 (``tests/rheoplan/test_backends.py``).
@@ -97,8 +98,7 @@ def phantom_y(tree: DraftTree) -> torch.Tensor:
 
 
 def _walk_device(tree, fw, sampling, verifier, streams, step) -> StepWalk:
-    from rheoplan.kernels.noise import gumbel_rows, uniform_rows
-    from rheoplan.kernels.verify.triton import verify_walk
+    from rheoplan.kernels.verify.triton import WalkNoise, verify_walk
 
     lin = tree.linear
     L = lin.token.shape[1]
@@ -112,12 +112,13 @@ def _walk_device(tree, fw, sampling, verifier, streams, step) -> StepWalk:
     # a broken output is reported after the walk (with its tokens, no extra sync); until
     # then the kernels get a finite stand-in law
     p = torch.where(bad, 1.0 / V, target_probs(logits, sampling, check=False))
-    trees = torch.zeros(L, dtype=torch.int64, device=dev)
-    u = uniform_rows(streams, step, trees, lin.node[0], Purpose.VERIFY_ACCEPT, 1, "triton")[:, 0]
-    g = gumbel_rows(streams, step, trees, lin.node[0], Purpose.VERIFY_RESIDUAL, V, "triton")
-    out = verify_walk(p[None], u[None], g[None], lin.token, lin.first_child, lin.n_children, lin.exp_row,
+    # the walk draws its accept uniforms and residual noise in the kernel, from the very
+    # streams rheoplan.verify.walk reads: no [L, V] noise tensor, no extra launch
+    noise = WalkNoise(streams.seed, step, lin.node, torch.zeros(1, dtype=torch.int64, device=dev),
+                      streams.purpose_key(Purpose.VERIFY_ACCEPT), streams.purpose_key(Purpose.VERIFY_RESIDUAL))
+    out = verify_walk(p[None], None, None, lin.token, lin.first_child, lin.n_children, lin.exp_row,
                       tree.sup_token, tree.sup_q, tree.sup_n, phantom_y(tree), tree.rheostat,
-                      tree.slots, verifier)
+                      tree.slots, verifier, noise=noise)
     path = out.path[0]
     on = path >= 0
     safe = path.clamp(min=0)

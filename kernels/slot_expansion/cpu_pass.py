@@ -18,6 +18,7 @@ from numba import njit
 
 from rheoplan.distributions import draft_probs, tail_law, tail_law_rows, tail_mass
 from rheoplan.ir import DraftTree, NodeKind
+from rheoplan.kernels.noise import numba_uniform
 from rheoplan.kernels.plan.cpu import frontier_rows
 from rheoplan.kernels.slot_expansion.cpu import rank_support_rows
 from rheoplan.pipeline import PassContext
@@ -205,14 +206,14 @@ def draw_rows(sampler, sup_q: torch.Tensor, trees: torch.Tensor, nodes: torch.Te
     Through the sampler's batch interface (``gumbel_rows``) when it has one: one noise
     call, then ``argmax(log q~ + g)`` per row, exactly the per-row draw. Otherwise the
     sampler is called row by row with the same ``q~`` tensor the reference passes.
-    Shared by the numba and Triton ``assign`` (``n_tail`` on the host only for numba).
+    The noise comes from the numba Philox (``kernels.noise.numba_uniform``).
     """
     R = sup_q.shape[0]
     gumbel_rows = getattr(sampler, "gumbel_rows", None)
     if gumbel_rows is not None and R > 0 and bool((n_tail == n_tail[0]).all()):
         nt = int(n_tail[0])
         qt = tail_law_rows(sup_q, m, m + nt)
-        g = gumbel_rows(trees, nodes, nt)
+        g = gumbel_rows(trees, nodes, nt, numba_uniform)
         i = torch.argmax(torch.log(qt) + g, dim=1)
         return i, qt.gather(1, i[:, None])[:, 0]
     i = torch.empty(R, dtype=torch.int64)

@@ -23,6 +23,7 @@ import torch
 
 from rheoplan.distributions import BROKEN_DRAFT, broken_rows, draft_probs, tail_law, tail_law_rows, tail_mass
 from rheoplan.ir import DraftTree, NodeKind
+from rheoplan.kernels.philox_triton import streams_uniform
 from rheoplan.kernels.plan.triton import frontier_topk
 from rheoplan.kernels.slot_expansion.triton import slot_expansion
 from rheoplan.pipeline import PassContext
@@ -112,7 +113,7 @@ def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
     qt = tail_law_rows(tree.sup_q.reshape(B * E, -1), m, S)  # [B*E, S-m], unused rows too
     if getattr(ctx.sampler, "gumbel_rows", None) is not None:
         trees = torch.arange(B, device=dev).repeat_interleave(E)
-        g = ctx.sampler.gumbel_rows(trees, tree.exp_node.reshape(-1), S - m)
+        g = ctx.sampler.gumbel_rows(trees, tree.exp_node.reshape(-1), S - m, streams_uniform)
         i = torch.argmax(torch.log(qt) + g, dim=1).reshape(B, E)  # tail index
     else:
         i = _indices_rowwise(tree, ctx, pending, m)

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from rheoplan import SamplingConfig, TreeConfig, plan_tree
+from rheoplan.config import SamplingConfig, TreeConfig
+from rheoplan.plan import plan_tree
 from rheoplan.pipeline import Instrument, PassTiming
 
 

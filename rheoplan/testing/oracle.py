@@ -33,10 +33,12 @@ from typing import Sequence
 
 import torch
 
+from rheoplan.backends import resolve_backend
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.distributions import target_probs
+from rheoplan.distributions import tail_law, target_probs
 from rheoplan.ir import DraftTree, empty_tree
-from rheoplan.pipeline import PassContext, flatten
+from rheoplan.pipeline import PassContext, flatten, lower
+from rheoplan.planner.default import DEFAULT_PIPELINE
 from rheoplan.verify import kept_children, node_law, node_y
 
 Law = dict[tuple[int, ...], float]
@@ -144,9 +146,6 @@ def enumerate_trees(draft, context: Sequence[int], tree: TreeConfig, sampling: S
     indices (with nonzero probability) continues with the remaining passes. The list is
     lowered to ``backend`` (a concrete one: 'reference', 'numba' or 'triton').
     """
-    from rheoplan.pipeline import lower
-    from rheoplan.planner.default import DEFAULT_PIPELINE
-
     ctx_tokens = tuple(int(t) for t in context)
     m = tree.effective_rheostat(sampling)
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
@@ -229,8 +228,6 @@ class ExactOracle:
 
     def __init__(self, target, draft, tree: TreeConfig, sampling: SamplingConfig,
                  coupling=None, passes=None, backend: str = "auto"):
-        from rheoplan.backends import resolve_backend
-
         self.backend = resolve_backend(backend, "cuda" if backend == "triton" and torch.cuda.is_available()
                                        else "cpu")
         self.target, self.draft, self.tree, self.sampling = target, draft, tree, sampling
@@ -317,8 +314,6 @@ def coupling_marginal_error(coupling, p: torch.Tensor, sup_token: torch.Tensor, 
         >>> coupling_marginal_error(rheo, p, torch.tensor([0, 1, 2]), torch.tensor([0.5, 0.3, 0.2]), 3, 1, 2) < 1e-12
         True
     """
-    from rheoplan.distributions import tail_law
-
     p = p.to(torch.float64)
     if m >= K:
         return float((coupling(p, sup_token, sup_q, sup_n, m, K, -1).to(torch.float64) - p).abs().max())

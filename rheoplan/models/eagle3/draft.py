@@ -36,6 +36,7 @@ from rheoplan.ir import DraftTree
 from rheoplan.models.base import DraftModel, TargetModel, check_draft_call, check_emitted, check_prompt_ids
 from rheoplan.models.eagle3.checkpoint import read_eagle3
 from rheoplan.models.eagle3.head import Eagle3Head, check_vocab_map
+from rheoplan.models.hf_target import HFTarget
 
 
 class FeatureSource(Protocol):
@@ -162,8 +163,6 @@ class Eagle3Draft(DraftModel):
         if hasattr(src, "prompt_features"):
             self.set_prompt_features(src.prompt_features())
             return
-        from rheoplan.models.hf_target import HFTarget
-
         # Only the target model is known: run one capturing prefill, then drop the hooks.
         probe = HFTarget(src, capture_layers="eagle3")
         try:
