@@ -149,6 +149,23 @@ def _check_mutations(mutations) -> frozenset[str]:
     return frozenset(mutations)
 
 
+def _check_processors(processors) -> tuple:
+    if processors is None:
+        return ()
+    if callable(processors) and not isinstance(processors, (list, tuple)):
+        processors = [processors]  # one processor (a LogitsProcessorList is a list)
+    if isinstance(processors, (str, bytes)) or not hasattr(processors, "__iter__"):
+        raise TypeError(f"logits_processors={processors!r} is a {type(processors).__name__}: allowed "
+                        "None or a list of transformers LogitsProcessor objects")
+    processors = tuple(processors)
+    bad = [p for p in processors if not callable(p)]
+    if bad:
+        raise TypeError(f"logits_processors holds {bad[0]!r} ({type(bad[0]).__name__}), not callable: "
+                        "allowed transformers LogitsProcessor objects or callables "
+                        "(input_ids [1, n], scores [1, V]) -> scores")
+    return processors
+
+
 def _check_pair(tgt, drf) -> None:
     """Target/draft compatibility: vocabulary, device, the draft's own vocabulary map."""
     if drf.vocab_size != tgt.vocab_size:
@@ -161,6 +178,9 @@ def _check_pair(tgt, drf) -> None:
     check_map = getattr(drf, "check_vocab_map", None)
     if check_map is not None:
         check_map(tgt.vocab_size)
+    check_target = getattr(drf, "check_target", None)  # e.g. an EAGLE-3 head's feature layers
+    if check_target is not None:
+        check_target(tgt)
 
 
 def _check_int(name: str, value, lo: int) -> int:
@@ -209,7 +229,7 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                     dump_steps: Collection[int] | None = (0,),
                     progress: bool = False, passes=None,
                     mutations: frozenset[str] = frozenset(),
-                    callback=None) -> DecodeResult:
+                    callback=None, logits_processors=None) -> DecodeResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``, losslessly.
 
     Args:
@@ -219,7 +239,9 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             any ``DraftModel``) or ``None`` for plain autoregressive sampling.
         prompt_ids: the prompt, a non-empty sequence of token ids.
         max_new_tokens: tokens to generate at most (>= 1).
-        sampling: target temperature / top-k / top-p; output follows exactly this law.
+        sampling: how the target's scores are processed (temperature, top-k, top-p, min-p,
+            typical-p, repetition penalty, with transformers' semantics); the output follows
+            exactly this law, the one ``generate`` samples from with the same settings.
         tree: draft-tree shape and verifier (see ``TreeConfig``; presets ``TreeConfig.eagle``,
             ``TreeConfig.chain``).
         seed: one seed for every draw (drafting and verification use independent streams);
@@ -229,6 +251,11 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             (``None`` = every step).
         progress: show a progress bar.
         callback: called with the list of new tokens after every step (streaming).
+        logits_processors: transformers ``LogitsProcessor`` objects (or callables
+            ``(input_ids [1, n], scores [1, V]) -> scores``) applied to the target's scores at
+            every tree node, with that node's own context as ``input_ids`` (prompt + emitted +
+            the path to the node), after the repetition penalty and before the warpers, as
+            ``generate(logits_processor=...)`` applies them. The draft does not see them.
 
     Example:
         >>> from rheoplan.models.functional import hashed_context_lm
@@ -256,18 +283,20 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
     if callback is not None and not callable(callback):
         raise TypeError(f"callback={callback!r} is not callable: allowed None or a function of the "
                         "new tokens")
+    processors = _check_processors(logits_processors)
     tgt = as_target(target)
     owned = tgt is not target  # an adapter built here is closed here (it may hook the model)
     try:
         return _decode(tgt, draft, prompt_ids, max_new_tokens, sampling, tree, seed, streams,
-                       eos_token_id, dump_ir, dump_steps, progress, passes, mutations, callback)
+                       eos_token_id, dump_ir, dump_steps, progress, passes, mutations, callback,
+                       processors)
     finally:
         if owned and hasattr(tgt, "close"):
             tgt.close()
 
 
 def _decode(tgt, draft, prompt_ids, max_new_tokens, sampling, tree, seed, streams, eos_token_id,
-            dump_ir, dump_steps, progress, passes, mutations, callback) -> DecodeResult:
+            dump_ir, dump_steps, progress, passes, mutations, callback, processors=()) -> DecodeResult:
     from rheoplan.models import as_draft
     from rheoplan.verify import walk
 
@@ -336,7 +365,9 @@ def _decode(tgt, draft, prompt_ids, max_new_tokens, sampling, tree, seed, stream
             # cheaper than projecting node by node (each projection reads the whole lm_head).
             fw.prefetch(likely_path(t))
         t2 = time.perf_counter()
-        res = walk(t, 0, fw.logits, sampling, tree.verifier, streams, step, mutations=mutations)
+        history = ids + result.tokens if (sampling.needs_context or processors) else None
+        res = walk(t, 0, fw.logits, sampling, tree.verifier, streams, step, mutations=mutations,
+                   history=history, processors=processors)
         t3 = time.perf_counter()
         # Truncate first: an EOS past max_new_tokens is not emitted, so it does not stop the decode.
         emitted = list(res.emitted)[: max_new_tokens - len(result.tokens)]
