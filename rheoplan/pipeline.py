@@ -65,8 +65,6 @@ class PassContext:
     step: int = 0
     instruments: list[Instrument] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
-    #: test-only switches for deliberately lossy variants (mutation controls)
-    mutations: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,7 @@ from rheoplan.rng import Streams
 def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
               tree: TreeConfig, sampling: SamplingConfig, prefix_len=None,
               seed: int = 0, step: int = 0, sampler: SamplerFn | None = None,
-              passes: Sequence | None = None, instruments: Sequence[Instrument] = (),
-              mutations: frozenset[str] = frozenset()) -> DraftTree:
+              passes: Sequence | None = None, instruments: Sequence[Instrument] = ()) -> DraftTree:
     """Build, prune and linearise ``B = len(root_tokens)`` draft trees.
 
     ``draft(tree, nodes [B, n]) -> logits [B, n, V]`` is called once per depth.
@@ -45,5 +44,5 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
     t0 = empty_tree(B, tree.capacity, tree.max_expanded, tree.support, roots, prefix_len, m, tree.slots)
     ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=draft,
                       sampler=sampler or gumbel_sampler(Streams(seed), step), step=step,
-                      instruments=list(instruments), mutations=frozenset(mutations))
+                      instruments=list(instruments))
     return run_pipeline(DEFAULT_PIPELINE if passes is None else passes, t0, ctx)

@@ -104,8 +104,6 @@ MATRIX = [
     ("eos_str", K(eos_token_id="2"), TypeError, [r"eos_token_id='2'"]),
     ("eos_list_with_bad_id", K(eos_token_id=[1, 9]), ValueError, [r"eos_token_id=\[1, 9\]", r"\[0, 5\)"]),
     ("eos_list_with_float", K(eos_token_id=[1, 2.0]), TypeError, [r"eos_token_id=\[1, 2\.0\]", "int"]),
-    ("mutations_unknown", K(mutations=frozenset({"raw_q"})), ValueError, [r"raw_q", "raw_q_ratio"]),
-    ("mutations_str", K(mutations="raw_q_ratio"), TypeError, [r"mutations='raw_q_ratio'", "frozenset"]),
     ("callback_not_callable", K(callback=5), TypeError, [r"callback=5", "callable"]),
     # prompt
     ("prompt_empty", K(prompt_ids=[]), ValueError, [r"prompt_ids=\[\]", "non-empty"]),

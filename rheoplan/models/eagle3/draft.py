@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from rheoplan.ir import DraftTree
-from rheoplan.models.base import check_draft_call, check_emitted, check_prompt_ids
+from rheoplan.models.base import DraftModel, TargetModel, check_draft_call, check_emitted, check_prompt_ids
 from rheoplan.models.eagle3.checkpoint import read_eagle3
 from rheoplan.models.eagle3.head import Eagle3Head, Eagle3LoadError, check_vocab_map
 
@@ -50,7 +50,7 @@ def _embedding_weight(target_embed: Any) -> torch.Tensor:
     return w.detach()
 
 
-class Eagle3Draft:
+class Eagle3Draft(DraftModel):
     """``DraftModel`` running an ``Eagle3Head`` with its own KV cache and tree attention.
 
     Args:
@@ -188,6 +188,13 @@ class Eagle3Draft:
             self._pending_feats = [torch.zeros(width, device=self._param.device, dtype=self._param.dtype)]
         else:
             self._pending_feats = list(features.to(self._param.device, self._param.dtype))
+
+    def take_prompt_features(self, target: TargetModel) -> None:
+        """Take the prompt's features from ``target`` when it captured them from the model
+        this draft reads its features from (``features_from``): no second prompt forward."""
+        feats = target.prompt_features_for(self.features_from)
+        if feats is not None:
+            self.set_prompt_features(feats)
 
     @torch.no_grad()
     def node_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
