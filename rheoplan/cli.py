@@ -19,7 +19,8 @@ DEFAULT_PROMPT = "Write a short poem about the sea."
 #: ~15% faster (docs/results.md "Tree size on this CPU"; docs/concepts.md "Defaults").
 #: Precedence: these < a --config file < flags given on the command line.
 DEFAULTS = {
-    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0,
+    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
+    "repetition_penalty": 1.0, "seed": 0,
     "method": "rheo", "depth": 4, "frontier": 3, "slots": 3, "budget": 8, "rheostat": 1,
     "support": 128, "verifier": "ot", "proxy": "default",
 }
@@ -27,10 +28,16 @@ METHODS = ("rheo", "eagle", "chain", "autoregressive")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling (the output follows exactly this law)")
+    g = p.add_argument_group("sampling (the output follows exactly this law: transformers' generate "
+                             "with the same settings)")
     g.add_argument("--temperature", "-t", type=float, help="0 = greedy (default 1.0)")
     g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default 0 = off)")
     g.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (default 1 = off)")
+    g.add_argument("--min-p", type=float,
+                   help="drop tokens below min_p x the top probability, in [0, 1] (default 0 = off)")
+    g.add_argument("--typical-p", type=float, help="typical-decoding mass in (0, 1] (default 1 = off)")
+    g.add_argument("--repetition-penalty", type=float,
+                   help="transformers' repetition penalty over prompt + output, > 0 (default 1 = off)")
     g.add_argument("--seed", type=int, help="one seed for every random draw (default 0)")
 
 
@@ -161,6 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def sampling_config_from(args):
+    """The ``SamplingConfig`` of the sampling flags (after ``--config`` and the defaults)."""
+    from rheoplan.config import SamplingConfig
+
+    resolve_options(args)
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, typical_p=args.typical_p,
+                          repetition_penalty=args.repetition_penalty)
+
+
 def tree_config_from(args):
     from rheoplan.config import TreeConfig
 
@@ -232,11 +249,10 @@ def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:
 
 
 def cmd_generate(args) -> int:
-    from rheoplan.config import SamplingConfig
     from rheoplan.decode import plan_and_decode
 
     tree = tree_config_from(args)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = sampling_config_from(args)
     if args.method != "autoregressive":
         _parse_draft_spec(args.draft)
     if args.max_new_tokens < 1:
@@ -262,13 +278,12 @@ def cmd_generate(args) -> int:
 
 def cmd_dump(args) -> int:
     from rheoplan import dump
-    from rheoplan.config import SamplingConfig
     from rheoplan.models import as_draft
     from rheoplan.plan import plan_tree
     from rheoplan.pipeline import DumpIR
 
     tree = tree_config_from(args)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = sampling_config_from(args)
     if args.method == "autoregressive":
         raise ValueError("--method=autoregressive has no draft tree to dump")
     _parse_draft_spec(args.draft)
