@@ -9,6 +9,8 @@ import torch
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.pipeline import DraftFn, Instrument, PassContext, SamplerFn, run_pipeline
+from rheoplan.planner.assign import gumbel_sampler
+from rheoplan.planner.default import DEFAULT_PIPELINE
 from rheoplan.rng import Streams
 
 
@@ -30,9 +32,6 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
         >>> int(t.linear.n[0])
         5
     """
-    from rheoplan.planner.assign import gumbel_sampler
-    from rheoplan.planner.default import DEFAULT_PIPELINE
-
     roots = torch.as_tensor(root_tokens, dtype=torch.int64).reshape(-1)
     B = roots.numel()
     if B == 0:

@@ -34,9 +34,10 @@ from typing import Sequence
 import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.distributions import target_probs
+from rheoplan.distributions import tail_law, target_probs
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.pipeline import PassContext, flatten
+from rheoplan.planner.default import DEFAULT_PIPELINE
 from rheoplan.verify import kept_children, node_law, node_y
 
 Law = dict[tuple[int, ...], float]
@@ -146,8 +147,6 @@ def enumerate_trees(draft, context: Sequence[int], tree: TreeConfig, sampling: S
     the tail laws ``q~`` it would draw from, then one branch per joint choice of tail
     indices (with nonzero probability) continues with the remaining passes.
     """
-    from rheoplan.planner.default import DEFAULT_PIPELINE
-
     ctx_tokens = tuple(int(t) for t in context)
     m = tree.effective_rheostat(sampling)
     t0 = empty_tree(1, tree.capacity, tree.max_expanded, tree.support,
@@ -309,8 +308,6 @@ def coupling_marginal_error(coupling, p: torch.Tensor, sup_token: torch.Tensor, 
         >>> coupling_marginal_error(rheo, p, torch.tensor([0, 1, 2]), torch.tensor([0.5, 0.3, 0.2]), 3, 1, 2) < 1e-12
         True
     """
-    from rheoplan.distributions import tail_law
-
     p = p.to(torch.float64)
     if m >= K:
         return float((coupling(p, sup_token, sup_q, sup_n, m, K, -1).to(torch.float64) - p).abs().max())

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from rheoplan.models.eagle3 import load_eagle3_checkpoint, save_eagle3
 from rheoplan.train import selfdistill as sd
 from rheoplan.train import train as tr
 
@@ -246,8 +247,6 @@ def stage_train(a, model, report: dict) -> tr.Eagle3Head:
 
 
 def stage_export(a, model, head: tr.Eagle3Head | None, report: dict) -> None:
-    from rheoplan.models.eagle3 import load_eagle3_checkpoint, save_eagle3
-
     out = a.out or os.path.join(a.work_dir, "export")
     scale = torch.load(os.path.join(a.work_dir, "feature_scale.pt"))
     if head is None:

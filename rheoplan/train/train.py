@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
+from tqdm import tqdm
 
 from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head
 
@@ -419,8 +420,6 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex: Sequence[Example
     what it returns is logged and collected in the summary's ``epoch_evals``.
     ``scale``: per-channel feature preconditioner (``feature_scale``), or None.
     """
-    from tqdm import tqdm
-
     draft_ids = head.target_ids().cpu()
     t2d_index = target_to_draft_index(draft_ids, head.config.vocab_size)
     epochs_chunks = [pack(train_ex, cfg.chunk_tokens, seed=cfg.seed + e) for e in range(cfg.epochs)]

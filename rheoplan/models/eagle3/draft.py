@@ -35,7 +35,9 @@ from torch import nn
 from rheoplan.ir import DraftTree
 from rheoplan.models.base import DraftModel, TargetModel, check_draft_call, check_emitted, check_prompt_ids
 from rheoplan.models.eagle3.checkpoint import read_eagle3
+from rheoplan.models._hf_common import base_model
 from rheoplan.models.eagle3.head import Eagle3Head, Eagle3LoadError, check_vocab_map
+from rheoplan.models.hf_target import HFTarget, eagle3_layers
 
 
 class FeatureSource(Protocol):
@@ -100,11 +102,7 @@ class Eagle3Draft(DraftModel):
     def capture_layers(self, num_layers: int) -> list[int]:
         """The target layers (inputs) this head reads, for an ``num_layers``-layer target."""
         ids = self.head.config.eagle_aux_hidden_state_layer_ids
-        if ids is not None:
-            return list(ids)
-        from rheoplan.models.hf_target import eagle3_layers
-
-        return eagle3_layers(num_layers)
+        return list(ids) if ids is not None else eagle3_layers(num_layers)
 
     def check_target(self, target: Any) -> None:
         """Check that this head fits ``target`` (a transformers causal LM or an adapter
@@ -113,8 +111,6 @@ class Eagle3Draft(DraftModel):
         layers the head reads (they must exist, and an adapter must capture exactly them),
         and the embeddings' width. ``plan_and_decode`` calls it; so does
         ``load_eagle3_checkpoint``. Raises ``Eagle3LoadError``."""
-        from rheoplan.models._hf_common import base_model
-
         cfg = self.head.config
         model = target if isinstance(target, nn.Module) else getattr(target, "model", None)
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
@@ -229,8 +225,6 @@ class Eagle3Draft(DraftModel):
         if hasattr(src, "prompt_features"):
             self.set_prompt_features(src.prompt_features())
             return
-        from rheoplan.models.hf_target import HFTarget
-
         # Only the target model is known: run one capturing prefill, then drop the hooks.
         n_layers = len(getattr(getattr(src, "base_model", src), "layers", ()))
         probe = HFTarget(src, capture_layers=self.capture_layers(n_layers))
