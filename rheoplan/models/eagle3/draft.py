@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from rheoplan.ir import DraftTree
+from rheoplan.models._hf_common import base_model
 from rheoplan.models.base import DraftModel, TargetModel, check_draft_call, check_emitted, check_prompt_ids
 from rheoplan.models.eagle3.checkpoint import read_eagle3
-from rheoplan.models._hf_common import base_model
 from rheoplan.models.eagle3.head import Eagle3Head, Eagle3LoadError, check_vocab_map
 from rheoplan.models.hf_target import HFTarget, eagle3_layers
 
