@@ -17,6 +17,7 @@ Both return a ``StepWalk`` with the same fields; for the same seed the tokens ar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -40,22 +41,30 @@ class StepWalk:
 
 
 def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, streams: Streams, step: int,
-                backend: str) -> StepWalk:
+                backend: str, history: Sequence[int] | None = None, processors: Sequence = ()) -> StepWalk:
     """Walk tree 0 of ``tree`` given ``fw`` (the target's ``TreeLogits``) with ``backend``.
 
-    The device walk needs ``fw.all_logits()``; without it (an adapter that projects only
-    node by node) the lazy reference walk runs. The test-only switch ``raw_q_ratio``
-    (``rheoplan.mutation``) exists only in the reference walk, so it runs there too.
+    ``history`` / ``processors``: a context-dependent target law (repetition penalty,
+    logits processors; ``rheoplan.verify.walk``). The device walk runs when the backend is
+    'triton', the law needs no context, and ``fw`` has ``all_logits()``; otherwise the lazy
+    reference walk runs (an adapter that projects only node by node; the per-node contexts
+    of a context-dependent law, which live on the host). The test-only switch
+    ``raw_q_ratio`` (``rheoplan.mutation``) exists only in the reference walk, so it runs
+    there too.
     """
-    if backend == "triton" and not active("raw_q_ratio") and _has_all_logits(fw):
+    context_free = history is None and not processors
+    if backend == "triton" and context_free and not active("raw_q_ratio") and _has_all_logits(fw):
         return _walk_device(tree, fw, sampling, verifier, streams, step)
     from rheoplan.verify import walk
 
+    # the reference walk reads the tree and draws its noise on the host (a device tree of the
+    # 'triton' planner comes over in one copy); logits of a GPU target come over per node
+    tree = tree.to("cpu")
     # One batched output projection for the path the walk most likely takes is
     # cheaper than projecting node by node (each projection reads the whole lm_head).
     fw.prefetch(likely_path(tree))
-    host = tree.token.device  # the CPU planners' tables; logits of a GPU target come over
-    res = walk(tree, 0, lambda i: fw.logits(i).to(host), sampling, verifier, streams, step)
+    res = walk(tree, 0, lambda i: fw.logits(i).cpu(), sampling, verifier, streams, step,
+               history=history, processors=processors)
     lin = tree.linear
     trials = sum(1 for i in res.path if int(lin.n_children[0, i]) > 0)
     return StepWalk(list(res.path), list(res.nodes), list(res.emitted), res.visited, trials,
