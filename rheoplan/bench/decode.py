@@ -28,7 +28,11 @@ from pathlib import Path
 
 import torch
 
+from tqdm.auto import tqdm
+
 from rheoplan.config import SamplingConfig, TreeConfig
+from rheoplan.decode import plan_and_decode
+from rheoplan.loading import DEFAULTS, add_dtype, encode_prompt, load_default, model_dtype
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 
@@ -73,11 +77,6 @@ def load_prompts(n: int) -> list[tuple[str, str]]:
     return mixed[:n]
 
 
-def model_dtype(model) -> str:
-    """``'float32'``, ``'bfloat16'``...: the dtype a run record and the report name."""
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
-
-
 def check_run_args(tokens: int, threads: int | None) -> None:
     """Checks every benchmark shares, made before the model loads."""
     if tokens < 1:
@@ -99,9 +98,6 @@ def plan_runs(names: list[str], temperatures: list[float], seeds: list[int]) -> 
 
 def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed: int, tokens: int) -> dict:
     """One (method, temperature, seed) run over all prompts; returns the aggregate record."""
-    from rheoplan.cli import encode_prompt
-    from rheoplan.decode import plan_and_decode
-
     sampling = SamplingConfig(temperature=temperature)
     n_tok = n_steps = acc = trials = 0
     seconds = 0.0
@@ -239,8 +235,6 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6, 1.0])
     ap.add_argument("--methods", nargs="+", default=None,
                     help="subset of methods (default: all); see the module docstring for names")
-    from rheoplan.cli import DEFAULTS, add_dtype
-
     ap.add_argument("--depth", type=int, default=DEFAULTS["depth"])
     ap.add_argument("--frontier", type=int, default=DEFAULTS["frontier"])
     ap.add_argument("--slots", type=int, default=DEFAULTS["slots"])
@@ -269,11 +263,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     if not args.report:
-        from tqdm.auto import tqdm
-
-        from rheoplan.cli import load_default
-
-        model, tok, draft = load_default(argparse.Namespace(method="rheo", draft=args.draft, dtype=args.dtype))
+        model, tok, draft = load_default(method="rheo", draft=args.draft, dtype=args.dtype)
         dtype = model_dtype(model)
         todo = [(all_methods[n], t, s) for n, t, s in plan_runs(names, args.temperatures, args.seeds)]
         bar = tqdm(todo, desc="bench", unit="run")

@@ -12,7 +12,7 @@ Stages (all by default, each resumable):
    Checkpoint ``WORK/ckpt.pt`` every ``--ckpt-every`` steps (``--resume`` continues it);
    held-out evaluation after every epoch.
 3. ``export``: fp16 ``config.json`` + ``model.safetensors`` in ``--out`` (the format
-   ``rheoplan.models.eagle3.load_eagle3`` reads), re-loaded through that loader as a
+   ``rheoplan.models.eagle3.load_eagle3_checkpoint`` reads), re-loaded through that loader as a
    check, plus ``report.json`` and ``MODEL_CARD.md`` with the measured numbers.
 
 Example:
@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from rheoplan.models.eagle3 import load_eagle3_checkpoint, save_eagle3
+from rheoplan.models.hf_target import eagle3_layers
 from rheoplan.train import features as ft
 from rheoplan.train import generate as gen
 from rheoplan.train import prompts as pr
@@ -274,8 +276,6 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
 
 
 def stage_export(a, model, head: tr.Eagle3Head | None, report: dict) -> None:
-    from rheoplan.models.eagle3 import load_eagle3, save_eagle3
-
     out = a.out or os.path.join(a.work_dir, "export")
     scale = torch.load(os.path.join(a.work_dir, "feature_scale.pt"))
     if head is None:
@@ -291,7 +291,7 @@ def stage_export(a, model, head: tr.Eagle3Head | None, report: dict) -> None:
     save_eagle3(half.half(), out)
     # The exported files must load through the project's strict loader; the held-out numbers
     # reported as the head's are measured on that loaded fp16 head with raw features.
-    draft = load_eagle3(out, model.get_input_embeddings())
+    draft = load_eagle3_checkpoint(out, model.get_input_embeddings())
     d = tokens_dir(a)
     held_rows = tk.load_rows(d, tk.list_shards(d, "heldout"))
     if held_rows:
@@ -323,8 +323,6 @@ def _pct(x) -> str:
 
 def model_card(r: dict) -> str:
     """MODEL_CARD.md text from a run report (measured numbers only; sizes from the configs)."""
-    from rheoplan.models.hf_target import eagle3_layers
-
     data = r.get("data", {})
     ds = data.get("dataset", {})
     tgt = ds.get("target", {})
@@ -345,7 +343,7 @@ def model_card(r: dict) -> str:
         "",
         f"An EAGLE-3-style draft head for `{name}`, trained on this machine by `rheoplan train-draft` from the "
         "target's own samples. Format: `config.json` + `model.safetensors` (fp16) in the EAGLE-3 reference "
-        "layout; load with `rheoplan.models.eagle3.load_eagle3_draft(path, target_model)` "
+        "layout; load with `rheoplan.models.eagle3.load_eagle3_checkpoint(path, target_model)` "
         f"(features: inputs of target layers {layers}).",
         "",
         "## Head",

@@ -32,13 +32,12 @@ from typing import Sequence
 
 import torch
 
+from rheoplan.models.hf_target import eagle3_layers
 from rheoplan.train import train as tr
 
 
 def capture_indices(model: torch.nn.Module) -> list[int]:
     """``hidden_states`` indices of the EAGLE-3 layers' inputs (input of layer i = index i)."""
-    from rheoplan.models.hf_target import eagle3_layers
-
     return eagle3_layers(int(model.config.num_hidden_layers))
 
 

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from rheoplan.models.smollm import GGUF_FILE, load_smollm2
+
 
 def read_prompts(path: str | os.PathLike) -> list[tuple[str, str]]:
     """``(category, prompt)`` pairs from a ``category<TAB>prompt`` file ('#' lines skipped).
@@ -45,8 +47,6 @@ def load_target(target_dir: str | None = None, dtype: torch.dtype = torch.float3
     nothing is downloaded). ``name`` identifies the target in data-set records.
     """
     if target_dir is None:
-        from rheoplan.models.smollm import GGUF_FILE, load_smollm2
-
         a, b = load_smollm2(dtype)
         model, tok = (a, b) if isinstance(a, torch.nn.Module) else (b, a)
         return model, tok, GGUF_FILE

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from rheoplan.models.eagle3 import read_eagle3
 from rheoplan.train import cli
 from rheoplan.train import tokens as tk
 
@@ -91,6 +92,4 @@ def test_the_pipeline_runs_and_resumes_on_a_local_model(tiny_target_dir, tmp_pat
     assert ev["positions_step1"] > 0 and 0 <= ev["top1_step1"] <= ev["top3_step1"] <= 1 and "top1_step3" in ev
     card = open(os.path.join(work, "export", "MODEL_CARD.md")).read()
     assert "H=32, 4 heads / 2 kv heads" in card and "| held-out (exported fp16 head) | 3 |" in card
-    from rheoplan.models.eagle3 import load_eagle3_head
-
-    assert load_eagle3_head(os.path.join(work, "export")).config.draft_vocab_size == 40
+    assert read_eagle3(os.path.join(work, "export")).config.draft_vocab_size == 40
