@@ -245,7 +245,9 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
         scale = torch.load(scale_path)
     else:
         calib = random.Random(a.seed).sample(train_rows, min(a.calib_rows, len(train_rows)))
-        scale = tr.feature_scale(ft.teacher_forced(model, calib, topk=1))
+        src = ft.RowExamples(model, calib, topk=1, shared_prefix=0, prompt_weight=1.0,
+                             batch_tokens=2 * a.chunk_tokens)  # batched: 64 rows at once would not fit
+        scale = tr.feature_scale({"feats": e.feats} for e in src.get(range(len(calib))))
         torch.save(scale, scale_path)
     cfg = tr.head_config_for(model.config, int(draft_ids.numel()))
     head = tr.init_head(cfg, draft_ids, model, seed=a.seed).float()
@@ -348,7 +350,8 @@ def model_card(r: dict) -> str:
         "",
         "## Head",
         "",
-        f"- parameters: {ex.get('params', 0) / 1e6:.2f} M; file size {ex.get('safetensors_bytes', 0) / 2**20:.1f} MiB (fp16)",
+        f"- parameters: {ex.get('params', 0) / 1e6:.2f} M; file size "
+        f"{ex.get('safetensors_bytes', 0) / 2**20:.1f} MiB (fp16)",
         f"- draft vocabulary: {r.get('draft_vocab_size', 'n/a')} target tokens (of {hc.get('vocab_size', 'n/a')}), "
         f"the most frequent in the sampled data (covering {_pct(r.get('draft_vocab_train_coverage'))} of it)",
         f"- one decoder layer (H={hc.get('hidden_size')}, {hc.get('num_attention_heads')} heads / "

@@ -18,8 +18,8 @@ Example:
     >>> plan = build_plan(n_generated=50, file_prompts=[("chat", "Hi!")], heldout=["Why is the sky blue?"])
     >>> len(plan), plan[0].source, plan[1].source
     (51, 'file', 'generated')
-    >>> near_duplicate("Summarise: wind turbines turn the energy of moving air into electricity at sea.",
-    ...                "Give a short summary of this: Wind turbines turn the energy of moving air into electricity at sea")
+    >>> near_duplicate("Summarise: wind turbines turn the energy of moving air into power at sea.",
+    ...                "Give a short summary: Wind turbines turn the energy of moving air into power at sea")
     True
     >>> near_duplicate("What is 31 times 7?", "What is 17 times 23?")
     False

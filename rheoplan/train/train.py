@@ -348,7 +348,8 @@ def step_loss(logits: torch.Tensor, d: torch.Tensor, p: torch.Tensor, mass: torc
 def step_metrics(logits: torch.Tensor, batch: Batch, draft_ids: torch.Tensor, t2d_index: torch.Tensor,
                  mask: torch.Tensor) -> dict[str, float]:
     """Sums over ``mask`` positions: top-1 agreement with the target's argmax, top-3 (the
-    target's argmax among the head's 3 most probable tokens), and the T=1 acceptance proxy ``sum_x min(p, q)`` as a lower bound (top-k of p only) and an upper
+    target's argmax among the head's 3 most probable tokens), and the T=1 acceptance proxy
+    ``sum_x min(p, q)`` as a lower bound (top-k of p only) and an upper
     bound (adding ``min(p outside top-k, q outside top-k)``)."""
     logits, tk_ids, tk_lp = logits[mask].float(), batch.topk_ids[mask], batch.topk_logp[mask]
     q = torch.softmax(logits, dim=-1)
@@ -360,7 +361,8 @@ def step_metrics(logits: torch.Tensor, batch: Batch, draft_ids: torch.Tensor, t2
     p_rest = (1 - tk_lp.float().exp().sum(-1)).clamp(min=0)
     q_rest = (1 - qk.sum(-1)).clamp(min=0)
     upper = lower + torch.minimum(p_rest, q_rest)
-    return {"n": float(mask.sum()), "top1": float(top1.sum()), "top3": float(top3.sum()), "accept_lo": float(lower.sum()),
+    return {"n": float(mask.sum()), "top1": float(top1.sum()), "top3": float(top3.sum()),
+            "accept_lo": float(lower.sum()),
             "accept_hi": float(upper.sum())}
 
 

@@ -32,7 +32,8 @@ def test_row_examples_make_the_same_examples_as_in_memory_rows(tiny_target):
     rows = _rows()
     src = ft.RowExamples(tiny_target, rows, topk=8, shared_prefix=1, prompt_weight=0.3, batch_tokens=12)
     assert src.lengths() == [6, 1, 9] and len(src) == 3
-    want = [tr.make_example(r, shared_prefix=1, prompt_weight=0.3) for r in ft.teacher_forced(tiny_target, rows, topk=8)]
+    want = [tr.make_example(r, shared_prefix=1, prompt_weight=0.3)
+            for r in ft.teacher_forced(tiny_target, rows, topk=8)]
     got = src.get([2, 0, 1])  # any order, split over several forwards (batch_tokens=12)
     for g, w in zip(got, [want[2], want[0], want[1]]):
         assert torch.equal(g.tokens, w.tokens) and torch.equal(g.weight, w.weight)
