@@ -16,6 +16,7 @@ import torch
 
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.dump import draw_png
+from rheoplan.ir_text import to_text
 from rheoplan.pipeline import PassTiming, PrintAfterAll
 
 WORDS = ("the cat dog sat on a mat and ran to far away . it was very happy when sun "
@@ -63,7 +64,6 @@ def main() -> None:
     tree = plan_tree(bigram_draft(args.seed), [0], tree=cfg, sampling=sampling, seed=args.seed,
                      instruments=instruments)
     if args.quiet:
-        from rheoplan.dump import to_text
         print(to_text(tree, tokenizer=tok))
     print()
     print(timing.summary())

@@ -57,9 +57,9 @@ def main(argv=None) -> int:
     if not isinstance(ids, list):
         ids = list(ids["input_ids"])
     if args.head:
-        from rheoplan.models.eagle3 import load_eagle3_draft
+        from rheoplan.models.eagle3 import load_eagle3_checkpoint
 
-        head_draft, head_name = load_eagle3_draft(args.head, model), f"eagle3 head {args.head}"
+        head_draft, head_name = load_eagle3_checkpoint(args.head, model), f"eagle3 head {args.head}"
     else:
         head_draft, head_name = random_eagle3(model), "eagle3 head (random weights)"
     sampling = SamplingConfig(temperature=args.temperature)

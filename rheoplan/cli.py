@@ -7,23 +7,25 @@ are validated, so a typo costs nothing.
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import sys
-import time
 from pathlib import Path
 
+from rheoplan import dump, ir_text
+from rheoplan.bench import cost as bench_cost
+from rheoplan.bench import decode as bench_decode
+from rheoplan.bench import kernels as bench_kernels
+from rheoplan.bench import planner as bench_planner
+from rheoplan.config import PROXIES, VERIFIERS, SamplingConfig, TreeConfig
+from rheoplan.decode import plan_and_decode
+from rheoplan.loading import DEFAULTS, METHODS, add_dtype, encode_prompt, load_default, parse_draft_spec
+from rheoplan.models import as_draft
+from rheoplan.pipeline import DumpIR
+from rheoplan.plan import plan_tree
+from rheoplan.train import cli as train_cli
+
 DEFAULT_PROMPT = "Write a short poem about the sea."
-
-
-#: CLI defaults: with a bfloat16 target (``--dtype auto`` on AMX CPUs) the 8-node tree was the
-#: fastest of the shapes measured on 2 cores with the shipped head; in float32 a 4-node tree is
-#: ~15% faster (docs/results.md "Tree size on this CPU"; docs/concepts.md "Defaults").
-#: Precedence: these < a --config file < flags given on the command line.
-DEFAULTS = {
-    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0,
-    "method": "rheo", "depth": 4, "frontier": 3, "slots": 3, "budget": 8, "rheostat": 1,
-    "support": 128, "verifier": "ot", "proxy": "default",
-}
-METHODS = ("rheo", "eagle", "chain", "autoregressive")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -35,8 +37,6 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tree(p: argparse.ArgumentParser) -> None:
-    from rheoplan.config import PROXIES, VERIFIERS
-
     g = p.add_argument_group("draft tree")
     g.add_argument("--method", choices=METHODS,
                    help="rheo: RheoSampling (default); eagle: one-hot dynamic top-K tree; "
@@ -56,15 +56,13 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
 
 def read_config_file(path: str) -> dict:
     """Options from a JSON or TOML file; unknown keys and wrong types are errors."""
-    import json
-
     f = Path(path)
     if not f.is_file():
         raise ValueError(f"--config={path}: no such file")
     text = f.read_text()
     try:
         if f.suffix == ".toml":
-            import tomllib
+            import tomllib  # Python >= 3.11; only TOML config files need it
 
             data = tomllib.loads(text)
         else:
@@ -113,11 +111,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     add_dtype(g)
 
 
-def add_dtype(p) -> None:
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="target weights and activations: 'auto' = bfloat16 on CPUs with AMX bf16 "
-                        "(a wide verify forward then costs about one token's), else float32 "
-                        "(default auto). The draft head stays float32")
+#: ``rheoplan bench WHAT`` runs ``BENCHES[WHAT].main``
+BENCHES = {"decode": bench_decode, "cost": bench_cost, "kernels": bench_kernels, "planner": bench_planner}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: decode (side by side on SmolLM2), cost, kernels, planner",
                        description="Run a benchmark script and print measured numbers.")
-    b.add_argument("what", choices=["decode", "cost", "kernels", "planner"],
+    b.add_argument("what", choices=list(BENCHES),
                    help="decode: side-by-side decode benchmark on SmolLM2 (writes a report); "
                         "cost: where a step's time goes and the break-even accepted length; "
                         "kernels: numba/Triton kernels vs references; planner: reference vs numba passes")
@@ -162,8 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def tree_config_from(args):
-    from rheoplan.config import TreeConfig
-
     resolve_options(args)
     if args.method == "eagle":
         return TreeConfig.eagle(depth=args.depth, frontier=args.frontier, slots=args.slots,
@@ -175,73 +168,14 @@ def tree_config_from(args):
                       proxy=args.proxy)
 
 
-#: the EAGLE-3 head trained for SmolLM2-135M-Instruct that ships with rheoplan
-SHIPPED_HEAD = Path(__file__).resolve().parent / "assets" / "smollm2-eagle3"
-
-
-def _parse_draft_spec(spec: str) -> tuple[str, str]:
-    if spec == "auto":
-        if (SHIPPED_HEAD / "config.json").is_file():
-            return "eagle3", str(SHIPPED_HEAD)
-        return "early-exit", "6"
-    kind, _, arg = spec.partition(":")
-    if kind not in ("early-exit", "eagle3") or not arg:
-        raise ValueError(f"--draft={spec!r} is not understood: allowed 'auto', 'early-exit:L' or 'eagle3:DIR'")
-    if kind == "early-exit" and not arg.isdigit():
-        raise ValueError(f"--draft={spec!r}: L must be a layer count, e.g. early-exit:6")
-    if kind == "eagle3" and not Path(arg).is_dir():
-        raise ValueError(f"--draft={spec!r}: {arg} is not a directory")
-    return kind, arg
-
-
-def load_default(args):
-    """(target model, tokenizer, draft model or None) for the CLI."""
-    from rheoplan.models.smollm import load_smollm2
-
-    from rheoplan.models.smollm import resolve_dtype
-
-    t0 = time.perf_counter()
-    dtype = resolve_dtype(getattr(args, "dtype", "float32"))
-    print(f"loading SmolLM2-135M-Instruct ({str(dtype).removeprefix('torch.')}"
-          f"{', auto' if getattr(args, 'dtype', None) == 'auto' else ''}) ...", file=sys.stderr, flush=True)
-    model, tok = load_smollm2(dtype=dtype)
-    draft = None
-    if args.method != "autoregressive":
-        kind, arg = _parse_draft_spec(args.draft)
-        if kind == "early-exit":
-            from rheoplan.models.early_exit import early_exit_draft
-
-            draft = early_exit_draft(model, int(arg))
-        else:
-            from rheoplan.models.eagle3 import load_eagle3_draft
-
-            draft = load_eagle3_draft(arg, model)
-        print(f"draft: {kind} {arg}", file=sys.stderr)
-    print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    return model, tok, draft
-
-
-def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:
-    if chat and getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return tok(prompt)["input_ids"]
-
-
 def cmd_generate(args) -> int:
-    from rheoplan.config import SamplingConfig
-    from rheoplan.decode import plan_and_decode
-
     tree = tree_config_from(args)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.method != "autoregressive":
-        _parse_draft_spec(args.draft)
+        parse_draft_spec(args.draft)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} is out of range: allowed >= 1")
-    model, tok, draft = load_default(args)
+    model, tok, draft = load_default(method=args.method, draft=args.draft, dtype=args.dtype)
     ids = encode_prompt(tok, args.prompt, not args.no_chat)
     out: list[int] = []
     shown = [0]
@@ -261,18 +195,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_dump(args) -> int:
-    from rheoplan import dump
-    from rheoplan.config import SamplingConfig
-    from rheoplan.models import as_draft
-    from rheoplan.plan import plan_tree
-    from rheoplan.pipeline import DumpIR
-
     tree = tree_config_from(args)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.method == "autoregressive":
         raise ValueError("--method=autoregressive has no draft tree to dump")
-    _parse_draft_spec(args.draft)
-    model, tok, draft = load_default(args)
+    parse_draft_spec(args.draft)
+    model, tok, draft = load_default(method=args.method, draft=args.draft, dtype=args.dtype)
     ids = encode_prompt(tok, args.prompt, not args.no_chat)
     drf = as_draft(draft)
     drf.start(ids)
@@ -282,8 +210,8 @@ def cmd_dump(args) -> int:
     t = plan_tree(lambda tr, nodes: drf.node_logits(tr, nodes[0][nodes[0] >= 0].tolist()).unsqueeze(0),
                   [ids[-1]], tree=tree, sampling=sampling, prefix_len=[len(ids) - 1], seed=args.seed,
                   instruments=instruments)
-    (out / "tree.txt").write_text(dump.to_text(t, tokenizer=tok) + "\n")
-    (out / "tree.json").write_text(dump.to_json(t))
+    (out / "tree.txt").write_text(ir_text.to_text(t, tokenizer=tok) + "\n")
+    (out / "tree.json").write_text(ir_text.to_json(t))
     (out / "tree.dot").write_text(dump.to_dot(t, tokenizer=tok))
     dump.draw_png(t, out / "tree.png", tokenizer=tok)
     print(f"wrote {out}/tree.txt, tree.json, tree.dot, tree.png" + (f" and {out}/passes/" if args.passes else ""))
@@ -291,20 +219,10 @@ def cmd_dump(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.what == "decode":
-        from rheoplan.bench.decode import main as bench_main
-    elif args.what == "cost":
-        from rheoplan.bench.cost import main as bench_main
-    elif args.what == "kernels":
-        from rheoplan.bench.kernels import main as bench_main
-    else:
-        from rheoplan.bench.planner import main as bench_main
-    return bench_main(args.rest) or 0
+    return BENCHES[args.what].main(args.rest) or 0
 
 
 def _suggest(word: str, choices) -> str:
-    import difflib
-
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]}?)" if close else ""
 
@@ -317,9 +235,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def cmd_train_draft(args) -> int:
-    from rheoplan.train.cli import main as train_main
-
-    return train_main(args.rest) or 0
+    return train_cli.main(args.rest) or 0
 
 
 def main(argv=None) -> int:

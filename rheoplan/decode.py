@@ -20,18 +20,23 @@ import numbers
 import os
 import random
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from rheoplan.config import ConfigError, SamplingConfig, TreeConfig
 from rheoplan.ir import DraftTree, empty_tree
-from rheoplan.pipeline import DumpIR
+from rheoplan.models import as_draft, as_target
+from rheoplan.models.base import DraftModel, TargetModel
+from rheoplan.pipeline import DumpIR, PassContext
 from rheoplan.plan import plan_tree
+from rheoplan.planner.linearize import linearize
 from rheoplan.rng import Streams
+from rheoplan.verify import walk
 
 
 @dataclass
@@ -135,32 +140,16 @@ def _check_eos(eos_token_id, vocab_size: int) -> set[int]:
     return {int(t) for t in ids}
 
 
-def _check_mutations(mutations) -> frozenset[str]:
-    from rheoplan.verify import MUTATIONS
-
-    allowed = MUTATIONS + ("reuse_draft_stream",)
-    if isinstance(mutations, (str, bytes)) or not isinstance(mutations, (set, frozenset, list, tuple)):
-        raise TypeError(f"mutations={mutations!r} is a {type(mutations).__name__}: allowed a frozenset "
-                        f"of names from {allowed}")
-    unknown = sorted(str(m) for m in mutations if m not in allowed)
-    if unknown:
-        raise ValueError(f"mutations={set(mutations)!r} holds unknown names {unknown}: allowed "
-                         f"{allowed} (test-only lossy variants)")
-    return frozenset(mutations)
-
-
-def _check_pair(tgt, drf) -> None:
+def _check_pair(tgt: TargetModel, drf: DraftModel) -> None:
     """Target/draft compatibility: vocabulary, device, the draft's own vocabulary map."""
     if drf.vocab_size != tgt.vocab_size:
         raise ValueError(f"draft vocab_size={drf.vocab_size} does not match the target's: allowed "
                          f"vocab_size={tgt.vocab_size} (the draft must propose target token ids)")
-    t_dev, d_dev = getattr(tgt, "device", None), getattr(drf, "device", None)
+    t_dev, d_dev = tgt.device, drf.device
     if t_dev is not None and d_dev is not None and torch.device(t_dev) != torch.device(d_dev):
         raise ValueError(f"draft device={d_dev} does not match the target's: allowed "
                          f"device={t_dev} (put both models on the same device)")
-    check_map = getattr(drf, "check_vocab_map", None)
-    if check_map is not None:
-        check_map(tgt.vocab_size)
+    drf.check_vocab_map(tgt.vocab_size)
 
 
 def _check_int(name: str, value, lo: int) -> int:
@@ -173,9 +162,6 @@ def _check_int(name: str, value, lo: int) -> int:
 
 def _root_only(root: int, prefix_len: int, tree: TreeConfig) -> DraftTree:
     """A tree with no drafted nodes (autoregressive steps), linearised."""
-    from rheoplan.pipeline import PassContext
-    from rheoplan.planner.linearize import linearize
-
     t = empty_tree(1, 1, 1, 1, torch.tensor([root]), torch.tensor([prefix_len]), tree.slots, tree.slots)
     return linearize(t, PassContext(tree_cfg=tree.with_(budget=1), sampling=SamplingConfig()))
 
@@ -201,6 +187,45 @@ def _trials(tree: DraftTree, path: Sequence[int]) -> int:
     return sum(1 for i in path if int(lin.n_children[0, i]) > 0)
 
 
+@dataclass
+class DecodeState:
+    """One decode: its checked inputs and where the loop is.
+
+    ``plan_and_decode`` checks every argument, builds this once, and the loop reads
+    nothing else. A new decode option is one field here (with a default, below the
+    required ones), its check in ``plan_and_decode``, and its use in the loop.
+    """
+
+    target: TargetModel
+    draft: DraftModel | None  #: None: autoregressive sampling (no tree)
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    tree: TreeConfig
+    seed: int
+    streams: Streams = field(init=False)
+    eos: frozenset[int] = frozenset()
+    passes: Sequence | None = None  #: the pass list (None: the reference pipeline)
+    dump_ir: Path | None = None
+    dump_steps: Collection[int] | None = (0,)
+    progress: bool = False
+    callback: Callable[[list[int]], None] | None = None
+    # -- where the loop is ----------------------------------------------------------------
+    root: int = field(init=False)  #: the next tree's root (last emitted token)
+    prefix_len: int = field(init=False)  #: tokens committed before the root
+    step: int = 0
+    result: DecodeResult = field(default_factory=lambda: DecodeResult(tokens=[]))
+
+    def __post_init__(self) -> None:
+        self.streams = Streams(self.seed)
+        self.root, self.prefix_len = self.prompt[-1], len(self.prompt) - 1
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to emit before ``max_new_tokens``."""
+        return self.max_new_tokens - len(self.result.tokens)
+
+
 def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                     sampling: SamplingConfig = SamplingConfig(),
                     tree: TreeConfig = TreeConfig(),
@@ -208,15 +233,14 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                     dump_ir: str | os.PathLike | None = None,
                     dump_steps: Collection[int] | None = (0,),
                     progress: bool = False, passes=None,
-                    mutations: frozenset[str] = frozenset(),
                     callback=None) -> DecodeResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``, losslessly.
 
     Args:
         target: the model whose distribution is preserved: a transformers causal LM,
-            a ``FunctionalLM``, or any ``rheoplan.models.base.TargetModel``.
+            a ``FunctionalLM``, or any ``rheoplan.models.TargetModel``.
         draft: the proposal model (standalone causal LM, EAGLE-3 head, ``FunctionalLM``,
-            any ``DraftModel``) or ``None`` for plain autoregressive sampling.
+            any ``rheoplan.models.DraftModel``) or ``None`` for plain autoregressive sampling.
         prompt_ids: the prompt, a non-empty sequence of token ids.
         max_new_tokens: tokens to generate at most (>= 1).
         sampling: target temperature / top-k / top-p; output follows exactly this law.
@@ -228,18 +252,18 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
         dump_ir: directory to write the IR after every pass, for the steps in ``dump_steps``
             (``None`` = every step).
         progress: show a progress bar.
+        passes: the pass list that plans each tree (default: the kernel-backed pipeline
+            when it is available, else the reference passes).
         callback: called with the list of new tokens after every step (streaming).
 
     Example:
-        >>> from rheoplan.models.functional import hashed_context_lm
+        >>> from rheoplan.models import hashed_context_lm
         >>> lm = hashed_context_lm(vocab_size=6, seed=1)
         >>> r = plan_and_decode(lm, lm, [0, 1], max_new_tokens=5, seed=0,
         ...                     tree=TreeConfig(depth=2, frontier=2, slots=2, budget=4, support=6))
         >>> len(r.tokens)
         5
     """
-    from rheoplan.models import as_target
-
     # Every check runs before any model work (house rule 8): adapters are built, nothing runs.
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling={sampling!r} is a {type(sampling).__name__}: allowed a SamplingConfig")
@@ -250,99 +274,98 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
         seed = random.randrange(2**62)
     elif isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed={seed!r} is a {type(seed).__name__}: allowed None or an int in [0, 2**63)")
-    streams = Streams(seed)  # validates the seed's range
-    mutations = _check_mutations(mutations)
-    streams.reuse_draft_stream = "reuse_draft_stream" in mutations  # mutation control (c)
+    Streams(seed)  # validates the seed's range
     if callback is not None and not callable(callback):
         raise TypeError(f"callback={callback!r} is not callable: allowed None or a function of the "
                         "new tokens")
     tgt = as_target(target)
-    owned = tgt is not target  # an adapter built here is closed here (it may hook the model)
+    drf = None
     try:
-        return _decode(tgt, draft, prompt_ids, max_new_tokens, sampling, tree, seed, streams,
-                       eos_token_id, dump_ir, dump_steps, progress, passes, mutations, callback)
+        drf = as_draft(draft) if draft is not None else None
+        ids = _check_prompt(prompt_ids, tgt.vocab_size)
+        eos = _check_eos(eos_token_id, tgt.vocab_size)
+        if drf is not None:
+            _check_pair(tgt, drf)
+            if tree.slots > min(tree.support, tgt.vocab_size):
+                raise ConfigError(f"slots={tree.slots} is out of range: allowed <= min(support={tree.support}, "
+                                  f"vocab={tgt.vocab_size}) = {min(tree.support, tgt.vocab_size)}")
+        _check_context(tgt, len(ids), max_new_tokens, tree.budget if drf is not None else None)
+        if passes is None and drf is not None:
+            passes = _default_passes()
+        state = DecodeState(target=tgt, draft=drf, prompt=ids, max_new_tokens=max_new_tokens,
+                            sampling=sampling, tree=tree, seed=seed, eos=frozenset(eos), passes=passes,
+                            dump_ir=None if dump_ir is None else Path(dump_ir), dump_steps=dump_steps,
+                            progress=progress, callback=callback)
+        return _decode(state)
     finally:
-        if owned and hasattr(tgt, "close"):
+        # Adapters built here are closed here (an HF target hooks its model's layers).
+        if tgt is not target:
             tgt.close()
+        if drf is not None and drf is not draft:
+            drf.close()
 
 
-def _decode(tgt, draft, prompt_ids, max_new_tokens, sampling, tree, seed, streams, eos_token_id,
-            dump_ir, dump_steps, progress, passes, mutations, callback) -> DecodeResult:
-    from rheoplan.models import as_draft
-    from rheoplan.verify import walk
-
-    drf = as_draft(draft) if draft is not None else None
-    ids = _check_prompt(prompt_ids, tgt.vocab_size)
-    eos = _check_eos(eos_token_id, tgt.vocab_size)
-    if drf is not None:
-        _check_pair(tgt, drf)
-        if tree.slots > min(tree.support, tgt.vocab_size):
-            raise ConfigError(f"slots={tree.slots} is out of range: allowed <= min(support={tree.support}, "
-                              f"vocab={tgt.vocab_size}) = {min(tree.support, tgt.vocab_size)}")
-    max_ctx = getattr(tgt, "max_context", None)
-    # Largest cache: every committed token plus one verify tree (root + budget drafted nodes).
-    tree_len = 1 + (tree.budget if drf is not None else 0)
-    if max_ctx is not None and len(ids) + max_new_tokens + tree_len > max_ctx:
-        what = "prompt + max_new_tokens + budget + 1" if drf is not None else "prompt + max_new_tokens + 1"
-        raise ValueError(f"{what} = {len(ids)} + {max_new_tokens}"
-                         + (f" + {tree.budget}" if drf is not None else "") + " + 1 = "
-                         f"{len(ids) + max_new_tokens + tree_len} is out of range: allowed <= the "
+def _check_context(tgt: TargetModel, n_prompt: int, max_new_tokens: int, budget: int | None) -> None:
+    """The largest cache (every committed token plus one verify tree: root + ``budget``
+    drafted nodes; ``budget=None`` without a draft) fits the target's ``max_context``."""
+    max_ctx = tgt.max_context
+    tree_len = 1 + (budget or 0)
+    if max_ctx is not None and n_prompt + max_new_tokens + tree_len > max_ctx:
+        what = "prompt + max_new_tokens + budget + 1" if budget is not None else "prompt + max_new_tokens + 1"
+        raise ValueError(f"{what} = {n_prompt} + {max_new_tokens}"
+                         + (f" + {budget}" if budget is not None else "") + " + 1 = "
+                         f"{n_prompt + max_new_tokens + tree_len} is out of range: allowed <= the "
                          f"target's context max_context={max_ctx}")
-    if passes is None and drf is not None:
-        passes = _default_passes()
 
-    result = DecodeResult(tokens=[])
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=max_new_tokens, unit="tok", desc="decode")
+def _plan(s: DecodeState, st: StepStats) -> DraftTree:
+    """This step's linearised tree (root only without a draft); draft time goes to ``st``."""
+    if s.draft is None:
+        return _root_only(s.root, s.prefix_len, s.tree)
+    drf = s.draft
+
+    def draft_fn(tr, nodes):
+        t_d = time.perf_counter()
+        valid = nodes[0][nodes[0] >= 0].tolist()
+        out = drf.node_logits(tr, valid)
+        st.t_draft += time.perf_counter() - t_d
+        if out.shape[0] != len(valid):
+            raise ValueError(f"draft returned {out.shape[0]} rows for {len(valid)} nodes")
+        return out.unsqueeze(0)
+
+    instruments = []
+    if s.dump_ir is not None and (s.dump_steps is None or s.step in s.dump_steps):
+        instruments.append(DumpIR(s.dump_ir))
+    return plan_tree(draft_fn, [s.root], tree=s.tree, sampling=s.sampling, prefix_len=[s.prefix_len],
+                     seed=s.seed, step=s.step, passes=s.passes, instruments=instruments)
+
+
+def _decode(s: DecodeState) -> DecodeResult:
+    tgt, drf, result = s.target, s.draft, s.result
+    bar = tqdm(total=s.max_new_tokens, unit="tok", desc="decode") if s.progress else None
     t_start = time.perf_counter()
-    tgt.start(ids)
+    tgt.start(s.prompt)
     if drf is not None:
-        drf.start(ids)
-        if _target_has_draft_prompt_features(tgt, drf):
-            drf.set_prompt_features(tgt.prompt_features())
-    root, prefix_len, step = ids[-1], len(ids) - 1, 0
-    while len(result.tokens) < max_new_tokens:
+        drf.start(s.prompt)
+        drf.take_prompt_features(tgt)
+    while s.remaining > 0:
         st = StepStats(0, 0, 0, 0, 0)
         t0 = time.perf_counter()
-        if drf is None:
-            t = _root_only(root, prefix_len, tree)
-        else:
-            draft_time = [0.0]
-
-            def draft_fn(tr, nodes, _acc=draft_time):
-                t_d = time.perf_counter()
-                valid = nodes[0][nodes[0] >= 0].tolist()
-                out = drf.node_logits(tr, valid)
-                _acc[0] += time.perf_counter() - t_d
-                if out.shape[0] != len(valid):
-                    raise ValueError(f"draft returned {out.shape[0]} rows for {len(valid)} nodes")
-                return out.unsqueeze(0)
-
-            instruments = []
-            if dump_ir is not None and (dump_steps is None or step in dump_steps):
-                instruments.append(DumpIR(Path(dump_ir)))
-            t = plan_tree(draft_fn, [root], tree=tree, sampling=sampling, prefix_len=[prefix_len],
-                          seed=seed, step=step, passes=passes, instruments=instruments,
-                          mutations=mutations)
-            st.t_draft = draft_time[0]
+        t = _plan(s, st)
         t1 = time.perf_counter()
         st.t_plan = t1 - t0 - st.t_draft
         fw = tgt.forward_tree(t.linear)
-        if hasattr(fw, "prefetch"):
-            # One batched output projection for the path the walk most likely takes is
-            # cheaper than projecting node by node (each projection reads the whole lm_head).
-            fw.prefetch(likely_path(t))
+        # One batched output projection for the path the walk most likely takes is
+        # cheaper than projecting node by node (each projection reads the whole lm_head).
+        fw.prefetch(likely_path(t))
         t2 = time.perf_counter()
-        res = walk(t, 0, fw.logits, sampling, tree.verifier, streams, step, mutations=mutations)
+        res = walk(t, 0, fw.logits, s.sampling, s.tree.verifier, s.streams, s.step)
         t3 = time.perf_counter()
         # Truncate first: an EOS past max_new_tokens is not emitted, so it does not stop the decode.
-        emitted = list(res.emitted)[: max_new_tokens - len(result.tokens)]
+        emitted = list(res.emitted)[: s.remaining]
         stop = None
         for j, tok in enumerate(emitted):
-            if tok in eos:
+            if tok in s.eos:
                 emitted, stop = emitted[: j + 1], "eos"
                 break
         st.tree_size = int(t.linear.n[0]) - 1
@@ -354,9 +377,9 @@ def _decode(tgt, draft, prompt_ids, max_new_tokens, sampling, tree, seed, stream
         result.tokens += emitted
         if bar is not None:
             bar.update(len(emitted))
-        if callback is not None:
-            callback(emitted)
-        if stop is None and len(result.tokens) < max_new_tokens:
+        if s.callback is not None:
+            s.callback(emitted)
+        if stop is None and s.remaining > 0:
             t4 = time.perf_counter()
             tgt.commit(list(res.path))
             if drf is not None:
@@ -367,25 +390,11 @@ def _decode(tgt, draft, prompt_ids, max_new_tokens, sampling, tree, seed, stream
         if stop is not None:
             result.stopped_by = stop
             break
-        root, prefix_len, step = res.emitted[-1], prefix_len + len(res.path), step + 1
+        s.root, s.prefix_len, s.step = res.emitted[-1], s.prefix_len + len(res.path), s.step + 1
     result.seconds = time.perf_counter() - t_start
     if bar is not None:
         bar.close()
     return result
-
-
-def _target_has_draft_prompt_features(tgt, drf) -> bool:
-    """True when an EAGLE-3 draft would read its prompt features from the very model the
-    target adapter wraps, and the adapter already captured those layers in its prefill:
-    handing them over saves the draft a second forward over the whole prompt."""
-    src = getattr(drf, "features_from", None)
-    if src is None or src is not getattr(tgt, "model", None) or not hasattr(drf, "set_prompt_features"):
-        return False
-    from rheoplan.models.hf_target import eagle3_layers
-
-    layers = getattr(tgt, "capture_layers", None)
-    n_layers = len(getattr(tgt.model.base_model, "layers", ()))
-    return layers is not None and list(layers) == eagle3_layers(n_layers)
 
 
 _KERNELS_READY = False

@@ -27,6 +27,8 @@ import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.ir import DraftTree
+from rheoplan.ir_text import to_text
+from rheoplan.planner.lint import lint
 
 #: ``draft(tree, nodes [B, n] int64, -1 padded) -> logits [B, n, V]``
 DraftFn = Callable[[DraftTree, torch.Tensor], torch.Tensor]
@@ -65,8 +67,6 @@ class PassContext:
     step: int = 0
     instruments: list[Instrument] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
-    #: test-only switches for deliberately lossy variants (mutation controls)
-    mutations: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -158,8 +158,6 @@ class VerifyAfterEach(Instrument):
     """Check the IR invariants after every pass; raise naming the pass and its predecessors."""
 
     def after_pass(self, index, name, tree, ctx):
-        from rheoplan.planner.lint import lint
-
         problems = lint(tree, ctx)
         if problems:
             raise PassError(f"IR ill-formed after pass {name!r} (ran: {ctx.history}):\n  - "
@@ -174,8 +172,6 @@ class PrintAfterAll(Instrument):
         self.tokenizer = tokenizer
 
     def after_pass(self, index, name, tree, ctx):
-        from rheoplan.dump import to_text
-
         print(f"# ---- after {index:03d} {name} ----", file=self.stream)
         print(to_text(tree, tokenizer=self.tokenizer), file=self.stream)
 
@@ -191,8 +187,6 @@ class DumpIR(Instrument):
         (self.dir / f"step{ctx.step:04d}").mkdir(parents=True, exist_ok=True)
 
     def after_pass(self, index, name, tree, ctx):
-        from rheoplan.dump import to_text
-
         path = self.dir / f"step{ctx.step:04d}" / f"{index:03d}_{name.replace('@', '_d')}.txt"
         path.write_text(to_text(tree, tokenizer=self.tokenizer) + "\n")
 

@@ -9,14 +9,15 @@ import torch
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.pipeline import DraftFn, Instrument, PassContext, SamplerFn, run_pipeline
+from rheoplan.planner.assign import gumbel_sampler
+from rheoplan.planner.default import DEFAULT_PIPELINE
 from rheoplan.rng import Streams
 
 
 def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
               tree: TreeConfig, sampling: SamplingConfig, prefix_len=None,
               seed: int = 0, step: int = 0, sampler: SamplerFn | None = None,
-              passes: Sequence | None = None, instruments: Sequence[Instrument] = (),
-              mutations: frozenset[str] = frozenset()) -> DraftTree:
+              passes: Sequence | None = None, instruments: Sequence[Instrument] = ()) -> DraftTree:
     """Build, prune and linearise ``B = len(root_tokens)`` draft trees.
 
     ``draft(tree, nodes [B, n]) -> logits [B, n, V]`` is called once per depth.
@@ -31,9 +32,6 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
         >>> int(t.linear.n[0])
         5
     """
-    from rheoplan.planner.assign import gumbel_sampler
-    from rheoplan.planner.default import DEFAULT_PIPELINE
-
     roots = torch.as_tensor(root_tokens, dtype=torch.int64).reshape(-1)
     B = roots.numel()
     if B == 0:
@@ -45,5 +43,5 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
     t0 = empty_tree(B, tree.capacity, tree.max_expanded, tree.support, roots, prefix_len, m, tree.slots)
     ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=draft,
                       sampler=sampler or gumbel_sampler(Streams(seed), step), step=step,
-                      instruments=list(instruments), mutations=frozenset(mutations))
+                      instruments=list(instruments))
     return run_pipeline(DEFAULT_PIPELINE if passes is None else passes, t0, ctx)

@@ -11,6 +11,8 @@ from enum import IntEnum
 import numpy as np
 import torch
 
+from rheoplan.mutation import active
+
 
 class Purpose(IntEnum):
     """Why numbers are drawn; part of the counter, so streams never overlap."""
@@ -47,12 +49,11 @@ class Streams:
         if isinstance(seed, bool) or not isinstance(seed, int) or not (0 <= seed < 2**63):
             raise ValueError(f"seed={seed!r} is out of range: allowed an int in [0, 2**63)")
         self.seed = seed
-        #: test-only switch for mutation control (c): verification reuses the draft stream
-        self.reuse_draft_stream = False
 
     def purpose_key(self, purpose: Purpose) -> int:
-        """The purpose actually used in the counter (mutation (c) collapses them)."""
-        if self.reuse_draft_stream and purpose != Purpose.DRAFT_SAMPLE:
+        """The purpose actually used in the counter (the test-only mutation
+        ``"reuse_draft_stream"`` of ``rheoplan.mutation`` collapses them)."""
+        if purpose != Purpose.DRAFT_SAMPLE and active("reuse_draft_stream"):
             return int(Purpose.DRAFT_SAMPLE)
         return int(purpose)
 

@@ -14,16 +14,9 @@ Three layers:
 * ``walk``: the verification walk over one linearised tree, with numbers from the
   counter-based streams (``rheoplan.rng``).
 
-Mutation switches (test-only, ``mutations`` frozenset of strings) reproduce lossy
-variants for the power checks of §7:
-
-* ``"skip_pruned_sampled"`` (control (a)): when the sampled child was pruned, ignore
-  ``Y`` and draw ``X ~ p``. Exact only with a ``Y``-independent proxy; lossy with
-  ``proxy='true_q'``.
-* ``"raw_q_ratio"`` (control (b)): use the raw draft ``q`` instead of the tail law
-  ``q~`` in the acceptance ratio and in the residual.
-* control (c) (one uniform reused for drafting and verifying) is a switch of the
-  streams: ``Streams.reuse_draft_stream = True``.
+Two of the test-only lossy switches of ``rheoplan.mutation`` are read here
+(``"skip_pruned_sampled"``, ``"raw_q_ratio"``); tests turn them on with
+``rheoplan.testing.mutation(...)``.
 """
 
 from __future__ import annotations
@@ -36,10 +29,8 @@ import torch
 from rheoplan.config import SamplingConfig, VERIFIERS
 from rheoplan.distributions import tail_law, target_probs
 from rheoplan.ir import DraftTree
+from rheoplan.mutation import active
 from rheoplan.rng import Purpose, Streams
-
-#: the mutation switches this module understands
-MUTATIONS = ("skip_pruned_sampled", "raw_q_ratio")
 
 #: residual mass at or below this is treated as zero (acceptance is then certain)
 _RESIDUAL_EPS = 1e-300
@@ -51,11 +42,12 @@ def _check_verifier(verifier: str) -> None:
 
 
 def _proposal(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, n: int, m: int,
-              mutations: frozenset) -> torch.Tensor:
+              raw_q: bool = False) -> torch.Tensor:
     """The proposal law of ``Y`` as a dense ``[V]`` float64 vector: ``q~`` over ranks
-    ``m+1..n`` (or, under ``raw_q_ratio``, the raw draft ``q`` over the whole support)."""
+    ``m+1..n`` (or, with ``raw_q`` (mutation ``raw_q_ratio``), the raw draft ``q`` over the
+    whole support)."""
     law = torch.zeros_like(p)
-    if "raw_q_ratio" in mutations:
+    if raw_q:
         law[sup_token[:n]] = sup_q[:n].to(torch.float64)
     else:
         law[sup_token[m:n]] = tail_law(sup_q, m, n)
@@ -85,7 +77,7 @@ def _ot_proposal(law: torch.Tensor, sup_token: torch.Tensor, K: int, y: int) -> 
     return e, et
 
 
-def _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, mutations):
+def _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier):
     """(proposal token, accept probability, residual law or None); proposal None = X ~ p."""
     _check_verifier(verifier)
     p = p.to(torch.float64)
@@ -93,7 +85,7 @@ def _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, mutatio
         return None, 0.0, p
     n = int(sup_n)
     y = int(y_token)
-    law = _proposal(p, sup_token, sup_q, n, m, frozenset(mutations))
+    law = _proposal(p, sup_token, sup_q, n, m, raw_q=active("raw_q_ratio"))
     if verifier == "rheo":
         e = y
     else:
@@ -103,8 +95,7 @@ def _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, mutatio
 
 
 def coupling_law(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, sup_n: int,
-                 m: int, K: int, y_token: int, verifier: str,
-                 mutations: frozenset[str] = frozenset()) -> torch.Tensor:
+                 m: int, K: int, y_token: int, verifier: str) -> torch.Tensor:
     """Exact law ``[V]`` (float64) of the emitted ``X`` at an expanded node given ``Y``.
 
     Args:
@@ -114,7 +105,6 @@ def coupling_law(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, 
         y_token: the realised sampled token ``Y`` (ignored by 'onehot'; -1 / None = none).
         verifier: 'onehot' (``X ~ p``), 'rheo' (test ``Y`` against ``q~``) or 'ot'
             (test ``E = e(Y)`` against ``e~``).
-        mutations: test-only lossy variants (see the module docstring).
 
     Example:
         >>> p = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
@@ -123,7 +113,7 @@ def coupling_law(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, 
         >>> [round(x, 4) for x in law.tolist()]  # rejected mass goes to max(0, p - q~) = token 0
         [0.1667, 0.8333, 0.0]
     """
-    e, a, resid = _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, mutations)
+    e, a, resid = _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier)
     if e is None:
         return resid.clone()
     out = torch.zeros_like(p, dtype=torch.float64)
@@ -135,7 +125,7 @@ def coupling_law(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, 
 
 def coupling_sample(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, sup_n: int,
                     m: int, K: int, y_token: int, verifier: str, u_accept: float,
-                    residual_gumbel: torch.Tensor, mutations: frozenset[str] = frozenset()) -> int:
+                    residual_gumbel: torch.Tensor) -> int:
     """One draw of ``X`` from ``coupling_law`` with injected randomness.
 
     Accept the proposal iff ``u_accept < accept probability``; otherwise (or when there is
@@ -143,31 +133,30 @@ def coupling_sample(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tenso
     ``residual_gumbel`` i.i.d. standard Gumbel ``[V]``. Kernels must match this bit for bit
     given the same ``u_accept`` and ``residual_gumbel``.
     """
-    e, a, resid = _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, mutations)
+    e, a, resid = _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier)
     if e is not None and (resid is None or float(u_accept) < a):
         return int(e)
     return int(torch.argmax(torch.log(resid) + residual_gumbel.to(torch.float64)))
 
 
-def node_y(tree: DraftTree, b: int, row: int, mutations: frozenset[str] = frozenset()) -> int:
+def node_y(tree: DraftTree, b: int, row: int) -> int:
     """The ``Y`` the verifier uses at expansion row ``row`` (-1: none / ignored).
 
     Phantom rule: ``Y`` is used even when its sampled child was pruned. Mutation (a),
     ``"skip_pruned_sampled"``, instead ignores ``Y`` when the sampled child was pruned.
     """
     y = int(tree.y_token[b, row])
-    if y >= 0 and "skip_pruned_sampled" in mutations:
+    if y >= 0 and active("skip_pruned_sampled"):
         c = int(tree.y_node[b, row])
         if c >= 0 and not bool(tree.kept[b, c]):
             return -1
     return y
 
 
-def node_law(tree: DraftTree, b: int, row: int, p: torch.Tensor, verifier: str,
-             mutations: frozenset[str] = frozenset()) -> torch.Tensor:
+def node_law(tree: DraftTree, b: int, row: int, p: torch.Tensor, verifier: str) -> torch.Tensor:
     """``coupling_law`` at expansion row ``row`` of tree ``b`` (reads the tables of the IR)."""
     return coupling_law(p, tree.sup_token[b, row], tree.sup_q[b, row], int(tree.sup_n[b, row]),
-                        tree.rheostat, tree.slots, node_y(tree, b, row, mutations), verifier, mutations)
+                        tree.rheostat, tree.slots, node_y(tree, b, row), verifier)
 
 
 def kept_children(tree: DraftTree, b: int, i: int) -> dict[int, int]:
@@ -190,8 +179,7 @@ class WalkResult:
 
 
 def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], sampling: SamplingConfig,
-         verifier: str, streams: Streams, step: int,
-         mutations: frozenset[str] = frozenset(), key: int | None = None) -> WalkResult:
+         verifier: str, streams: Streams, step: int, key: int | None = None) -> WalkResult:
     """Verify tree ``b`` (RHEOSAMPLING.md §5), reading target logits only where the walk goes.
 
     ``logits_at(i)`` returns the raw target logits ``[V]`` at linear node ``i``; they are
@@ -211,7 +199,6 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
         [2]
     """
     _check_verifier(verifier)
-    mutations = frozenset(mutations)
     if tree.linear is None:
         raise ValueError("tree has no linear form: run the linearize pass (plan_tree does)")
     lin = tree.linear
@@ -231,8 +218,7 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
         else:
             u = float(streams.uniform(step, sk, v, Purpose.VERIFY_ACCEPT, 1)[0])
             x = coupling_sample(p, tree.sup_token[b, row], tree.sup_q[b, row], int(tree.sup_n[b, row]),
-                                tree.rheostat, tree.slots, node_y(tree, b, row, mutations), verifier,
-                                u, g, mutations)
+                                tree.rheostat, tree.slots, node_y(tree, b, row), verifier, u, g)
         emitted.append(x)
         c = kept_children(tree, b, i).get(x)
         if c is None:
@@ -271,11 +257,11 @@ def accept_prob(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, s
         return float(p[sup_token[:K]].sum())
     qt = tail_law(sup_q, m, n)
     if verifier == "ot":
-        law = _proposal(p, sup_token, sup_q, n, m, frozenset())
+        law = _proposal(p, sup_token, sup_q, n, m)
         _, et = _ot_proposal(law, sup_token, K, int(sup_token[K - 1]))
         return float(p[sup_token[: K - 1]].sum() + torch.minimum(p, et).sum())
     total = 0.0
-    law = _proposal(p, sup_token, sup_q, n, m, frozenset())
+    law = _proposal(p, sup_token, sup_q, n, m)
     resid = torch.clamp(p - law, min=0.0)
     R = float(resid.sum())
     for i in range(n - m):

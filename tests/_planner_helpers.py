@@ -119,3 +119,12 @@ def shape_of(tree: DraftTree) -> dict:
         "position": tree.linear.position.tolist() if tree.linear is not None else None,
         "linear_node": tree.linear.node.tolist() if tree.linear is not None else None,
     }
+
+
+class Words:
+    """A toy tokenizer whose texts need quoting and escaping (quotes, newlines, ``%``, ``=``)."""
+
+    words = ["the", "a", 'say "hi"', "cat\n", "é", "=x", "%1", "  "]
+
+    def decode(self, ids):
+        return "".join(self.words[i % len(self.words)] for i in ids)

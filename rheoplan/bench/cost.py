@@ -29,8 +29,13 @@ from typing import Sequence
 
 import torch
 
-from rheoplan.bench.decode import Method, check_run_args, load_prompts, methods_for, model_dtype, run_one
+from tqdm.auto import tqdm
+
+from rheoplan.bench.decode import Method, check_run_args, load_prompts, methods_for, run_one
 from rheoplan.config import SamplingConfig
+from rheoplan.loading import DEFAULTS, add_dtype, encode_prompt, load_default, model_dtype
+from rheoplan.models._hf_common import (base_model, cache_length, crop_cache, new_cache, output_head,
+                                        prefix_and_block_mask, run_base)
 
 #: plan_and_decode's phases, in the order a step runs them
 PHASES = ("draft", "plan", "verify_forward", "walk", "commit")
@@ -65,9 +70,6 @@ def forward_curve(model, context_ids: Sequence[int], sizes: Sequence[int], repea
     output projection of all ``n`` rows (what autoregressive/HF decoding pays; rheoplan
     projects only the rows the verifier visits). Same code path as the verify forward
     (``run_base`` with a 4D mask); the cache is cropped back after every call."""
-    from rheoplan.models._hf_common import (base_model, cache_length, crop_cache, new_cache,
-                                            output_head, prefix_and_block_mask, run_base)
-
     base, head = base_model(model), output_head(model)
     dev = next(model.parameters()).device
     n0 = len(context_ids)
@@ -168,8 +170,6 @@ def _plot(rows: list[dict], curve: list[dict], ar_ms: float, path: Path, what: s
 
 
 def main(argv=None) -> int:
-    from rheoplan.cli import DEFAULTS, add_dtype
-
     ap = argparse.ArgumentParser(prog="rheoplan bench cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts (default 8)")
     ap.add_argument("--tokens", type=int, default=24, help="new tokens per prompt (default 24)")
@@ -194,11 +194,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from tqdm.auto import tqdm
-
-    from rheoplan.cli import encode_prompt, load_default
-
-    model, tok, draft = load_default(argparse.Namespace(method="rheo", draft=args.draft, dtype=args.dtype))
+    model, tok, draft = load_default(method="rheo", draft=args.draft, dtype=args.dtype)
     todo = [(methods["ar-hf"], draft), (Method("autoregressive", methods["eagle"].tree), None)]
     todo += [(methods[m], draft) for m in TREE_METHODS]
     records = {}

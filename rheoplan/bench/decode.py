@@ -32,7 +32,11 @@ from pathlib import Path
 
 import torch
 
+from tqdm.auto import tqdm
+
 from rheoplan.config import SamplingConfig, TreeConfig
+from rheoplan.decode import plan_and_decode
+from rheoplan.loading import DEFAULTS, encode_prompt, load_default, model_dtype
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 
@@ -80,11 +84,6 @@ def load_prompts(n: int) -> list[tuple[str, str]]:
     mixed = [r for group in zip(*by_cat.values()) for r in group]
     mixed += [r for r in rows if r not in mixed]
     return mixed[:n]
-
-
-def model_dtype(model) -> str:
-    """``'float32'``, ``'bfloat16'``...: the dtype a run record and the report name."""
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def check_run_args(tokens: int, threads: int | None) -> None:
@@ -166,9 +165,6 @@ def machine_info() -> dict:
 
 def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed: int, tokens: int) -> dict:
     """One (method, temperature, seed) run over all prompts; returns the aggregate record."""
-    from rheoplan.cli import encode_prompt
-    from rheoplan.decode import plan_and_decode
-
     sampling = SamplingConfig(temperature=temperature)
     n_tok = n_steps = acc = trials = 0
     seconds = 0.0
@@ -338,8 +334,6 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6, 1.0])
     ap.add_argument("--methods", nargs="+", default=None,
                     help="subset of methods (default: all); see the module docstring for names")
-    from rheoplan.cli import DEFAULTS
-
     ap.add_argument("--depth", type=int, default=DEFAULTS["depth"])
     ap.add_argument("--frontier", type=int, default=DEFAULTS["frontier"])
     ap.add_argument("--slots", type=int, default=DEFAULTS["slots"])
@@ -370,14 +364,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     if not args.report:
-        from tqdm.auto import tqdm
-
-        from rheoplan.cli import load_default
-
         machine = machine_info()
         done_dtypes: set[str] = set()
         for requested in dict.fromkeys(args.dtype):
-            model, tok, draft = load_default(argparse.Namespace(method="rheo", draft=args.draft, dtype=requested))
+            model, tok, draft = load_default(method="rheo", draft=args.draft, dtype=requested)
             dtype = model_dtype(model)
             if dtype in done_dtypes:  # 'auto' picked a dtype already run
                 print(f"dtype {requested} = {dtype}: already run", file=sys.stderr)

@@ -25,6 +25,14 @@ import time
 
 import torch
 
+from rheoplan.config import SamplingConfig, TreeConfig
+from rheoplan.kernels.pipeline import kernel_pipeline
+from rheoplan.kernels.slot_expansion.cpu import rank_support_rows
+from rheoplan.kernels.verify import cpu as vcpu
+from rheoplan.kernels.verify import reference as vref
+from rheoplan.plan import plan_tree
+from rheoplan.verify import node_y
+
 
 def _time_cpu(fn, reps: int) -> float:
     fn()
@@ -37,18 +45,10 @@ def _time_cpu(fn, reps: int) -> float:
 
 
 def _tree_cfg():
-    from rheoplan import TreeConfig
-
     return TreeConfig(depth=8, frontier=10, slots=10, budget=60, rheostat=1, support=128)
 
 
 def cpu_section(vocabs, reps: int, ref_reps: int, out) -> None:
-    from rheoplan import SamplingConfig, plan_tree
-    from rheoplan.kernels.pipeline import kernel_pipeline
-    from rheoplan.kernels.slot_expansion.cpu import rank_support_rows
-    from rheoplan.kernels.verify import cpu as vcpu, reference as vref
-    from rheoplan.verify import node_y
-
     cfg, sampling = _tree_cfg(), SamplingConfig(temperature=1.0)
     print(f"# CPU, torch threads={torch.get_num_threads()}; N=60 depth=8 frontier=10 slots=10 S=128, B=1",
           file=out)
@@ -108,7 +108,7 @@ def _time_cuda(fn, reps: int) -> float:
 
 
 def cuda_section(vocab: int, reps: int, out) -> None:
-    from rheoplan import SamplingConfig, plan_tree
+    # Triton kernels: imported only when a GPU section runs.
     from rheoplan.kernels.plan import reference as pref, triton as ptk
     from rheoplan.kernels.slot_expansion import triton as stk
     from rheoplan.kernels.tree_attention import reference as aref, triton as atk

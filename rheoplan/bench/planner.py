@@ -15,7 +15,9 @@ import time
 
 import torch
 
-from rheoplan import SamplingConfig, TreeConfig, plan_tree
+from rheoplan.config import SamplingConfig, TreeConfig
+from rheoplan.kernels.pipeline import kernel_pipeline
+from rheoplan.plan import plan_tree
 from rheoplan.pipeline import Instrument, PassTiming
 
 
@@ -55,11 +57,7 @@ def main(argv=None) -> int:
 
 
 def run(args, pipeline_name: str) -> None:
-    passes = None
-    if pipeline_name == "kernels":
-        from rheoplan.kernels.pipeline import kernel_pipeline
-
-        passes = kernel_pipeline("cpu")
+    passes = kernel_pipeline("cpu") if pipeline_name == "kernels" else None
 
     cfg = TreeConfig(depth=8, frontier=10, slots=10, budget=60, rheostat=1, support=128)
     sampling = SamplingConfig(temperature=1.0)

@@ -3,8 +3,13 @@
 ``as_target`` / ``as_draft`` wrap what a user has (a ``FunctionalLM``, a transformers causal
 LM, or an adapter already) into the adapter the decode loop expects.
 
+Public names: the interfaces ``TargetModel``, ``DraftModel``, ``TreeLogits``; functional
+models ``FunctionalLM``, ``hashed_context_lm``; the adapters ``FunctionalTarget``,
+``FunctionalDraft``, ``HFTarget``, ``HFDraft``, ``Eagle3Draft``; ``as_target``,
+``as_draft``; the EAGLE-3 loader ``load_eagle3_checkpoint``.
+
 Example:
-    >>> from rheoplan.models.functional import hashed_context_lm
+    >>> from rheoplan.models import as_target, hashed_context_lm
     >>> target = as_target(hashed_context_lm(8, seed=0))
     >>> type(target).__name__
     'FunctionalTarget'
@@ -15,8 +20,15 @@ from __future__ import annotations
 from typing import Any
 
 from rheoplan.models.base import DraftModel, TargetModel, TreeLogits
+from rheoplan.models.eagle3 import Eagle3Draft, load_eagle3_checkpoint
+from rheoplan.models.functional import (FunctionalDraft, FunctionalLM, FunctionalTarget,
+                                        hashed_context_lm)
+from rheoplan.models.hf_draft import HFDraft
+from rheoplan.models.hf_target import HFTarget
 
-__all__ = ["DraftModel", "TargetModel", "TreeLogits", "as_draft", "as_target"]
+__all__ = ["DraftModel", "TargetModel", "TreeLogits", "FunctionalLM", "hashed_context_lm",
+           "FunctionalTarget", "FunctionalDraft", "HFTarget", "HFDraft", "Eagle3Draft",
+           "load_eagle3_checkpoint", "as_draft", "as_target"]
 
 
 def _is_hf_causal_lm(model: Any) -> bool:
@@ -35,13 +47,9 @@ def as_target(model: Any, **kwargs: Any) -> TargetModel:
     ``Eagle3Draft`` works whatever draft the caller pairs it with; capturing only keeps
     references to three layer inputs and concatenates them once per forward.
     """
-    from rheoplan.models.functional import FunctionalLM, FunctionalTarget
-
     if isinstance(model, FunctionalLM):
         return FunctionalTarget(model)
     if _is_hf_causal_lm(model):
-        from rheoplan.models.hf_target import HFTarget
-
         if "capture_layers" not in kwargs and len(getattr(model.base_model, "layers", ())) >= 4:
             kwargs["capture_layers"] = "eagle3"
         return HFTarget(model, **kwargs)
@@ -54,16 +62,12 @@ def as_target(model: Any, **kwargs: Any) -> TargetModel:
 def as_draft(model: Any, **kwargs: Any) -> DraftModel:
     """A ``DraftModel`` for ``model``: FunctionalLM -> FunctionalDraft, transformers causal
     LM -> HFDraft, adapters (e.g. ``Eagle3Draft``) as is."""
-    from rheoplan.models.functional import FunctionalDraft, FunctionalLM
-
     if isinstance(model, FunctionalLM):
         return FunctionalDraft(model)
     if _is_hf_causal_lm(model):
-        from rheoplan.models.hf_draft import HFDraft
-
         return HFDraft(model, **kwargs)
     if isinstance(model, DraftModel):
         return model
     raise TypeError(f"cannot use {type(model).__name__} as a draft: allowed FunctionalLM, a "
                     "transformers *ForCausalLM, or an object implementing DraftModel "
-                    "(an EAGLE-3 head needs load_eagle3 / Eagle3Draft)")
+                    "(an EAGLE-3 head needs load_eagle3_checkpoint / Eagle3Draft)")

@@ -1,67 +1,126 @@
 """The two model interfaces the decode loop talks to (batch 1 per decode).
 
-A decode step, in the order the loop calls these methods:
+Before the first step the loop checks the pair (``vocab_size``, ``device``,
+``draft.check_vocab_map``, ``target.max_context``), calls ``start(prompt_ids)`` on both
+and ``draft.take_prompt_features(target)``. Then a decode step, in the order the loop
+calls these methods:
 
 1. ``draft.node_logits(tree, nodes)`` once for the root (``nodes == [0]``), then once
    per depth for the frontier nodes. Every node's ancestors were passed in an earlier
    call of the same step (the root's ancestors are the committed context).
 2. ``target.forward_tree(linear)`` runs the root and every kept drafted node in one
-   forward with the ancestor mask; it returns a ``TreeLogits`` whose ``logits(i)`` the
-   verifier asks for only at the linear nodes it visits (lazy output projection).
+   forward with the ancestor mask; it returns a ``TreeLogits``: the loop calls its
+   ``prefetch`` with the most likely path, then the verifier asks ``logits(i)`` only at the
+   linear nodes it visits (lazy output projection).
 3. ``target.commit(path)`` and ``draft.commit(tree, path_nodes, tokens, features)``
    keep the root and the accepted nodes; the bonus token becomes the next root
    and is *not* cached by either model until the next step.
+
+After the decode the loop calls ``target.close()`` on a target adapter it built itself.
+Custom adapters subclass ``TargetModel`` / ``DraftModel`` (the abstract methods are the
+ones every adapter needs; the others have defaults).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
 
 import torch
 
 from rheoplan.ir import DraftTree, LinearTree
 
 
-class TreeLogits(Protocol):
+class TreeLogits(ABC):
     """Result of one verify forward (tree b = 0)."""
 
+    @abstractmethod
     def logits(self, i: int) -> torch.Tensor:
         """Raw next-token logits ``[V]`` (float32) at linear node ``i``."""
 
     def features(self, i: int) -> torch.Tensor | None:
-        """Target hidden features at linear node ``i`` for an EAGLE-3 head, or None."""
+        """Target hidden features at linear node ``i`` for an EAGLE-3 head, or None (default)."""
+        return None
+
+    def prefetch(self, nodes: Sequence[int]) -> None:
+        """Hint: ``logits`` will likely be asked at linear nodes ``nodes`` (the walk's most
+        likely route); an adapter may project them in one batch. Default: nothing."""
 
 
-@runtime_checkable
-class TargetModel(Protocol):
+class TargetModel(ABC):
+    """The model whose distribution the decode preserves.
+
+    Subclasses implement ``start``, ``forward_tree`` and ``commit`` and set ``vocab_size``;
+    the other members have defaults that fit a model with no device, no context limit and
+    nothing to release.
+    """
+
     vocab_size: int
+    #: the device the model's tensors live on (the draft must use the same), or None
+    device: torch.device | None = None
+    #: the longest sequence the model handles (prompt + new tokens + one verify tree), or None
+    max_context: int | None = None
 
+    @abstractmethod
     def start(self, prompt_ids: list[int]) -> None:
         """Reset; cache every prompt token except the last (the first root)."""
 
+    @abstractmethod
     def forward_tree(self, linear: LinearTree) -> TreeLogits:
         """Verify forward of tree 0 of ``linear`` (root not cached yet)."""
 
+    @abstractmethod
     def commit(self, path: list[int]) -> None:
         """Keep in the cache linear nodes ``path`` (root first, then accepted nodes)."""
 
+    def prompt_features_for(self, model: Any) -> torch.Tensor | None:
+        """The EAGLE-3 features of the prompt (``[len(prompt) - 1, width]``) when this
+        adapter captured them in ``start`` from ``model`` itself, else None (default).
+        An EAGLE-3 draft reading its features from ``model`` takes them instead of running
+        a second forward over the prompt."""
+        return None
 
-@runtime_checkable
-class DraftModel(Protocol):
+    def close(self) -> None:
+        """Release what the adapter holds on the model (hooks); default: nothing. The
+        decode loop calls it for adapters it built itself."""
+
+
+class DraftModel(ABC):
+    """The proposal model. Subclasses implement ``start``, ``node_logits`` and ``commit``
+    and set ``vocab_size``; the other members have defaults."""
+
     vocab_size: int
+    #: the device the model's tensors live on (must be the target's), or None
+    device: torch.device | None = None
 
+    @abstractmethod
     def start(self, prompt_ids: list[int]) -> None:
         """Reset; the last prompt token is the first root."""
 
+    @abstractmethod
     def node_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
         """Draft next-token logits ``[len(nodes), V]`` (target vocabulary ids; tokens the
         draft cannot propose get ``-inf``) at nodes of tree 0."""
 
+    @abstractmethod
     def commit(self, tree: DraftTree, path_nodes: list[int], emitted: list[int],
                features: list[torch.Tensor | None]) -> None:
         """The step accepted creation ids ``path_nodes`` (root first) and emitted
         ``emitted`` (accepted drafted tokens then the bonus token). ``features`` holds the
         target's features at the root and each accepted node, for heads that need them."""
+
+    def check_vocab_map(self, target_vocab_size: int) -> None:
+        """Raise ``ValueError`` if the draft's own vocabulary map (e.g. an EAGLE-3 head's
+        draft-to-target ids) does not fit a target of ``target_vocab_size`` tokens.
+        Default: nothing to check."""
+
+    def take_prompt_features(self, target: TargetModel) -> None:
+        """Called once after both models' ``start``: a draft that needs the target's
+        features of the prompt may take them from ``target`` here
+        (``target.prompt_features_for``). Default: nothing."""
+
+    def close(self) -> None:
+        """Release what the adapter holds; default: nothing."""
 
 
 # -- argument checks shared by every adapter ----------------------------------------------

@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 import torch
 
 from rheoplan.ir import DraftTree, LinearTree
-from rheoplan.models.base import check_draft_call, check_emitted, check_prompt_ids
+from rheoplan.models.base import (DraftModel, TargetModel, TreeLogits, check_draft_call, check_emitted,
+                                  check_prompt_ids)
 
 Path = tuple[int, ...]
 LogitsFn = Callable[[list[Path]], torch.Tensor]
@@ -184,7 +185,7 @@ def check_commit_path(linear: LinearTree, path: Sequence[int]) -> list[int]:
     return path
 
 
-class _FunctionalTreeLogits:
+class _FunctionalTreeLogits(TreeLogits):
     """Lazy per-node logits of one verify forward (the fn runs only at visited nodes)."""
 
     def __init__(self, lm: FunctionalLM, context: list[int], linear: LinearTree) -> None:
@@ -204,11 +205,8 @@ class _FunctionalTreeLogits:
             self._memo[i] = self._lm([self.path(i)])[0]
         return self._memo[i]
 
-    def features(self, i: int) -> torch.Tensor | None:
-        return None
 
-
-class FunctionalTarget:
+class FunctionalTarget(TargetModel):
     """``TargetModel`` over a ``FunctionalLM``; the "cache" is the committed token list.
 
     Example:
@@ -244,7 +242,7 @@ class FunctionalTarget:
         self._linear = None
 
 
-class FunctionalDraft:
+class FunctionalDraft(DraftModel):
     """``DraftModel`` over a ``FunctionalLM``: context of a node = committed + root + path.
 
     Example:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from rheoplan.ir import DraftTree
-from rheoplan.models.base import check_draft_call, check_emitted, check_prompt_ids
+from rheoplan.models.base import DraftModel, check_draft_call, check_emitted, check_prompt_ids
 from rheoplan.models._hf_common import (
     base_model, cache_length, new_cache, output_head, run_base, commit_cache,
 )
@@ -39,7 +39,7 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([logits, pad], dim=1)
 
 
-class HFDraft:
+class HFDraft(DraftModel):
     """``DraftModel`` wrapping a small transformers causal LM (same tokenizer as the target).
 
     Args:

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from rheoplan.ir import LinearTree
-from rheoplan.models.base import check_prompt_ids
+from rheoplan.models.base import TargetModel, TreeLogits, check_prompt_ids
 from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
     run_base, commit_cache,
@@ -71,7 +71,7 @@ class _FeatureCapture:
             h.remove()
 
 
-class HFTreeLogits:
+class HFTreeLogits(TreeLogits):
     """Result of one verify forward: final hidden states; logits projected on demand."""
 
     def __init__(self, hidden: torch.Tensor, head: torch.nn.Module,
@@ -129,7 +129,7 @@ class HFTreeLogits:
         return None if self._features is None else self._features[i]
 
 
-class HFTarget:
+class HFTarget(TargetModel):
     """``TargetModel`` wrapping a transformers causal LM (Llama family and alike).
 
     Args:
@@ -210,6 +210,16 @@ class HFTarget:
             raise RuntimeError("prompt_features() needs HFTarget(..., capture_layers='eagle3' or indices)")
         if self._prompt_features is None:
             raise RuntimeError("prompt_features() called before start()")
+        return self._prompt_features
+
+    def prompt_features_for(self, model) -> torch.Tensor | None:
+        """The prompt's captured features when ``model`` is the model this adapter wraps
+        and it captures exactly the EAGLE-3 layers (handing them over saves an EAGLE-3
+        draft a second forward over the whole prompt), else None."""
+        if model is not self.model or self.capture_layers is None or self._prompt_features is None:
+            return None
+        if list(self.capture_layers) != eagle3_layers(len(self.base.layers)):
+            return None
         return self._prompt_features
 
     @torch.no_grad()

@@ -10,6 +10,8 @@
 * ``functional_decode`` / ``functional_decode_batch``: the real sampling path (planner +
   ``rheoplan.verify.walk`` with counter-based streams) over functional models, for
   statistical tests; ``chi_square`` compares its samples with an exact law.
+* ``mutation(*names)``: a context manager that turns on the test-only lossy switches
+  of ``rheoplan.mutation`` (the mutation controls every losslessness test must fail on).
 * ``rheoplan.testing.strategies`` (needs ``hypothesis``): tiny vocabularies, awkward
   logits, hashed-context models, tree / sampling configs, whole oracle cases.
 
@@ -27,13 +29,15 @@ Example:
     True
 """
 
+from rheoplan.mutation import MUTATIONS, mutation
 from rheoplan.testing.functional_decode import functional_decode, functional_decode_batch
 from rheoplan.testing.oracle import (ExactOracle, coupling_marginal_error, enumerate_trees, exact_law,
                                      target_law, total_variation, verify_law)
 from rheoplan.testing.stats import chi_square, empirical_law
 
 __all__ = ["exact_law", "target_law", "total_variation", "ExactOracle", "enumerate_trees", "verify_law", "coupling_marginal_error",
-           "functional_decode", "functional_decode_batch", "chi_square", "empirical_law"]
+           "functional_decode", "functional_decode_batch", "chi_square", "empirical_law",
+           "mutation", "MUTATIONS"]
 
 
 def __getattr__(name):  # lazy: strategies needs hypothesis, an optional test dependency

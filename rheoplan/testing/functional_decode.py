@@ -7,10 +7,7 @@ Run ``r`` of a batch uses stream id ``r`` (the ``tree`` counter of ``rheoplan.rn
 both drafting and verifying, so ``functional_decode(..., seed=s)`` equals run 0 of
 ``functional_decode_batch(..., seed=s)``, and runs never share random numbers.
 
-Mutation switches: those of ``rheoplan.verify`` plus ``"reuse_draft_stream"`` (control
-(c)): verification draws from the draft stream (``Streams.reuse_draft_stream``), so the
-accept uniform at a node is the uniform that gave the first tail token its Gumbel noise
-when ``Y`` was drawn there.
+Mutation controls: run it inside ``rheoplan.testing.mutation(...)``.
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ def _draft_sampler(streams: Streams, step: int, keys: list[int]):
 
 def functional_decode_batch(target, draft, prefix: Sequence[int], n_tokens: int, n_runs: int, *,
                             tree: TreeConfig, sampling: SamplingConfig, seed: int = 0,
-                            mutations: frozenset[str] = frozenset(),
                             max_steps: int | None = None) -> list[tuple[int, ...]]:
     """``n_runs`` independent decodes of ``n_tokens`` tokens each (truncated), batched.
 
@@ -47,10 +43,8 @@ def functional_decode_batch(target, draft, prefix: Sequence[int], n_tokens: int,
         raise ValueError(f"n_runs={n_runs} is out of range: allowed >= 1")
     if len(prefix) == 0:
         raise ValueError("prefix is empty: it must end with the first root token")
-    mutations = frozenset(mutations)
     draft_streams = Streams(seed)
     verify_streams = Streams(seed)
-    verify_streams.reuse_draft_stream = "reuse_draft_stream" in mutations
     ctxs = [tuple(int(t) for t in prefix) for _ in range(n_runs)]
     out: list[list[int]] = [[] for _ in range(n_runs)]
     step = 0
@@ -63,7 +57,7 @@ def functional_decode_batch(target, draft, prefix: Sequence[int], n_tokens: int,
         t = plan_tree(functional_draft_fn_batch(draft, [ctxs[r] for r in active]),
                       [ctxs[r][-1] for r in active], tree=tree, sampling=sampling,
                       prefix_len=[len(ctxs[r]) - 1 for r in active], step=step,
-                      sampler=_draft_sampler(draft_streams, step, active), mutations=mutations)
+                      sampler=_draft_sampler(draft_streams, step, active))
         lin = t.linear
         for b, r in enumerate(active):
             def logits_at(i: int, b=b, r=r) -> torch.Tensor:
@@ -74,7 +68,7 @@ def functional_decode_batch(target, draft, prefix: Sequence[int], n_tokens: int,
                     j = int(lin.parent[b, j])
                 return target([ctxs[r] + tuple(toks[::-1])])[0]
 
-            res = walk(t, b, logits_at, sampling, tree.verifier, verify_streams, step, mutations, key=r)
+            res = walk(t, b, logits_at, sampling, tree.verifier, verify_streams, step, key=r)
             out[r] += res.emitted
             ctxs[r] = ctxs[r] + tuple(res.emitted)
         step += 1
@@ -82,8 +76,7 @@ def functional_decode_batch(target, draft, prefix: Sequence[int], n_tokens: int,
 
 
 def functional_decode(target, draft, prefix: Sequence[int], n_tokens: int, *, tree: TreeConfig,
-                      sampling: SamplingConfig, seed: int = 0,
-                      mutations: frozenset[str] = frozenset()) -> list[int]:
+                      sampling: SamplingConfig, seed: int = 0) -> list[int]:
     """One decode of ``n_tokens`` tokens with functional models (see the module docstring).
 
     Example:
@@ -95,4 +88,4 @@ def functional_decode(target, draft, prefix: Sequence[int], n_tokens: int, *, tr
         4
     """
     return list(functional_decode_batch(target, draft, prefix, n_tokens, 1, tree=tree, sampling=sampling,
-                                        seed=seed, mutations=mutations)[0])
+                                        seed=seed)[0])

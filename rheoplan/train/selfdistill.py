@@ -36,13 +36,17 @@ Example (a tiny random model):
 
 from __future__ import annotations
 
-import json
+import inspect
 import os
 import time
 import zlib
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
+
+from rheoplan.models.hf_target import eagle3_layers
+from rheoplan.models.smollm import load_smollm2
 
 
 def read_prompts(path: str | os.PathLike) -> list[tuple[str, str]]:
@@ -79,8 +83,6 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 
 def capture_indices(model: torch.nn.Module) -> list[int]:
     """``hidden_states`` indices of the EAGLE-3 layers' inputs (input of layer i = index i)."""
-    from rheoplan.models.hf_target import eagle3_layers
-
     return eagle3_layers(int(model.config.num_hidden_layers))
 
 
@@ -135,8 +137,6 @@ def sample_with_features(model: torch.nn.Module, prompts: list[list[int]], *, ma
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     # transformers 5.x names the argument ``cache``; 4.x called it ``past_key_values``.
-    import inspect
-
     ckw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
                 output_hidden_states=True, **{ckw: cache})
@@ -223,8 +223,6 @@ def generate_shards(model: torch.nn.Module, tokenizer, prompts: list[str], out_d
     run produces the same data as an uninterrupted one.
     Returns the shard paths in order.
     """
-    from tqdm import tqdm
-
     if not prompts:
         raise ValueError("no prompts to sample")
     os.makedirs(out_dir, exist_ok=True)
@@ -267,17 +265,10 @@ def load_shards(paths: Sequence[str]) -> list[dict]:
     return rows
 
 
-def write_manifest(out_dir: str, info: dict) -> None:
-    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
-        json.dump(info, f, indent=2, sort_keys=True)
-
-
 def load_target():
     """SmolLM2-135M-Instruct and its tokenizer, as ``(model, tokenizer)``.
 
     ``load_smollm2``'s return order has changed once; accept either order.
     """
-    from rheoplan.models.smollm import load_smollm2
-
     a, b = load_smollm2()
     return (a, b) if isinstance(a, torch.nn.Module) else (b, a)

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
+from tqdm import tqdm
 
 from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head
 
@@ -110,7 +111,7 @@ def head_config_for(target_config, draft_vocab_size: int) -> Eagle3Config:
         intermediate_size=int(tc.intermediate_size), num_attention_heads=int(tc.num_attention_heads),
         num_key_value_heads=int(tc.num_key_value_heads), rms_norm_eps=float(tc.rms_norm_eps),
         rope_theta=float(theta), rope_scaling=scaling, hidden_act=str(tc.hidden_act),
-        max_position_embeddings=int(tc.max_position_embeddings), bias=False,
+        max_position_embeddings=int(tc.max_position_embeddings),
         head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads))
 
 
@@ -419,8 +420,6 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex: Sequence[Example
     what it returns is logged and collected in the summary's ``epoch_evals``.
     ``scale``: per-channel feature preconditioner (``feature_scale``), or None.
     """
-    from tqdm import tqdm
-
     draft_ids = head.target_ids().cpu()
     t2d_index = target_to_draft_index(draft_ids, head.config.vocab_size)
     epochs_chunks = [pack(train_ex, cfg.chunk_tokens, seed=cfg.seed + e) for e in range(cfg.epochs)]

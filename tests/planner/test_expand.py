@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from _planner_helpers import PathDraft
 from rheoplan import SamplingConfig, TreeConfig
-from rheoplan.dump import to_text
+from rheoplan.ir_text import to_text
 from rheoplan.ir import NodeKind, empty_tree
 from rheoplan.pipeline import PassContext
 from rheoplan.planner.expand import expand, log_weight, proxy_weight, select_frontier

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 
 from _planner_helpers import ancestors, planning_problems, rank_key
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
-from rheoplan.dump import from_text, to_text
+from rheoplan.ir_text import from_text, to_text
 from rheoplan.pipeline import PassContext
 from rheoplan.planner.prune import prune
 

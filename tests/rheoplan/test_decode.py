@@ -24,7 +24,7 @@ from rheoplan import SamplingConfig, TreeConfig
 from rheoplan.decode import plan_and_decode
 from rheoplan.models.functional import hashed_context_lm
 from rheoplan.models.hf_target import HFTarget
-from rheoplan.testing import chi_square, exact_law, target_law, total_variation
+from rheoplan.testing import chi_square, exact_law, mutation, target_law, total_variation
 
 ALPHA = 1e-3
 SEED0 = 1000
@@ -36,9 +36,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _sample(target, draft, n, runs, *, tree, sampling, mutations=frozenset(), prefix=PREFIX):
-    return [tuple(plan_and_decode(target, draft, prefix, max_new_tokens=n, sampling=sampling, tree=tree,
-                                  seed=SEED0 + r, mutations=mutations).tokens)
-            for r in range(runs)]
+    """``runs`` decodes (seeds SEED0 + r), with the lossy switches ``mutations`` on."""
+    with mutation(*mutations):
+        return [tuple(plan_and_decode(target, draft, prefix, max_new_tokens=n, sampling=sampling, tree=tree,
+                                      seed=SEED0 + r).tokens)
+                for r in range(runs)]
 
 
 # --------------------------------------------------------------------------------------
@@ -155,12 +157,11 @@ def test_mutation_b_raw_q_ratio_detected_through_the_loop(mutations, record_prop
 
 @pytest.mark.no_ir_lint
 def test_mutation_c_reused_draft_stream_detected_through_the_loop(record_property):
-    """Control (c): verification reading the draft stream (``mutations={'reuse_draft_stream'}``)."""
+    """Control (c): verification reading the draft stream (``mutation('reuse_draft_stream')``)."""
     V, ts, ds, sh, n, runs, cfg, s = FUNCTIONAL_CASES["ot_m1_v4"]
     tgt, drf = hashed_context_lm(V, seed=ts, sharpness=sh), hashed_context_lm(V, seed=ds, sharpness=sh)
     law = target_law(tgt, PREFIX, n, s)
-    res = chi_square(law, _sample(tgt, drf, n, runs, tree=cfg, sampling=s,
-                                  mutations=frozenset({"reuse_draft_stream"})))
+    res = chi_square(law, _sample(tgt, drf, n, runs, tree=cfg, sampling=s, mutations={"reuse_draft_stream"}))
     record_property("pvalue", res.pvalue)
     assert res.pvalue < 1e-9, res
 

@@ -9,7 +9,7 @@ import torch
 
 from _planner_helpers import PathDraft
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
-from rheoplan.dump import from_text
+from rheoplan.ir_text import from_text, to_text
 from rheoplan.pipeline import (DumpIR, FnPass, PassError, PassTiming, PrintAfterAll, Repeat, VerifyAfterEach,
                                debug_instruments)
 from rheoplan.planner.default import DEFAULT_PIPELINE
@@ -114,8 +114,6 @@ def test_bad_debug_level_is_named(monkeypatch, raw, message):
 
 
 def test_passes_are_pure():
-    from rheoplan.dump import to_text
-
     seen = []
 
     class Snapshot(VerifyAfterEach):

@@ -34,12 +34,12 @@ def node_cases(draw):
     return p, tok[0], sq[0], S, m, K
 
 
-def _laws_over_y(p, tok, sq, n, m, K, verifier, mutations=frozenset()):
+def _laws_over_y(p, tok, sq, n, m, K, verifier):
     """[(q~(Y), Y, law of X given Y)] for every Y of the tail."""
     if m >= K:
-        return [(1.0, -1, coupling_law(p, tok, sq, n, m, K, -1, verifier, mutations))]
+        return [(1.0, -1, coupling_law(p, tok, sq, n, m, K, -1, verifier))]
     qt = tail_law(sq, m, n)
-    return [(float(qt[i]), int(tok[m + i]), coupling_law(p, tok, sq, n, m, K, int(tok[m + i]), verifier, mutations))
+    return [(float(qt[i]), int(tok[m + i]), coupling_law(p, tok, sq, n, m, K, int(tok[m + i]), verifier))
             for i in range(n - m) if float(qt[i]) > 0]
 
 

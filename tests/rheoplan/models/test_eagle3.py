@@ -15,7 +15,7 @@ import torch
 from _adapter_trees import depths_of, make_draft_tree, make_linear, path_of, random_tree
 from rheoplan.models.base import DraftModel
 from rheoplan.models.eagle3 import (
-    Eagle3Config, Eagle3Draft, Eagle3Head, Eagle3LoadError, load_eagle3_draft, load_eagle3_head, save_eagle3,
+    Eagle3Config, Eagle3Draft, Eagle3Head, Eagle3LoadError, load_eagle3_checkpoint, read_eagle3, save_eagle3,
 )
 from rheoplan.models.hf_target import HFTarget
 
@@ -76,7 +76,7 @@ def test_save_load_round_trip(tmp_path, fmt):
         from safetensors.torch import load_file
         torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")
         os.remove(tmp_path / "model.safetensors")
-    back = load_eagle3_head(tmp_path)
+    back = read_eagle3(tmp_path)
     assert back.config.to_dict() == head.config.to_dict()
     for k, v in head.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
@@ -100,7 +100,7 @@ def test_strict_key_errors(tmp_path):
     _rewrite(tmp_path, lambda sd: (sd.pop("norm.weight"), sd.pop("t2d"),
                                    sd.__setitem__("embed_tokens.weight", torch.zeros(V, H))))
     with pytest.raises(Eagle3LoadError) as err:
-        load_eagle3_head(tmp_path)
+        read_eagle3(tmp_path)
     msg = str(err.value)
     assert "missing keys ['norm.weight', 't2d']" in msg and "unexpected keys ['embed_tokens.weight']" in msg
 
@@ -109,17 +109,17 @@ def test_shape_and_file_errors(tmp_path):
     save_eagle3(make_head(), tmp_path)
     _rewrite(tmp_path, lambda sd: sd.__setitem__("lm_head.weight", torch.zeros(7, H)))
     with pytest.raises(Eagle3LoadError, match=r"lm_head.weight: checkpoint \(7, 64\)"):
-        load_eagle3_head(tmp_path)
+        read_eagle3(tmp_path)
     os.remove(tmp_path / "model.safetensors")
     with pytest.raises(Eagle3LoadError, match="neither"):
-        load_eagle3_head(tmp_path)
+        read_eagle3(tmp_path)
     with pytest.raises(Eagle3LoadError, match="config.json"):
-        load_eagle3_head(tmp_path / "nowhere")
+        read_eagle3(tmp_path / "nowhere")
     cfg = json.loads((tmp_path / "config.json").read_text())
     del cfg["hidden_size"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Eagle3LoadError, match="hidden_size"):
-        load_eagle3_head(tmp_path)
+        read_eagle3(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,13 +224,13 @@ def test_adapter_errors():
         head.fuse(torch.zeros(1, 5))
 
 
-def test_load_eagle3_draft_with_plain_model_and_as_target(tmp_path, llama6):
-    """The wiring plan_and_decode uses: as_target(model) + load_eagle3_draft(path, model)."""
+def test_load_eagle3_checkpoint_with_plain_model_and_as_target(tmp_path, llama6):
+    """The wiring plan_and_decode uses: as_target(model) + load_eagle3_checkpoint(path, model)."""
     from rheoplan.models import as_target
 
     head = make_head(seed=4)
     save_eagle3(head, tmp_path)
-    draft = load_eagle3_draft(tmp_path, llama6)
+    draft = load_eagle3_checkpoint(tmp_path, llama6)
     target = as_target(llama6)
     prompt = [5, 6, 7, 8]
     target.start(prompt)
@@ -246,3 +246,27 @@ def test_load_eagle3_draft_with_plain_model_and_as_target(tmp_path, llama6):
     # The draft's probe removed its hooks; only the target's three remain.
     assert sum(len(layer._forward_pre_hooks) for layer in llama6.model.layers) == 3
     target.close()
+
+
+def test_deprecated_loader_names_warn_and_still_load(tmp_path, llama6):
+    import rheoplan.models.eagle3 as e3
+
+    head = make_head(seed=5)
+    save_eagle3(head, tmp_path)
+    with pytest.warns(DeprecationWarning, match=r"read_eagle3\(path\)"):
+        back = e3.load_eagle3_head(tmp_path)
+    assert torch.equal(back.lm_head.weight, head.lm_head.weight)
+    with pytest.warns(DeprecationWarning, match=r"load_eagle3_checkpoint\(path, model\)"):
+        d1 = e3.load_eagle3_draft(tmp_path, llama6)
+    with pytest.warns(DeprecationWarning, match=r"load_eagle3_checkpoint"):
+        d2 = e3.load_eagle3(tmp_path, llama6.get_input_embeddings())
+    assert isinstance(d1, Eagle3Draft) and d1.features_from is llama6
+    assert isinstance(d2, Eagle3Draft) and d2.features_from is None
+
+
+def test_one_loader_name_in_rheoplan_models(tmp_path, llama6):
+    from rheoplan.models import load_eagle3_checkpoint as public
+
+    save_eagle3(make_head(seed=6), tmp_path)
+    draft = public(tmp_path, llama6)
+    assert isinstance(draft, Eagle3Draft) and draft.device == llama6.device

@@ -12,7 +12,7 @@ import pytest
 
 from rheoplan import SamplingConfig, TreeConfig
 from rheoplan.models.functional import hashed_context_lm
-from rheoplan.testing import exact_law, target_law, total_variation
+from rheoplan.testing import exact_law, mutation, target_law, total_variation
 
 S = SamplingConfig(temperature=1.0)
 PREFIX = (0, 1)
@@ -20,8 +20,9 @@ PREFIX = (0, 1)
 
 def _tv(V, seed, cfg, mutations):
     tgt, drf = hashed_context_lm(V, seed=seed, sharpness=1.5), hashed_context_lm(V, seed=seed + 50, sharpness=1.5)
-    return total_variation(exact_law(tgt, drf, PREFIX, 2, tree=cfg, sampling=S, mutations=frozenset(mutations)),
-                           target_law(tgt, PREFIX, 2, S))
+    with mutation(*mutations):
+        law = exact_law(tgt, drf, PREFIX, 2, tree=cfg, sampling=S)
+    return total_variation(law, target_law(tgt, PREFIX, 2, S))
 
 
 CASE_A = [  # (verifier, (depth, frontier, slots, budget), measured TV)

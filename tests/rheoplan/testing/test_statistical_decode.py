@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from rheoplan import SamplingConfig, TreeConfig
 from rheoplan.models.functional import hashed_context_lm
-from rheoplan.testing import (chi_square, exact_law, functional_decode, functional_decode_batch,
+from rheoplan.testing import (mutation, chi_square, exact_law, functional_decode, functional_decode_batch,
                               target_law, total_variation)
 from rheoplan.testing import strategies as rst
 
@@ -62,8 +62,8 @@ def test_mutation_c_reused_draft_stream_is_detected():
     correlated with which Y was drawn. The same test as above rejects it."""
     tgt, drf, n, cfg, s = _case("ot_v4_2tok")
     law = exact_law(tgt, drf, (0, 1), n, tree=cfg, sampling=s)
-    samples = functional_decode_batch(tgt, drf, (0, 1), n, RUNS, tree=cfg, sampling=s, seed=SEED,
-                                      mutations=frozenset({"reuse_draft_stream"}))
+    with mutation("reuse_draft_stream"):
+        samples = functional_decode_batch(tgt, drf, (0, 1), n, RUNS, tree=cfg, sampling=s, seed=SEED)
     res = chi_square(law, samples)
     assert res.pvalue < 1e-12, res
 

@@ -6,13 +6,13 @@ import os
 
 import torch
 
-from rheoplan.models.eagle3 import load_eagle3_head
+from rheoplan.models.eagle3 import read_eagle3
 
 ASSET = os.path.join(os.path.dirname(__file__), "..", "..", "..", "rheoplan", "assets", "smollm2-eagle3")
 
 
 def test_shipped_head_loads_and_is_small():
-    head = load_eagle3_head(ASSET)
+    head = read_eagle3(ASSET)
     cfg = head.config
     assert (cfg.vocab_size, cfg.hidden_size, cfg.target_hidden_size, cfg.draft_vocab_size) == (49152, 576, 576, 8192)
     ids = head.target_ids()

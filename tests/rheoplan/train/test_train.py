@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rheoplan.models.eagle3 import load_eagle3, load_eagle3_head, save_eagle3
+from rheoplan.models.eagle3 import load_eagle3_checkpoint, read_eagle3, save_eagle3
 from rheoplan.train import train as tr
 
 V_DRAFT = 32
@@ -40,7 +40,7 @@ def test_vocab_map_matches_the_checkpoint_convention(setup, tmp_path):
     assert torch.equal(head.t2d, setup["t2d"] >= 0)
     assert torch.equal(setup["t2d"][ids], torch.arange(V_DRAFT))
     save_eagle3(head, tmp_path)
-    back = load_eagle3_head(tmp_path)
+    back = read_eagle3(tmp_path)
     assert torch.equal(back.target_ids(), ids) and torch.equal(back.t2d, head.t2d)
 
 
@@ -118,10 +118,10 @@ def test_folded_export_loads_and_matches(setup, tmp_path):
     want = head.draft_logits(tr.ttt_forward(head, setup["embed"], b, 2)[1])
     tr.fold_feature_scale(head, setup["scale"])
     save_eagle3(head, tmp_path)
-    back = load_eagle3_head(tmp_path)
+    back = read_eagle3(tmp_path)
     got = back.draft_logits(tr.ttt_forward(back, setup["embed"], tr.collate(setup["ex"][:2]), 2)[1])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    draft = load_eagle3(tmp_path, setup["embed"])
+    draft = load_eagle3_checkpoint(tmp_path, setup["embed"])
     assert draft.vocab_size == setup["cfg"].vocab_size
 
 

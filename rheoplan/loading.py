@@ -1,0 +1,99 @@
+"""What the command line and the benchmarks share: the default model and its draft, the
+prompt encoding, the default run options and the ``--dtype`` flag.
+
+It sits below both (``rheoplan.cli`` and ``rheoplan.bench`` import it, it imports
+neither), so the benchmarks never import the CLI. Loading happens only when
+``load_default`` is called; everything else is cheap.
+
+Example (the spec parser needs no model):
+    >>> parse_draft_spec("early-exit:6")
+    ('early-exit', '6')
+    >>> parse_draft_spec("early-exit:six")
+    Traceback (most recent call last):
+    ...
+    ValueError: --draft='early-exit:six': L must be a layer count, e.g. early-exit:6
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from rheoplan.models.eagle3 import load_eagle3_checkpoint
+from rheoplan.models.early_exit import early_exit_draft
+from rheoplan.models.smollm import load_smollm2, resolve_dtype
+
+#: Run defaults: with a bfloat16 target (``--dtype auto`` on AMX CPUs) the 8-node tree was the
+#: fastest of the shapes measured on 2 cores with the shipped head; in float32 a 4-node tree is
+#: ~15% faster (docs/results.md "Tree size on this CPU"; docs/concepts.md "Defaults").
+#: Precedence in the CLI: these < a --config file < flags given on the command line.
+DEFAULTS = {
+    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0,
+    "method": "rheo", "depth": 4, "frontier": 3, "slots": 3, "budget": 8, "rheostat": 1,
+    "support": 128, "verifier": "ot", "proxy": "default",
+}
+METHODS = ("rheo", "eagle", "chain", "autoregressive")
+
+#: the EAGLE-3 head trained for SmolLM2-135M-Instruct that ships with rheoplan
+SHIPPED_HEAD = Path(__file__).resolve().parent / "assets" / "smollm2-eagle3"
+
+
+def add_dtype(p) -> None:
+    """Add the ``--dtype`` flag (target weights and activations) to an argparse parser or group."""
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="target weights and activations: 'auto' = bfloat16 on CPUs with AMX bf16 "
+                        "(a wide verify forward then costs about one token's), else float32 "
+                        "(default auto). The draft head stays float32")
+
+
+def parse_draft_spec(spec: str) -> tuple[str, str]:
+    """``(kind, argument)`` of a ``--draft`` value: ``'auto'`` (the shipped EAGLE-3 head when
+    present, else ``early-exit:6``), ``'early-exit:L'`` or ``'eagle3:DIR'``."""
+    if spec == "auto":
+        if (SHIPPED_HEAD / "config.json").is_file():
+            return "eagle3", str(SHIPPED_HEAD)
+        return "early-exit", "6"
+    kind, _, arg = spec.partition(":")
+    if kind not in ("early-exit", "eagle3") or not arg:
+        raise ValueError(f"--draft={spec!r} is not understood: allowed 'auto', 'early-exit:L' or 'eagle3:DIR'")
+    if kind == "early-exit" and not arg.isdigit():
+        raise ValueError(f"--draft={spec!r}: L must be a layer count, e.g. early-exit:6")
+    if kind == "eagle3" and not Path(arg).is_dir():
+        raise ValueError(f"--draft={spec!r}: {arg} is not a directory")
+    return kind, arg
+
+
+def load_default(*, method: str = "rheo", draft: str = "auto", dtype: str = "auto"):
+    """``(target model, tokenizer, draft model or None)``: SmolLM2-135M-Instruct in ``dtype``
+    (``'auto'``, ``'float32'``, ``'bfloat16'``) and the draft ``draft`` (a ``--draft`` spec;
+    none for ``method='autoregressive'``). Progress goes to stderr."""
+    t0 = time.perf_counter()
+    torch_dtype = resolve_dtype(dtype)
+    print(f"loading SmolLM2-135M-Instruct ({str(torch_dtype).removeprefix('torch.')}"
+          f"{', auto' if dtype == 'auto' else ''}) ...", file=sys.stderr, flush=True)
+    model, tok = load_smollm2(dtype=torch_dtype)
+    drf = None
+    if method != "autoregressive":
+        kind, arg = parse_draft_spec(draft)
+        drf = early_exit_draft(model, int(arg)) if kind == "early-exit" else load_eagle3_checkpoint(arg, model)
+        print(f"draft: {kind} {arg}", file=sys.stderr)
+    print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return model, tok, drf
+
+
+def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:
+    """Token ids of ``prompt``; with ``chat`` (and a tokenizer with a chat template) as one
+    user turn followed by the assistant's generation prompt."""
+    if chat and getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tok(prompt)["input_ids"]
+
+
+def model_dtype(model) -> str:
+    """``'float32'``, ``'bfloat16'``...: a model's dtype as run records and reports name it."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")

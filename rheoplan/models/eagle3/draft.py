@@ -1,0 +1,268 @@
+"""``Eagle3Draft``: an ``Eagle3Head`` run as a ``DraftModel`` (own KV cache, tree attention),
+and ``load_eagle3_checkpoint``, the one loader a user calls.
+
+How the draft is fed (why ``Eagle3Draft`` needs target features):
+the head's input at a token is the pair ``(feature, token)`` where ``feature`` is the
+target's feature at the *previous* position (the one whose output predicted ``token``).
+Committed pairs use true target features; tree nodes use the head's own output hidden at
+their parent (``H`` wide, so ``fc`` is skipped). So:
+
+* ``start``: pairs ``(f_t, x_{t+1})`` of the prompt. ``f`` is read lazily on the first
+  ``node_logits`` from ``features_from``: an ``HFTarget`` with capture (its
+  ``prompt_features()``, free), or the target *model* itself (the draft then runs one
+  capturing prefill of its own; this is what ``load_eagle3_checkpoint(path, model)`` does, so a caller
+  that builds the target adapter separately, like ``plan_and_decode``, needs no wiring).
+  ``set_prompt_features`` sets them explicitly. A 1-token prompt has no feature; its
+  root pair uses a zero feature.
+* root call of each step: the pending pairs run as a chain; the output at the last one
+  (whose token is the root) gives the root's logits and the hidden its children consume.
+* ``commit(tree, path, emitted, features)``: the tree entries are dropped (they were made
+  from draft hiddens) and ``(features[j], emitted[j])`` become the pending pairs; the last
+  one's token is the new root.
+
+Positions: a pair sits at its token's position (tree node: ``prefix_len + depth``); RoPE
+only sees differences, so this matches EAGLE's own numbering up to a constant.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from rheoplan.ir import DraftTree
+from rheoplan.models.base import DraftModel, TargetModel, check_draft_call, check_emitted, check_prompt_ids
+from rheoplan.models.eagle3.checkpoint import read_eagle3
+from rheoplan.models.eagle3.head import Eagle3Head, check_vocab_map
+from rheoplan.models.hf_target import HFTarget
+
+
+class FeatureSource(Protocol):
+    def prompt_features(self) -> torch.Tensor: ...
+
+
+def _embedding_weight(target_embed: Any) -> torch.Tensor:
+    w = target_embed.weight if isinstance(target_embed, nn.Module) else target_embed
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise TypeError("target_embed must be an nn.Embedding or a [vocab, H] tensor, got "
+                        f"{type(target_embed).__name__}")
+    return w.detach()
+
+
+class Eagle3Draft(DraftModel):
+    """``DraftModel`` running an ``Eagle3Head`` with its own KV cache and tree attention.
+
+    Args:
+        head: the EAGLE-3 head.
+        target_embed: the target's token embeddings (``nn.Embedding`` or ``[vocab, H]``).
+        features_from: an ``HFTarget`` built with ``capture_layers='eagle3'`` (its
+            ``prompt_features()``), or the target model (one extra capturing prefill per
+            ``start``); read on the first ``node_logits`` after ``start``, so target and draft
+            may be started in either order. Without it, call ``set_prompt_features``.
+
+    Example:
+        >>> # target = HFTarget(model, capture_layers="eagle3")
+        >>> # draft = Eagle3Draft(head, model.get_input_embeddings(), features_from=target)
+    """
+
+    def __init__(self, head: Eagle3Head, target_embed: Any,
+                 features_from: FeatureSource | None = None) -> None:
+        self.head = head
+        self.embed = _embedding_weight(target_embed)
+        cfg = head.config
+        if tuple(self.embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"target_embed has shape {tuple(self.embed.shape)}, expected "
+                             f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})")
+        self.features_from = features_from
+        self.vocab_size = cfg.vocab_size
+        self._param = next(head.parameters())
+        self.device = self._param.device
+        self._reset()
+
+    def check_vocab_map(self, target_vocab_size: int) -> None:
+        """The vocabulary-map rule (``check_vocab_map`` in ``head.py``) against the target's
+        vocabulary; ``plan_and_decode`` calls it before any model work."""
+        head = self.head
+        if head.d2t is not None:
+            check_vocab_map(head.target_ids(), head.t2d, target_vocab_size)
+
+    def _reset(self) -> None:
+        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._prefix = 0  #: committed pairs in the kv cache
+        self._committed = 0  #: tokens committed before the root
+        self._pending_tokens: list[int] = []
+        self._pending_feats: list[torch.Tensor] | None = None  #: None = prompt features not read yet
+        self.root: int | None = None
+        self._prompt: list[int] = []
+        self._slot: dict[int, int] = {}  #: tree node -> kv index (root: -1, it is committed)
+        self._hidden: dict[int, torch.Tensor] = {}  #: node -> output hidden [H]
+        self._logits: dict[int, torch.Tensor] = {}
+
+    def start(self, prompt_ids: list[int]) -> None:
+        ids = check_prompt_ids(prompt_ids, self.vocab_size)
+        self._reset()
+        self._prompt = ids
+        self._committed = len(ids) - 1
+        self.root = ids[-1]
+        # Pair tokens: x_1 .. x_{n-1}; a 1-token prompt pairs its only token with a zero feature.
+        self._pending_tokens = ids[1:] if len(ids) > 1 else ids[:1]
+
+    def set_prompt_features(self, features: torch.Tensor) -> None:
+        """Target features ``[len(prompt) - 1, 3*H_t]`` of the prompt (see the module doc)."""
+        n = len(self._prompt)
+        if not self._prompt:
+            raise RuntimeError("set_prompt_features() called before start()")
+        if features.dim() != 2 or features.shape[0] != n - 1:
+            raise ValueError(f"features has shape {tuple(features.shape)}, expected "
+                             f"({n - 1}, 3*target_hidden_size) for a {n}-token prompt")
+        if n == 1:
+            width = 3 * self.head.config.target_hidden_size
+            self._pending_feats = [torch.zeros(width, device=self._param.device, dtype=self._param.dtype)]
+        else:
+            self._pending_feats = list(features.to(self._param.device, self._param.dtype))
+
+    def take_prompt_features(self, target: TargetModel) -> None:
+        """Take the prompt's features from ``target`` when it captured them from the model
+        this draft reads its features from (``features_from``): no second prompt forward."""
+        feats = target.prompt_features_for(self.features_from)
+        if feats is not None:
+            self.set_prompt_features(feats)
+
+    @torch.no_grad()
+    def node_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        nodes = check_draft_call(tree, nodes, self.root, self._committed)
+        new = [v for v in dict.fromkeys(nodes) if v not in self._logits]
+        if 0 in new:
+            if new != [0]:
+                raise ValueError(f"nodes={nodes}: the root must be forwarded alone (its children "
+                                 "consume its output hidden)")
+            self._forward_root()
+        elif new:
+            self._forward_nodes(tree, new)
+        return torch.stack([self._logits[v] for v in nodes])
+
+    def _run(self, tokens: list[int], hidden: torch.Tensor, positions: list[int],
+             allowed: torch.Tensor) -> torch.Tensor:
+        dev = self._param.device
+        tok = torch.tensor(tokens, dtype=torch.int64, device=self.embed.device)
+        emb = self.embed[tok].to(dev, self._param.dtype)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        out, self._kv = self.head(emb, hidden, pos, self._kv, allowed.to(dev))
+        return out
+
+    def _ensure_prompt_features(self) -> None:
+        if self._pending_feats is not None:
+            return
+        src = self.features_from
+        if src is None:
+            raise RuntimeError("Eagle3Draft needs the prompt's target features: pass "
+                               "features_from=<HFTarget with capture_layers='eagle3' or the target "
+                               "model> or call set_prompt_features() after start()")
+        if hasattr(src, "prompt_features"):
+            self.set_prompt_features(src.prompt_features())
+            return
+        # Only the target model is known: run one capturing prefill, then drop the hooks.
+        probe = HFTarget(src, capture_layers="eagle3")
+        try:
+            probe.start(self._prompt)
+            self.set_prompt_features(probe.prompt_features())
+        finally:
+            probe.close()
+
+    def _forward_root(self) -> None:
+        self._ensure_prompt_features()
+        P = len(self._pending_tokens)
+        S = self._prefix
+        allowed = torch.cat([torch.ones(P, S, dtype=torch.bool),
+                             torch.ones(P, P, dtype=torch.bool).tril()], dim=1)
+        positions = [self._committed - P + 1 + k for k in range(P)]
+        feats = torch.stack([self.head.fuse(f) for f in self._pending_feats])
+        out = self._run(self._pending_tokens, feats, positions, allowed)
+        self._prefix += P
+        self._pending_tokens, self._pending_feats = [], []
+        self._hidden[0] = out[-1]
+        self._slot[0] = -1
+        self._logits[0] = self.head.target_logits(out[-1:])[0]
+
+    def _forward_nodes(self, tree: DraftTree, new: list[int]) -> None:
+        for v in new:
+            p = int(tree.parent[0, v])
+            if p not in self._hidden:
+                raise ValueError(f"node {v}'s parent {p} was not forwarded in an earlier call of "
+                                 "this step; parents must be passed before their children")
+        S = self._kv[0].shape[1]
+        q = len(new)
+        allowed = torch.zeros(q, S + q, dtype=torch.bool)
+        allowed[:, :self._prefix] = True
+        parents_hidden, tokens, positions = [], [], []
+        for r, v in enumerate(new):
+            p = int(tree.parent[0, v])
+            a = p
+            while a > 0:
+                allowed[r, self._slot[a]] = True
+                a = int(tree.parent[0, a])
+            allowed[r, S + r] = True
+            parents_hidden.append(self._hidden[p])
+            tokens.append(int(tree.token[0, v]))
+            positions.append(self._committed + int(tree.depth[0, v]))
+        out = self._run(tokens, torch.stack(parents_hidden), positions, allowed)
+        logits = self.head.target_logits(out)
+        for r, v in enumerate(new):
+            self._slot[v] = S + r
+            self._hidden[v] = out[r]
+            self._logits[v] = logits[r]
+
+    def commit(self, tree: DraftTree, path_nodes: list[int], emitted: list[int],
+               features: list[torch.Tensor | None]) -> None:
+        if self.root is None:
+            raise RuntimeError("commit() called before start()")
+        path_nodes = check_emitted(tree, path_nodes, emitted)
+        if len(features) != len(path_nodes) or any(f is None for f in features):
+            raise ValueError(f"features must hold one target feature tensor per path node "
+                             f"({len(path_nodes)}), got {len(features)} entries "
+                             f"({sum(f is None for f in features)} None); build the target with "
+                             "capture_layers='eagle3'")
+        # If the step never ran the draft, the pending pairs are still owed: keep them.
+        self._ensure_prompt_features()
+        # Tree entries came from draft hiddens; the true pairs use target features instead.
+        if self._kv is not None:
+            self._kv = (self._kv[0][:, :self._prefix], self._kv[1][:, :self._prefix])
+        dev, dt = self._param.device, self._param.dtype
+        self._pending_tokens = self._pending_tokens + [int(t) for t in emitted]
+        self._pending_feats = self._pending_feats + [f.to(dev, dt) for f in features]
+        self._committed += len(path_nodes)
+        self.root = int(emitted[-1])
+        self._slot, self._hidden, self._logits = {}, {}, {}
+
+
+def load_eagle3_checkpoint(path: str | os.PathLike, target: Any, *,
+                           features_from: FeatureSource | None = None,
+                           dtype: torch.dtype = torch.float32,
+                           device: str | torch.device | None = None) -> Eagle3Draft:
+    """Load the EAGLE-3 checkpoint in ``path`` (strictly, see ``read_eagle3``) as a draft.
+
+    Args:
+        path: directory with ``config.json`` and ``model.safetensors`` / ``pytorch_model.bin``.
+        target: the target the head drafts for: a transformers causal LM (embeddings and
+            prompt features come from it; per-step features from the verify forward, which
+            ``as_target(model)`` captures by default), or its token embeddings
+            (``nn.Embedding`` or a ``[vocab, H]`` tensor; then pass ``features_from`` or call
+            ``set_prompt_features``).
+        features_from: where prompt features come from (default: ``target`` when it is a model).
+        dtype: the head's floating dtype.
+        device: the head's device (default: the target's).
+
+    Example:
+        >>> # draft = load_eagle3_checkpoint("ckpt/", model)
+        >>> # plan_and_decode(model, draft, prompt_ids)
+    """
+    is_model = isinstance(target, nn.Module) and hasattr(target, "get_input_embeddings")
+    embed = target.get_input_embeddings() if is_model else target
+    if features_from is None and is_model:
+        features_from = target
+    if device is None:
+        device = _embedding_weight(embed).device
+    head = read_eagle3(path, dtype=dtype, device=device)
+    return Eagle3Draft(head, embed, features_from=features_from)

@@ -1,0 +1,315 @@
+"""The EAGLE-3 draft head as a torch module, its config, and the vocabulary-map rule.
+
+The head (EAGLE_REFERENCE.md, "EAGLE-3 draft head"): target features from three layers
+(``3 * H_target``) are fused by ``fc`` to ``H``; one decoder layer (``midlayer``) takes
+``[input_layernorm(token_embedding), hidden_norm(hidden)]`` (2H) into q/k/v, with the
+hidden as residual, then ``post_attention_layernorm`` and a SwiGLU MLP; logits are
+``lm_head(norm(h))`` over a reduced draft vocabulary, mapped back to target ids with
+``d2t`` (draft id ``i`` -> target id ``i + d2t[i]``). Token embeddings are the target's.
+
+Reading and writing checkpoints is ``checkpoint.py``; running the head as a
+``DraftModel`` is ``draft.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Eagle3LoadError(ValueError):
+    """A checkpoint or config does not match the EAGLE-3 head format, or does not fit the
+    target it is paired with."""
+
+
+def check_vocab_map(target_ids: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int) -> None:
+    """The one vocabulary-map rule: draft id ``i`` maps to target id ``target_ids[i]``
+    (``i + d2t[i]``); the ids are distinct and inside ``[0, vocab_size)``, and ``t2d``
+    (one flag per target token, or None when absent) is true exactly at those ids.
+
+    Raises ``Eagle3LoadError`` listing the offending ids.
+
+    Example:
+        >>> t2d = torch.tensor([True, False, True, False])
+        >>> check_vocab_map(torch.tensor([0, 2]), t2d, 4)
+        >>> check_vocab_map(torch.tensor([0, 1]), t2d, 4)
+        Traceback (most recent call last):
+        ...
+        rheoplan.models.eagle3.head.Eagle3LoadError: EAGLE-3 t2d disagrees with d2t: t2d flags target ids [2] that d2t does not map to, and d2t maps to target ids [1] that t2d does not flag; allowed t2d[t] true exactly for the targets of d2t
+    """
+    ids = target_ids.to(torch.int64).cpu()
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():
+        raise Eagle3LoadError(f"EAGLE-3 d2t maps draft ids to target ids {bad.tolist()[:8]} out of "
+                              f"range: allowed target ids in [0, {vocab_size})")
+    uniq, counts = torch.unique(ids, return_counts=True)
+    if uniq.numel() != ids.numel():
+        dup = uniq[counts > 1].tolist()[:8]
+        raise Eagle3LoadError(f"EAGLE-3 d2t maps several draft ids to the same target ids {dup}: "
+                              "allowed a one-to-one map (distinct target ids)")
+    if t2d is None:
+        return
+    if tuple(t2d.shape) != (vocab_size,):
+        raise Eagle3LoadError(f"EAGLE-3 t2d has shape {tuple(t2d.shape)}: allowed ({vocab_size},) "
+                              "(one flag per target token)")
+    expect = torch.zeros(vocab_size, dtype=torch.bool)
+    expect[ids] = True
+    flags = t2d.to(torch.bool).cpu()
+    if not torch.equal(flags, expect):
+        extra = (flags & ~expect).nonzero().flatten().tolist()
+        lacking = (expect & ~flags).nonzero().flatten().tolist()
+        parts = []
+        if extra:
+            parts.append(f"t2d flags target ids {extra[:8]}{' ...' if len(extra) > 8 else ''} "
+                         "that d2t does not map to")
+        if lacking:
+            parts.append(f"d2t maps to target ids {lacking[:8]}{' ...' if len(lacking) > 8 else ''} "
+                         "that t2d does not flag")
+        raise Eagle3LoadError(f"EAGLE-3 t2d disagrees with d2t: {', and '.join(parts)}; allowed "
+                              "t2d[t] true exactly for the targets of d2t")
+
+
+@dataclass
+class Eagle3Config:
+    """The config.json fields an EAGLE-3 head reads (EAGLE_REFERENCE.md).
+
+    ``draft_vocab_size`` and ``target_hidden_size`` default to ``vocab_size`` and
+    ``hidden_size``. The reference config's ``bias`` is not a field: whether ``fc`` has a
+    bias is read from the checkpoint's keys (it stays in ``extra`` when present).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    draft_vocab_size: int | None = None
+    target_hidden_size: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    head_dim: int | None = None
+    extra: dict = field(default_factory=dict)  #: other config.json fields, kept for saving
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size is None:
+            self.draft_vocab_size = self.vocab_size
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "draft_vocab_size", "target_hidden_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise Eagle3LoadError(f"config {name}={v!r} is out of range: allowed int >= 1")
+        if self.draft_vocab_size > self.vocab_size:
+            raise Eagle3LoadError(f"config draft_vocab_size={self.draft_vocab_size} exceeds "
+                                  f"vocab_size={self.vocab_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise Eagle3LoadError(f"config num_attention_heads={self.num_attention_heads} is not a "
+                                  f"multiple of num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Eagle3Config":
+        """Read the known fields; keep the others in ``extra``."""
+        names = {f.name for f in fields(cls)} - {"extra"}
+        missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_attention_heads", "num_key_value_heads") if n not in d]
+        if missing:
+            raise Eagle3LoadError(f"config.json lacks required fields {missing}")
+        known = {k: v for k, v in d.items() if k in names}
+        return cls(**known, extra={k: v for k, v in d.items() if k not in names})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        extra = d.pop("extra")
+        return {**extra, **d}
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm (computed in float32)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+class Eagle3Attention(nn.Module):
+    """Self-attention whose q/k/v read the 2H concatenation and whose output is H."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * H, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, H, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None,
+                allowed: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """``x [n, 2H]``, ``cos/sin [n, hd]``, ``past`` k/v ``[kv, S, hd]``, ``allowed [n, S+n]``."""
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.n_heads, self.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if past is not None:
+            k = torch.cat([past[0], k], dim=1)
+            v = torch.cat([past[1], v], dim=1)
+        rep = self.n_heads // self.n_kv
+        out = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0),
+            attn_mask=allowed[None])
+        out = out.transpose(0, 1).reshape(n, self.n_heads * self.head_dim)
+        return self.o_proj(out), (k, v)
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """The midlayer: attention over [embedding, hidden] with the hidden as residual."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Eagle3MLP(cfg)
+
+    def forward(self, embeds, hidden, cos, sin, past, allowed):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        attn, kv = self.self_attn(x, cos, sin, past, allowed)
+        h = hidden + attn
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, kv
+
+
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 draft head; state-dict keys are exactly the reference checkpoint's.
+
+    Example:
+        >>> cfg = Eagle3Config(vocab_size=50, draft_vocab_size=20, hidden_size=32,
+        ...                    intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+        >>> head = Eagle3Head(cfg)
+        >>> sorted(head.state_dict())[:3]
+        ['d2t', 'fc.weight', 'lm_head.weight']
+    """
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.config = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        else:
+            self.d2t = self.t2d = None
+        # Reuse transformers' RoPE so rope_scaling (llama3, linear, ...) means what it means there;
+        # its buffers are non-persistent, matching checkpoints that do not store them.
+        self.rotary = LlamaRotaryEmbedding(LlamaConfig(
+            hidden_size=H, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+            num_key_value_heads=cfg.num_key_value_heads, rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings))
+
+    def set_vocab_map(self, draft_to_target: torch.Tensor) -> None:
+        """Fill ``d2t``/``t2d`` from the target ids of the draft vocabulary (``[draft_vocab]``)."""
+        cfg = self.config
+        ids = torch.as_tensor(draft_to_target).to(torch.int64)
+        if self.d2t is None:
+            raise ValueError(f"set_vocab_map() on a head with draft_vocab_size == vocab_size "
+                             f"({cfg.vocab_size}): it has no d2t/t2d to fill")
+        if ids.shape != (cfg.draft_vocab_size,):
+            raise ValueError(f"draft_to_target has shape {tuple(ids.shape)}: allowed "
+                             f"({cfg.draft_vocab_size},) (one target id per draft id)")
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[ids.clamp(0, cfg.vocab_size - 1)] = True
+        check_vocab_map(ids, t2d, cfg.vocab_size)
+        self.d2t.copy_(ids - torch.arange(cfg.draft_vocab_size))
+        self.t2d.copy_(t2d)
+
+    def target_ids(self) -> torch.Tensor:
+        """Target id of each draft id, ``[draft_vocab]`` (``i + d2t[i]``)."""
+        ar = torch.arange(self.config.draft_vocab_size, device=self.lm_head.weight.device)
+        return ar if self.d2t is None else ar + self.d2t
+
+    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Target features ``[..., 3*H_t]`` through ``fc``; own hiddens ``[..., H]`` as they are."""
+        H, F3 = self.config.hidden_size, 3 * self.config.target_hidden_size
+        if hidden.shape[-1] == H:
+            return hidden
+        if hidden.shape[-1] == F3:
+            return self.fc(hidden)
+        raise ValueError(f"hidden has width {hidden.shape[-1]}: allowed {F3} (target features) "
+                         f"or {H} (the head's own hidden)")
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None, allowed: torch.Tensor,
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One midlayer pass over ``n`` pairs.
+
+        Args:
+            embeds: ``[n, H]`` token embeddings (the target's).
+            hidden: ``[n, 3*H_t]`` target features or ``[n, H]`` own hiddens.
+            positions: ``[n]`` int64 RoPE positions.
+            past: cached k/v ``[kv_heads, S, head_dim]`` or None.
+            allowed: bool ``[n, S + n]``, row i may attend to column j.
+        Returns:
+            the output hidden ``[n, H]`` (pre-norm; children consume it) and the k/v
+            ``[kv_heads, S + n, head_dim]`` including the new entries.
+        """
+        h = self.fuse(hidden)
+        cos, sin = self.rotary(h[None], positions[None])
+        return self.midlayer(embeds, h, cos[0], sin[0], past, allowed)
+
+    def draft_logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """``lm_head(norm(h))`` over the draft vocabulary, ``[n, draft_vocab]``."""
+        return self.lm_head(self.norm(out_hidden))
+
+    def target_logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits placed at target ids ``[n, vocab]`` (float32); other ids are -inf."""
+        d = self.draft_logits(out_hidden).to(torch.float32)
+        out = torch.full((d.shape[0], self.config.vocab_size), float("-inf"), device=d.device)
+        out[:, self.target_ids()] = d
+        return out

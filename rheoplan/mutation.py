@@ -1,0 +1,60 @@
+"""Test-only lossy switches (mutation controls), off unless a test turns them on.
+
+Every losslessness test must be shown to fail on a deliberately broken variant. The
+variants live here, as named switches read by the code they break, so no public
+signature carries them: turn them on with ``rheoplan.testing.mutation(...)``, a context
+manager (a ``contextvars`` variable, so a switch never leaks out of its ``with`` block
+or into another thread).
+
+* ``"skip_pruned_sampled"`` (control (a), read by ``rheoplan.verify.node_y``): when the
+  sampled child was pruned, ignore ``Y`` and draw ``X ~ p``. Exact only with a
+  ``Y``-independent proxy; lossy with ``proxy='true_q'``.
+* ``"raw_q_ratio"`` (control (b), read by ``rheoplan.verify``): use the raw draft ``q``
+  instead of the tail law ``q~`` in the acceptance ratio and in the residual.
+* ``"reuse_draft_stream"`` (control (c), read by ``rheoplan.rng.Streams``): verification
+  draws from the draft stream, so the accept uniform at a node is the uniform that gave
+  the first tail token its Gumbel noise when ``Y`` was drawn there.
+
+docs/method.md ("Mutation controls") says which test detects which switch.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
+#: every switch, in the order of the controls (a), (b), (c)
+MUTATIONS = ("skip_pruned_sampled", "raw_q_ratio", "reuse_draft_stream")
+
+_ACTIVE: ContextVar[frozenset[str]] = ContextVar("rheoplan_mutations", default=frozenset())
+
+
+def active(name: str) -> bool:
+    """True while switch ``name`` is on (inside ``rheoplan.testing.mutation(name)``)."""
+    return name in _ACTIVE.get()
+
+
+@contextmanager
+def mutation(*names: str) -> Iterator[frozenset[str]]:
+    """Turn the lossy switches ``names`` on inside the ``with`` block (test-only).
+
+    Example:
+        >>> with mutation("raw_q_ratio"):
+        ...     active("raw_q_ratio")
+        True
+        >>> active("raw_q_ratio")
+        False
+    """
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"mutation name {n!r} is a {type(n).__name__}: allowed one of {MUTATIONS}")
+    unknown = sorted(n for n in names if n not in MUTATIONS)
+    if unknown:
+        raise ValueError(f"mutation names {unknown} are unknown: allowed {MUTATIONS} "
+                         "(test-only lossy variants)")
+    token = _ACTIVE.set(_ACTIVE.get() | frozenset(names))
+    try:
+        yield _ACTIVE.get()
+    finally:
+        _ACTIVE.reset(token)

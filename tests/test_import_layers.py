@@ -1,0 +1,187 @@
+"""One import direction: the package's imports form no cycle and only go down the layers.
+
+The layers, lowest first (a module may import its own layer and the ones below, never
+one above; ``docs/concepts.md`` "Code layout" lists the same table):
+
+====  ============================================================================
+ 0    ``config``, ``mutation``                        plain values, test switches
+ 1    ``ir``, ``distributions``, ``rng``              the IR, the laws, random streams
+ 2    ``ir_text``, ``planner.lint``, ``verify``,      IR text + checker, the couplings,
+      ``costmodel``                                   latencies, calibration, decision rule
+ 3    ``pipeline``                                    the pass runner and instruments
+ 4    ``planner``                                     the reference passes
+ 5    ``plan``                                        ``plan_tree``
+ 6    ``kernels``                                     numba / Triton kernels and their pipeline
+ 7    ``models``                                      adapters (target / draft interfaces)
+ 8    ``decode``                                      ``plan_and_decode``
+ 9    ``testing``, ``dump``, ``loading``, ``probe``   oracle, drawings, the default model,
+                                                      measuring dtype + latencies at load
+10    ``bench``, ``train``                            benchmarks, draft training
+11    ``cli``                                         the ``rheoplan`` command
+12    ``rheoplan`` (``__init__``)                     the public facade; nothing inside imports it
+====  ============================================================================
+
+Every import counts, function-local ones included (they hide cycles just as well).
+``planner/`` and ``kernels/`` install as ``rheoplan.planner`` / ``rheoplan.kernels``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"rheoplan": ROOT / "rheoplan", "rheoplan.planner": ROOT / "planner",
+            "rheoplan.kernels": ROOT / "kernels"}
+
+LAYERS = [
+    ["rheoplan.config", "rheoplan.mutation"],
+    ["rheoplan.ir", "rheoplan.distributions", "rheoplan.rng"],
+    ["rheoplan.ir_text", "rheoplan.planner.lint", "rheoplan.verify", "rheoplan.costmodel"],
+    ["rheoplan.pipeline"],
+    ["rheoplan.planner"],
+    ["rheoplan.plan"],
+    ["rheoplan.kernels"],
+    ["rheoplan.models"],
+    ["rheoplan.decode"],
+    ["rheoplan.testing", "rheoplan.dump", "rheoplan.loading", "rheoplan.probe"],
+    ["rheoplan.bench", "rheoplan.train"],
+    ["rheoplan.cli"],
+    ["rheoplan"],
+]
+
+
+def modules(packages: dict[str, Path]) -> dict[str, Path]:
+    """``{dotted name: file}`` of every module under ``packages`` (``{name: folder}``)."""
+    out = {}
+    for pkg, folder in packages.items():
+        for f in sorted(folder.rglob("*.py")):
+            parts = list(f.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([pkg] + parts)] = f
+    return out
+
+
+def import_graph(packages: dict[str, Path], top: str) -> dict[str, set[str]]:
+    """``{module: modules it imports}``, restricted to modules under ``top``. ``from a
+    import b`` counts as importing ``a.b`` when that is a module, else ``a``."""
+    mods = modules(packages)
+    graph: dict[str, set[str]] = {}
+    for name, f in mods.items():
+        is_pkg = f.name == "__init__.py"
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in mods:  # `import rheoplan.x.y` names module rheoplan.x.y
+                    t = t.rpartition(".")[0]
+                if t and (t == top or t.startswith(top + ".")) and t != name:
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def layer_of(module: str, layers: list[list[str]]) -> int:
+    """Index of the layer whose entry is the longest prefix of ``module``."""
+    best, best_len = None, -1
+    for i, entries in enumerate(layers):
+        for e in entries:
+            if (module == e or module.startswith(e + ".")) and len(e) > best_len:
+                best, best_len = i, len(e)
+    if best is None:
+        raise KeyError(f"{module} is in no layer: add it to LAYERS (and docs/concepts.md)")
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
+    return sorted(f"{a} (layer {layer_of(a, layers)}) imports {b} (layer {layer_of(b, layers)})"
+                  for a, deps in graph.items() for b in deps if layer_of(b, layers) > layer_of(a, layers))
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return import_graph(PACKAGES, "rheoplan")
+
+
+def test_the_graph_sees_the_package(graph):
+    assert "rheoplan.decode" in graph["rheoplan"]
+    assert "rheoplan.planner.linearize" in graph["rheoplan.decode"]
+    assert "rheoplan.loading" in graph["rheoplan.bench.decode"]
+
+
+def test_no_import_cycle(graph):
+    assert cycles(graph) == []
+
+
+def test_imports_only_go_down_the_layers(graph):
+    assert upward_imports(graph, LAYERS) == []
+
+
+def test_benchmarks_never_import_the_cli(graph):
+    assert not [m for m, deps in graph.items() if m.startswith("rheoplan.bench") and "rheoplan.cli" in deps]
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+def test_a_planted_cycle_and_an_upward_import_are_caught(tmp_path):
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/low.py": "def f():\n    from pkg import high\n",
+                      "pkg/high.py": "from pkg.low import f\n", "pkg/sub/__init__.py": "",
+                      "pkg/sub/leaf.py": "from ..high import f\n"})
+    g = import_graph({"pkg": tmp_path / "pkg"}, "pkg")
+    assert cycles(g) == [["pkg.high", "pkg.low"]]
+    layers = [["pkg.low"], ["pkg.high"], ["pkg.sub"], ["pkg"]]
+    assert upward_imports(g, layers) == ["pkg.low (layer 0) imports pkg.high (layer 1)"]
+    assert g["pkg.sub.leaf"] == {"pkg.high"}
