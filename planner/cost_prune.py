@@ -93,8 +93,10 @@ def decide(plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
     return CostDecision(acc, orders, chosen, e + B - 1, cost, tm.verify(B, ctx) + tm.ar_overhead_ms, draft)
 
 
-def cost_prune_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan) -> DraftTree:
+def cost_prune_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, on_decision=None) -> DraftTree:
     d = decide(plan, tree, ctx.tree_cfg.budget)
+    if on_decision is not None:  # an observer (the decode loop's statistics); it changes nothing
+        on_decision(d)
     t = tree.clone()
     t.kept.zero_()
     for b in range(t.batch):
@@ -103,6 +105,7 @@ def cost_prune_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan) -> DraftT
     return t
 
 
-def cost_prune(plan: CostPlan) -> FnPass:
-    """The pass, bound to one step's frozen ``CostPlan``; it replaces ``prune``."""
-    return FnPass("prune", partial(cost_prune_tree, plan=plan))
+def cost_prune(plan: CostPlan, on_decision=None) -> FnPass:
+    """The pass, bound to one step's frozen ``CostPlan``; it replaces ``prune``.
+    ``on_decision(CostDecision)``, if given, sees the decision (for statistics and dumps)."""
+    return FnPass("prune", partial(cost_prune_tree, plan=plan, on_decision=on_decision))

@@ -23,11 +23,12 @@ DEFAULT_PIPELINE = [
 ]
 
 
-def cost_pipeline(plan, base=None) -> list:
+def cost_pipeline(plan, base=None, on_decision=None) -> list:
     """``base`` (default ``DEFAULT_PIPELINE``) made cost-aware for one step's frozen
     ``rheoplan.costmodel.CostPlan``: every ``expand`` is gated by ``cost_expand`` (stop
     drafting when another depth cannot pay) and ``prune`` is replaced by ``cost_prune``
     (keep a node only while it pays for its verify cost). Other passes are kept as given.
+    ``on_decision`` observes the prune's ``CostDecision`` (see ``cost_prune``).
 
     Example:
         >>> from rheoplan.costmodel import Calibration, CostPlan, Timings
@@ -44,7 +45,7 @@ def cost_pipeline(plan, base=None) -> list:
         if p.name == "expand":
             return cost_expand(plan, p)
         if p.name == "prune":
-            return cost_prune(plan)
+            return cost_prune(plan, on_decision)
         return p
 
     return [rewrite(p) for p in (DEFAULT_PIPELINE if base is None else base)]

@@ -309,6 +309,20 @@ def choose_n(acceptances: Sequence[float], draft_ms: float, verify_ms: Callable[
     return best
 
 
+@dataclass(frozen=True)
+class CostModel:
+    """What ``plan_and_decode(cost_model=...)`` takes: the frozen latencies and an optional
+    prior calibration (e.g. ``Calibration.load`` of a file). Each decode starts from a copy
+    of the prior and calibrates online, so the same seed + cost model give the same tokens."""
+
+    timings: Timings
+    calibration: Calibration | None = None
+
+    def fresh_calibration(self) -> Calibration:
+        """A decode's own calibration: a copy of the prior (or an empty one)."""
+        return Calibration.from_dict(self.calibration.to_dict()) if self.calibration else Calibration()
+
+
 # -- the drafting schedule -------------------------------------------------------------------
 
 

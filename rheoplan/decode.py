@@ -29,11 +29,13 @@ import torch
 from tqdm.auto import tqdm
 
 from rheoplan.config import ConfigError, SamplingConfig, TreeConfig
+from rheoplan.costmodel import Calibration, CostModel, CostPlan, DraftSchedule
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.models import as_draft, as_target
 from rheoplan.models.base import DraftModel, TargetModel
 from rheoplan.pipeline import DumpIR, PassContext
 from rheoplan.plan import plan_tree
+from rheoplan.planner.default import cost_pipeline
 from rheoplan.planner.linearize import linearize
 from rheoplan.rng import Streams
 from rheoplan.verify import walk
@@ -53,6 +55,11 @@ class StepStats:
     t_verify_forward: float = 0.0
     t_walk: float = 0.0
     t_commit: float = 0.0
+    t_step: float = 0.0  #: the whole step, wall clock (the loop's own bookkeeping included)
+    #: with a cost model: did the step draft, and what the model predicted for its tree
+    drafted: bool = True
+    predicted_tokens: float | None = None  #: E, expected emitted tokens
+    predicted_ms: float | None = None  #: predicted step latency
 
 
 @dataclass
@@ -210,6 +217,9 @@ class DecodeState:
     dump_steps: Collection[int] | None = (0,)
     progress: bool = False
     callback: Callable[[list[int]], None] | None = None
+    cost: CostModel | None = None  #: plan trees by the cost model (None: a fixed budget)
+    calibration: Calibration | None = None  #: this decode's online calibration (with ``cost``)
+    schedule: DraftSchedule = field(default_factory=DraftSchedule)
     # -- where the loop is ----------------------------------------------------------------
     root: int = field(init=False)  #: the next tree's root (last emitted token)
     prefix_len: int = field(init=False)  #: tokens committed before the root
@@ -219,6 +229,8 @@ class DecodeState:
     def __post_init__(self) -> None:
         self.streams = Streams(self.seed)
         self.root, self.prefix_len = self.prompt[-1], len(self.prompt) - 1
+        if self.cost is not None and self.calibration is None:
+            self.calibration = self.cost.fresh_calibration()
 
     @property
     def remaining(self) -> int:
@@ -233,7 +245,7 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                     dump_ir: str | os.PathLike | None = None,
                     dump_steps: Collection[int] | None = (0,),
                     progress: bool = False, passes=None,
-                    callback=None) -> DecodeResult:
+                    callback=None, cost_model: CostModel | None = None) -> DecodeResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``, losslessly.
 
     Args:
@@ -255,6 +267,14 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
         passes: the pass list that plans each tree (default: the kernel-backed pipeline
             when it is available, else the reference passes).
         callback: called with the list of new tokens after every step (streaming).
+        cost_model: plan each tree by the cost model (``rheoplan.costmodel.CostModel``:
+            latencies measured at load, ``rheoplan.probe.measure_timings``, and an optional
+            prior calibration): ``tree`` then gives the largest shape (depth, frontier,
+            slots, budget); drafting stops at the depth where another draft call cannot
+            pay, nodes are kept only while they pay for their verify cost, and a step
+            where no tree pays is a plain autoregressive step (drafting is retried later).
+            Decisions use only the frozen latencies and earlier steps' acceptances, so the
+            output law is unchanged and the same seed gives the same tokens.
 
     Example:
         >>> from rheoplan.models import hashed_context_lm
@@ -278,6 +298,9 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
     if callback is not None and not callable(callback):
         raise TypeError(f"callback={callback!r} is not callable: allowed None or a function of the "
                         "new tokens")
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model={cost_model!r} is a {type(cost_model).__name__}: allowed None or a "
+                        "rheoplan.costmodel.CostModel")
     tgt = as_target(target)
     drf = None
     try:
@@ -295,7 +318,8 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
         state = DecodeState(target=tgt, draft=drf, prompt=ids, max_new_tokens=max_new_tokens,
                             sampling=sampling, tree=tree, seed=seed, eos=frozenset(eos), passes=passes,
                             dump_ir=None if dump_ir is None else Path(dump_ir), dump_steps=dump_steps,
-                            progress=progress, callback=callback)
+                            progress=progress, callback=callback,
+                            cost=cost_model if drf is not None else None)
         return _decode(state)
     finally:
         # Adapters built here are closed here (an HF target hooks its model's layers).
@@ -321,8 +345,22 @@ def _check_context(tgt: TargetModel, n_prompt: int, max_new_tokens: int, budget:
 def _plan(s: DecodeState, st: StepStats) -> DraftTree:
     """This step's linearised tree (root only without a draft); draft time goes to ``st``."""
     if s.draft is None:
+        st.drafted = False
         return _root_only(s.root, s.prefix_len, s.tree)
     drf = s.draft
+    passes = s.passes
+    if s.cost is not None:
+        if s.schedule.skip_next():  # no tree paid recently: a plain autoregressive step
+            st.drafted = False
+            st.predicted_tokens, st.predicted_ms = 1.0, s.cost.timings.ar_step(s.prefix_len)
+            return _root_only(s.root, s.prefix_len, s.tree)
+        plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
+
+        def seen(d, _st=st):
+            _st.predicted_tokens, _st.predicted_ms = d.expected, d.predicted_ms
+            s.schedule.record(d.pays)
+
+        passes = cost_pipeline(plan, passes, on_decision=seen)
 
     def draft_fn(tr, nodes):
         t_d = time.perf_counter()
@@ -337,7 +375,7 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
     if s.dump_ir is not None and (s.dump_steps is None or s.step in s.dump_steps):
         instruments.append(DumpIR(s.dump_ir))
     return plan_tree(draft_fn, [s.root], tree=s.tree, sampling=s.sampling, prefix_len=[s.prefix_len],
-                     seed=s.seed, step=s.step, passes=s.passes, instruments=instruments)
+                     seed=s.seed, step=s.step, passes=passes, instruments=instruments)
 
 
 def _decode(s: DecodeState) -> DecodeResult:
@@ -374,6 +412,8 @@ def _decode(s: DecodeState) -> DecodeResult:
         st.trials = _trials(t, res.path)
         st.visited = res.visited
         st.t_verify_forward, st.t_walk = t2 - t1, t3 - t2
+        if s.calibration is not None and st.drafted:
+            s.calibration.update(t, res.path)  # known only now: it shapes later steps' trees
         result.tokens += emitted
         if bar is not None:
             bar.update(len(emitted))
@@ -386,6 +426,7 @@ def _decode(s: DecodeState) -> DecodeResult:
                 feats = [fw.features(i) for i in res.path]
                 drf.commit(t, list(res.nodes), list(res.emitted), feats)
             st.t_commit = time.perf_counter() - t4
+        st.t_step = time.perf_counter() - t0
         result.steps.append(st)
         if stop is not None:
             result.stopped_by = stop

@@ -12,7 +12,7 @@ import torch
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.costmodel import Calibration, CostPlan, Timings, choose_n, node_acceptance
 from rheoplan.distributions import target_probs
-from rheoplan.dump import from_text
+from rheoplan.ir_text import from_text
 from rheoplan.ir import rank_key_order
 from rheoplan.models.functional import FunctionalLM, hashed_context_lm
 from rheoplan.pipeline import FnPass, PassContext
