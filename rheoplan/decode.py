@@ -70,6 +70,9 @@ class DecodeResult:
     steps: list[StepStats] = field(default_factory=list)
     seconds: float = 0.0
     stopped_by: str = "max_new_tokens"  #: 'max_new_tokens' or 'eos'
+    #: with a cost model: the calibration this decode ended with (save it with
+    #: ``Calibration.save`` and pass it as a later decode's prior)
+    calibration: Calibration | None = None
 
     @property
     def mean_accepted_length(self) -> float:
@@ -90,14 +93,26 @@ class DecodeResult:
         keys = ["t_draft", "t_plan", "t_verify_forward", "t_walk", "t_commit"]
         return {k[2:]: sum(getattr(s, k) for s in self.steps) for k in keys}
 
+    @property
+    def predicted_tokens_per_step(self) -> float | None:
+        """The cost model's mean expected tokens per step (None without a cost model)."""
+        pred = [s.predicted_tokens for s in self.steps if s.predicted_tokens is not None]
+        return sum(pred) / len(pred) if pred else None
+
     def summary(self) -> str:
         ph = self.phase_totals()
         n = max(1, len(self.steps))
         per = ", ".join(f"{k} {1e3 * v / n:.1f} ms" for k, v in ph.items())
-        return (f"{len(self.tokens)} tokens in {len(self.steps)} steps, {self.seconds:.2f} s "
-                f"({self.tokens_per_second:.1f} tok/s); mean accepted length "
-                f"{self.mean_accepted_length:.2f}, per-token acceptance {self.acceptance_rate:.1%}; "
-                f"per step: {per}")
+        out = (f"{len(self.tokens)} tokens in {len(self.steps)} steps, {self.seconds:.2f} s "
+               f"({self.tokens_per_second:.1f} tok/s); mean accepted length "
+               f"{self.mean_accepted_length:.2f}, per-token acceptance {self.acceptance_rate:.1%}; "
+               f"per step: {per}")
+        pred = self.predicted_tokens_per_step
+        if pred is not None:
+            ar = sum(1 for s in self.steps if not s.drafted)
+            out += (f"; cost model: predicted {pred:.2f} tokens/step (measured "
+                    f"{self.mean_accepted_length:.2f}), {ar} of {len(self.steps)} steps autoregressive")
+        return out
 
 
 def _check_prompt(prompt_ids, vocab_size: int) -> list[int]:
@@ -433,6 +448,7 @@ def _decode(s: DecodeState) -> DecodeResult:
             break
         s.root, s.prefix_len, s.step = res.emitted[-1], s.prefix_len + len(res.path), s.step + 1
     result.seconds = time.perf_counter() - t_start
+    result.calibration = s.calibration
     if bar is not None:
         bar.close()
     return result

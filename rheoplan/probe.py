@@ -25,6 +25,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write
+from rheoplan.models.base import DraftModel
 
 DTYPE_CACHE = "dtype.json"
 TIMINGS_CACHE = "timings.json"
@@ -185,21 +186,36 @@ def _fmt(ms: Mapping[str, float]) -> str:
     return ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
 
 
-class _TimedDraft:
-    """A draft adapter that records (frontier width, seconds) of every ``node_logits`` call."""
+class _TimedDraft(DraftModel):
+    """A draft adapter that records (frontier width, seconds) of every ``node_logits`` call
+    and passes everything else to the adapter it wraps."""
 
     def __init__(self, inner, timer: Timer) -> None:
         self._inner, self._timer = inner, timer
         self.calls: list[tuple[int, float]] = []
+        self.vocab_size = inner.vocab_size
+        self.device = getattr(inner, "device", None)
+
+    def start(self, prompt_ids):
+        self._inner.start(prompt_ids)
+
+    def commit(self, tree, path_nodes, emitted, features):
+        self._inner.commit(tree, path_nodes, emitted, features)
+
+    def check_vocab_map(self, target_vocab_size):
+        self._inner.check_vocab_map(target_vocab_size)
+
+    def take_prompt_features(self, target):
+        self._inner.take_prompt_features(target)
+
+    def close(self):
+        self._inner.close()
 
     def node_logits(self, tree, nodes):
         t0 = self._timer()
         out = self._inner.node_logits(tree, nodes)
         self.calls.append((len(nodes), self._timer() - t0))
         return out
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
 
 
 def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=None,
@@ -252,9 +268,14 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     finally:
         if hasattr(tgt, "close"):
             tgt.close()
-    timed = _TimedDraft(as_draft(draft), timer)
+    inner = as_draft(draft)
+    timed = _TimedDraft(inner, timer)
     ids = list(prompt_ids)
-    res = plan_and_decode(model, timed, ids, max_new_tokens=steps, sampling=sampling, tree=tree, seed=0)
+    try:
+        res = plan_and_decode(model, timed, ids, max_new_tokens=steps, sampling=sampling, tree=tree, seed=0)
+    finally:
+        if inner is not draft:
+            inner.close()
     widths: dict[int, list[float]] = {}
     for w, s in timed.calls[1:]:  # the first call also runs the prompt through the head
         widths.setdefault(w, []).append(1e3 * s)
@@ -271,13 +292,11 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
 
 
 def _overhead_ms(res) -> float:
-    """Median per-step bookkeeping of a decode: everything but the draft calls and the
-    verify forward (plan, walk, commit, the loop itself), first step excluded (prefill)."""
+    """Median per-step bookkeeping of a decode: the step's wall time less its draft calls
+    and verify forward (plan, walk, commit, the loop itself); the first step is left out
+    (it runs the prompt through the draft)."""
     steps = res.steps[1:] or res.steps
-    total = res.seconds - sum(s.t_draft + s.t_plan + s.t_verify_forward + s.t_walk + s.t_commit
-                              for s in res.steps)
-    other = max(0.0, total) / max(1, len(res.steps))
-    return 1e3 * statistics.median([s.t_plan + s.t_walk + s.t_commit + other for s in steps])
+    return 1e3 * statistics.median([max(0.0, s.t_step - s.t_draft - s.t_verify_forward) for s in steps])
 
 
 def _describe(tm: Timings) -> str:
