@@ -43,6 +43,9 @@ DEFAULTS = {
     "method": "rheo", "depth": "auto", "frontier": 3, "slots": 3, "budget": "auto", "rheostat": 1,
     "support": 128, "verifier": "ot", "proxy": "default",
 }
+#: the fixed tree the benchmarks compare the fixed-shape methods at (depth 4, frontier 3,
+#: slots 3, 8 kept nodes: the shape measured fastest before the cost model; docs/results.md)
+FIXED_TREE = {"depth": 4, "frontier": 3, "slots": 3, "budget": 8}
 #: options that take an int or "auto"
 AUTO_OPTIONS = ("depth", "budget")
 #: the largest tree the cost model may plan with ``--depth auto`` / ``--budget auto``

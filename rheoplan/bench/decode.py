@@ -4,6 +4,9 @@ Every method runs in one process over the same held-out prompts (not used in
 training), temperatures and seeds, with the same node budget:
 
 * ``ar-hf``: autoregressive sampling with transformers ``generate`` (dynamic cache, eager)
+* ``default``: what ``rheoplan generate`` does by default: RheoSampling (m = 1, ``ot``)
+  with the cost model planning every tree (``--depth auto --budget auto``); its rows
+  also show the cost model's predicted tokens per step next to the measured ones
 * ``ar-hf-static``: ``generate`` on its own fast path: a static cache and a
   ``torch.compile``d forward (compiled once per dtype before the clock starts; the compile
   time is recorded; if compiling fails on this machine the run records why instead)
@@ -36,7 +39,7 @@ from tqdm.auto import tqdm
 
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.decode import plan_and_decode
-from rheoplan.loading import DEFAULTS, encode_prompt, load_default, model_dtype
+from rheoplan.loading import FIXED_TREE, auto_tree, encode_prompt, load_cost_model, load_default, model_dtype
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 
@@ -46,6 +49,7 @@ class Method:
     name: str
     tree: TreeConfig | None  #: None = transformers generate
     kind: str = "rheoplan"  #: 'rheoplan', 'generate' or 'generate-static'
+    cost: bool = False  #: plan by the cost model (``tree`` is the largest shape)
 
 
 GENERATE_KINDS = ("generate", "generate-static")
@@ -54,7 +58,9 @@ GENERATE_KINDS = ("generate", "generate-static")
 def methods_for(depth: int, frontier: int, slots: int, budget: int) -> dict[str, Method]:
     """All benchmarked methods at one node budget."""
     base = TreeConfig(depth=depth, frontier=frontier, slots=slots, budget=budget)
+    auto = auto_tree(TreeConfig(frontier=frontier, slots=slots, rheostat=1, verifier="ot"), "auto", "auto")
     out = {
+        "default": Method("default", auto, cost=True),
         "ar-hf": Method("ar-hf", None, "generate"),
         "ar-hf-static": Method("ar-hf-static", None, "generate-static"),
         "chain": Method("chain", TreeConfig.chain(depth=depth)),
@@ -163,12 +169,17 @@ def machine_info() -> dict:
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 
-def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed: int, tokens: int) -> dict:
-    """One (method, temperature, seed) run over all prompts; returns the aggregate record."""
+def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed: int, tokens: int,
+            cost_model=None) -> dict:
+    """One (method, temperature, seed) run over all prompts; returns the aggregate record.
+    ``cost_model`` (a ``rheoplan.costmodel.CostModel``) is needed for a ``cost`` method."""
+    if method.cost and cost_model is None:
+        raise ValueError(f"method {method.name!r} plans by the cost model: pass cost_model=")
     sampling = SamplingConfig(temperature=temperature)
     n_tok = n_steps = acc = trials = 0
     seconds = 0.0
     phases: dict[str, float] = {}  # plan_and_decode's per-phase seconds, summed over prompts
+    predicted, ar_steps = [], 0
     for j, (_, prompt) in enumerate(prompts):
         ids = encode_prompt(tok, prompt, chat=True)
         if method.kind in GENERATE_KINDS:
@@ -187,7 +198,9 @@ def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed
         else:
             t0 = time.perf_counter()
             r = plan_and_decode(model, draft, ids, max_new_tokens=tokens, sampling=sampling, tree=method.tree,
-                                seed=seed * 1000 + j)
+                                seed=seed * 1000 + j, cost_model=cost_model if method.cost else None)
+            predicted += [st.predicted_tokens for st in r.steps if st.predicted_tokens is not None]
+            ar_steps += sum(1 for st in r.steps if not st.drafted)
             seconds += time.perf_counter() - t0
             n_tok += len(r.tokens)
             n_steps += len(r.steps)
@@ -201,6 +214,8 @@ def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed
             "mean_accepted_length": n_tok / n_steps if n_steps else float("nan"),
             "acceptance": acc / trials if trials else float("nan"),
             "phase_seconds": phases,
+            "predicted_tokens_per_step": sum(predicted) / len(predicted) if predicted else None,
+            "autoregressive_steps": ar_steps if method.cost else None,
             "tree": None if method.tree is None else method.tree.as_dict(),
             "dtype": model_dtype(model), "threads": torch.get_num_threads()}
 
@@ -334,10 +349,10 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6, 1.0])
     ap.add_argument("--methods", nargs="+", default=None,
                     help="subset of methods (default: all); see the module docstring for names")
-    ap.add_argument("--depth", type=int, default=DEFAULTS["depth"])
-    ap.add_argument("--frontier", type=int, default=DEFAULTS["frontier"])
-    ap.add_argument("--slots", type=int, default=DEFAULTS["slots"])
-    ap.add_argument("--budget", type=int, default=DEFAULTS["budget"])
+    for k in ("depth", "frontier", "slots", "budget"):
+        ap.add_argument(f"--{k}", type=int, default=FIXED_TREE[k],
+                        help=f"the fixed-shape methods' tree (default {FIXED_TREE[k]}; 'default' plans "
+                             "its own up to --depth auto / --budget auto)")
     ap.add_argument("--draft", default="auto", help="as for rheoplan generate (default auto)")
     ap.add_argument("--dtype", nargs="+", choices=["auto", "float32", "bfloat16"], default=["float32", "auto"],
                     help="target dtypes to run, in order (default: float32 auto; 'auto' = the one "
@@ -374,7 +389,7 @@ def main(argv=None) -> int:
                 continue
             done_dtypes.add(dtype)
             todo = [(all_methods[n], t, s) for n, t, s in plan_runs(names, args.temperatures, args.seeds)]
-            compile_s, compile_err = None, None
+            compile_s, compile_err, cost = None, None, None
             bar = tqdm(todo, desc=f"bench {dtype}", unit="run")
             for method, t, s in bar:
                 rec_path = runs_dir / f"{method.name}_T{t}_s{s}_p{len(prompts)}_n{args.tokens}_{dtype}.json"
@@ -387,7 +402,9 @@ def main(argv=None) -> int:
                     rec = {"method": method.name, "temperature": t, "seed": s, "dtype": dtype,
                            "error": f"static cache + torch.compile failed here: {compile_err}"}
                 else:
-                    rec = run_one(model, tok, draft, method, prompts, t, s, args.tokens)
+                    if method.cost and cost is None:
+                        cost = load_cost_model(model, tok, draft, method.tree, draft_id=args.draft)
+                    rec = run_one(model, tok, draft, method, prompts, t, s, args.tokens, cost_model=cost)
                 if method.kind == "generate-static":
                     rec["compile_seconds"] = compile_s
                 rec["machine"] = machine

@@ -131,3 +131,18 @@ def test_static_generate_compiles_and_runs_on_this_machine():
     rec = bench.run_one(target, CharTokenizer(), None, bench.methods_for(3, 2, 2, 5)["ar-hf-static"],
                         [("chat", "hello")], temperature=1.0, seed=0, tokens=5)
     assert rec["tokens"] == 5
+
+
+def test_default_method_runs_the_cost_model_and_records_its_prediction():
+    from rheoplan.costmodel import CostModel, Timings
+
+    target, draft = tiny_llama(0), tiny_llama(1, layers=1)
+    method = bench.methods_for(3, 2, 2, 5)["default"]
+    assert method.cost and method.tree.budget > 5  # its own largest tree, not the fixed one
+    with pytest.raises(ValueError, match="pass cost_model="):
+        bench.run_one(target, CharTokenizer(), draft, method, [("chat", "hello")], 1.0, 0, 4)
+    cost = CostModel(Timings((1, 64), (10.0, 40.0), (12.0, 50.0), 0, 1000, (1,), (1.0,), 0.5, 0.5))
+    rec = bench.run_one(target, CharTokenizer(), draft, method, [("chat", "hello"), ("code", "def f")],
+                        temperature=1.0, seed=0, tokens=6, cost_model=cost)
+    assert rec["tokens"] == 12 and rec["predicted_tokens_per_step"] >= 1.0
+    assert rec["autoregressive_steps"] is not None
