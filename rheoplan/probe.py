@@ -4,7 +4,8 @@ dtype (``choose_dtype``) and the cost model's latencies (``measure_timings``).
 Both are measured with short real forwards, once per machine + torch version + threads +
 model (+ dtype and draft for the latencies), and cached as small JSON files under
 ``rheoplan.costmodel.cache_dir()`` (``~/.cache/rheoplan/`` by default); later loads read
-the cache. Nothing here guesses from CPU flags: a dtype is used because it was faster
+the cache. Measure again (e.g. after a run on a busy machine) with ``RHEOPLAN_REMEASURE=1``
+or by deleting the files. Nothing here guesses from CPU flags: a dtype is used because it was faster
 here. Every measuring function takes a ``timer`` (default ``time.perf_counter``) so tests
 can inject a clock.
 
@@ -17,6 +18,7 @@ Example (needs a model, so not run as a doctest):
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import sys
 import time
@@ -35,6 +37,11 @@ VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PROBE_TREE = 9
 
 Timer = Callable[[], float]
+
+
+def _read_cache() -> bool:
+    """False when ``RHEOPLAN_REMEASURE`` is set: measure again (and overwrite the cache)."""
+    return os.environ.get("RHEOPLAN_REMEASURE", "") in ("", "0")
 
 
 def median_ms(fn: Callable[[], object], *, reps: int, warmup: int = 1,
@@ -156,7 +163,7 @@ def choose_dtype(model, *, model_id: str | None = None, reps: int = 5, prompt_le
     dev = next(model.parameters()).device
     mid = model_id or model_identity(model)
     key = cache_key("dtype", mid, dev)
-    if use_cache:
+    if use_cache and _read_cache():
         rec = cache_read(DTYPE_CACHE, key)
         if rec is not None and hasattr(torch, str(rec.get("dtype"))):
             print(f"dtype auto: {rec['dtype']} (cached; measured ms per 1-token + {PROBE_TREE}-token "
@@ -242,7 +249,7 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     mid = model_id or model_identity(model)
     key = cache_key("timings", mid, dev, dtype=dt, draft=draft_id,
                     tree=f"{tree.depth}x{tree.frontier}x{tree.slots}")
-    if use_cache:
+    if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:
             try:

@@ -429,3 +429,26 @@ def test_cost_model_sampled_tokens_repeat_with_the_same_seed():
     assert a == b
     with pytest.raises(TypeError, match="cost_model=.*allowed None or a rheoplan.costmodel.CostModel"):
         plan_and_decode(tgt, drf, PREFIX, max_new_tokens=3, tree=cfg, cost_model="auto")
+
+
+@pytest.mark.parametrize("root,prefix_len", [(5, 100), (7, 3), (0, 0)])
+def test_root_only_tree_equals_a_freshly_linearised_one(root, prefix_len):
+    """The autoregressive step's tree is a re-stamped template; it must equal linearising."""
+    from dataclasses import fields
+
+    from rheoplan.decode import _root_only
+    from rheoplan.ir import empty_tree
+    from rheoplan.pipeline import PassContext
+    from rheoplan.planner.linearize import linearize
+
+    tr = TreeConfig()
+    t = empty_tree(1, 1, 1, 1, torch.tensor([root]), torch.tensor([prefix_len]), tr.slots, tr.slots)
+    ref = linearize(t, PassContext(tree_cfg=tr.with_(budget=1), sampling=SamplingConfig()))
+    _root_only(9, 9, tr)  # the template is built once and must not keep an earlier root
+    new = _root_only(root, prefix_len, tr)
+    for f in fields(ref):
+        a, b = getattr(ref, f.name), getattr(new, f.name)
+        if f.name == "linear":
+            assert all(torch.equal(getattr(a, g.name), getattr(b, g.name)) for g in fields(a))
+        else:
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name

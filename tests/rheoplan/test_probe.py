@@ -85,6 +85,10 @@ def test_choose_dtype_measures_caches_and_reads_back(cache, monkeypatch, costs, 
     seen.clear()
     probe.choose_dtype(model, model_id="another model", timer=clock, log=log)
     assert seen  # the key names the model
+    seen.clear()
+    monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")
+    probe.choose_dtype(model, model_id="tiny", timer=clock, log=log)
+    assert seen  # asked to measure again
 
 
 def test_chain_linear_shapes():
