@@ -39,7 +39,8 @@ PROBE_PROMPT = "Write a short story about a lighthouse keeper and a storm."
 #: levels and AUTO_BUDGET kept nodes; an int fixes that dimension (the other one can stay
 #: auto). Precedence in the CLI: these < a --config file < flags given on the command line.
 DEFAULTS = {
-    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0,
+    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
+    "repetition_penalty": 1.0, "seed": 0,
     "method": "rheo", "depth": "auto", "frontier": 3, "slots": 3, "budget": "auto", "rheostat": 1,
     "support": 128, "verifier": "ot", "proxy": "default",
 }
