@@ -33,15 +33,13 @@ import torch
 
 from rheoplan.models.eagle3 import load_eagle3_checkpoint, save_eagle3
 from rheoplan.models.hf_target import eagle3_layers
+from rheoplan.models.smollm import DTYPES
 from rheoplan.train import features as ft
 from rheoplan.train import generate as gen
 from rheoplan.train import prompts as pr
 from rheoplan.train import selfdistill as sd
 from rheoplan.train import tokens as tk
 from rheoplan.train import train as tr
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
