@@ -1,21 +1,22 @@
 """Processed target and draft distributions (RHEOSAMPLING.md §2).
 
-The target law is transformers' sampling law (``generate``), defined here once and used by
-the verifier, the exact oracle and every adapter. Each step below repeats the tensor
-operations of the transformers class it names, in the same order and dtype (float32 scores,
-as ``generate`` casts the logits), so the kept set is the same bit for bit, ties included:
+The target law is transformers' sampling law (``generate``), defined here once: the
+verifier (``rheoplan.verify``) and the exact oracle (``rheoplan.testing``) both call
+``target_probs``. Each step below repeats the tensor operations of the transformers class
+it names, in the same order and dtype (float32 scores, as ``generate`` casts the logits),
+so the kept set is the same bit for bit, ties included:
 
-=====================  ==========================================  ==========================
-step                   transformers                                when
-=====================  ==========================================  ==========================
-repetition penalty     ``RepetitionPenaltyLogitsProcessor``        ``repetition_penalty != 1``
-user processors        any ``LogitsProcessor`` (in the given order) always
-temperature            ``TemperatureLogitsWarper``                 sampling
-top-k                  ``TopKLogitsWarper`` (keeps k-th-score ties) sampling, ``top_k > 0``
-top-p                  ``TopPLogitsWarper``                        sampling, ``top_p < 1``
-min-p                  ``MinPLogitsWarper``                        sampling, ``min_p > 0``
-typical                ``TypicalLogitsWarper``                     sampling, ``typical_p < 1``
-=====================  ==========================================  ==========================
+==================  ============================================  ===========================
+step                transformers                                  when
+==================  ============================================  ===========================
+repetition penalty  ``RepetitionPenaltyLogitsProcessor``          ``repetition_penalty != 1``
+caller processors   any ``LogitsProcessor``, in the given order   always
+temperature         ``TemperatureLogitsWarper``                   sampling
+top-k               ``TopKLogitsWarper`` (keeps k-th-score ties)  sampling, ``top_k > 0``
+top-p               ``TopPLogitsWarper``                          sampling, ``top_p < 1``
+min-p               ``MinPLogitsWarper``                          sampling, ``min_p > 0``
+typical             ``TypicalLogitsWarper``                       sampling, ``typical_p < 1``
+==================  ============================================  ===========================
 
 The order is ``GenerationMixin._get_logits_processor``'s: processors (repetition penalty,
 then the caller's list, where a caller's ``RepetitionPenaltyLogitsProcessor`` takes the
