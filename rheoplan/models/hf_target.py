@@ -27,7 +27,7 @@ from rheoplan.ir import LinearTree
 from rheoplan.models.base import TargetModel, TreeLogits, check_prompt_ids
 from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
-    run_base, select_cache,
+    run_base, commit_cache,
 )
 from rheoplan.models.functional import check_commit_path
 from rheoplan.models.tree_attention import (
@@ -281,9 +281,7 @@ class HFTarget(TargetModel):
         if self._tree is None:
             raise RuntimeError("commit() called before forward_tree()")
         path = check_commit_path(self._tree, path)
-        keep = torch.cat([torch.arange(self._prefix, dtype=torch.int64),
-                          self._prefix + torch.tensor(path, dtype=torch.int64)])
-        select_cache(self.cache, keep)
+        commit_cache(self.cache, self._prefix, path)
         self._prefix += len(path)
         self._tree = None
         assert cache_length(self.cache) == self._prefix
