@@ -171,7 +171,7 @@ class HFTarget(TargetModel):
         self._tree_attention = False  #: verify forward through the Triton tree-attention kernel
         self._tree_attention_tf32 = False
 
-    def use_tree_attention(self, enabled: bool = True, allow_tf32: bool = False) -> None:
+    def use_tree_attention(self, enabled: bool = True, allow_tf32: bool = False) -> bool:
         """Run the verify forward (``forward_tree``) through the Triton tree-attention kernel,
         registered as a transformers attention implementation (``rheoplan.models.tree_attention``);
         prefill (``start``) keeps the model's own attention. Needs the model on a CUDA device,
@@ -181,6 +181,7 @@ class HFTarget(TargetModel):
             check_tree_attention_available(self.device)
         self._tree_attention = bool(enabled)
         self._tree_attention_tf32 = bool(allow_tf32)
+        return self._tree_attention
 
     @property
     def tree_attention(self) -> bool:
