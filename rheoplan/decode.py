@@ -204,13 +204,14 @@ def _check_int(name: str, value, lo: int) -> int:
     return value
 
 
-def _root_only(root: int, prefix_len: int, tree: TreeConfig, device: torch.device) -> DraftTree:
+def _root_only(root: int, prefix_len: int, tree: TreeConfig, device: torch.device | str = "cpu") -> DraftTree:
     """A tree with no drafted nodes (autoregressive steps), linearised, on ``device`` (the
     planner's: the target's for 'triton').
 
     Built once per shape and then only re-stamped with the root token and its position:
     linearising a one-node tree every step cost about 1% of a token on a 2-core CPU.
     """
+    device = torch.device(device)
     key = (tree.slots, str(device))
     tmpl = _ROOT_ONLY.get(key)
     if tmpl is None:
