@@ -30,9 +30,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"rheoplan": ROOT / "rheoplan", "rheoplan.planner": ROOT / "planner",
-            "rheoplan.kernels": ROOT / "kernels"}
+from _package import PACKAGES, modules
 
 LAYERS = [
     ["rheoplan.config", "rheoplan.mutation"],
@@ -49,18 +47,6 @@ LAYERS = [
     ["rheoplan.cli"],
     ["rheoplan"],
 ]
-
-
-def modules(packages: dict[str, Path]) -> dict[str, Path]:
-    """``{dotted name: file}`` of every module under ``packages`` (``{name: folder}``)."""
-    out = {}
-    for pkg, folder in packages.items():
-        for f in sorted(folder.rglob("*.py")):
-            parts = list(f.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            out[".".join([pkg] + parts)] = f
-    return out
 
 
 def import_graph(packages: dict[str, Path], top: str) -> dict[str, set[str]]:
