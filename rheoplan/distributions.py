@@ -1,4 +1,4 @@
-"""Processed target and draft distributions (RHEOSAMPLING.md §2)."""
+"""Processed target and draft distributions (docs/method.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The exact oracle (RHEOSAMPLING.md §7.1): the law of the first ``n`` emitted tokens
+"""The exact oracle (docs/method.md §7.1): the law of the first ``n`` emitted tokens
 of the whole multi-step decode, computed by enumeration.
 
 Every source of randomness is branched over with its exact probability:

@@ -29,6 +29,7 @@ import time
 import torch
 
 from rheoplan.models.eagle3 import load_eagle3_checkpoint, save_eagle3
+from rheoplan.models.hf_target import eagle3_layers
 from rheoplan.train import selfdistill as sd
 from rheoplan.train import train as tr
 
@@ -274,7 +275,10 @@ def stage_export(a, model, head: tr.Eagle3Head | None, report: dict) -> None:
             chunk_tokens=a.chunk_tokens, draft_ids=ids, t2d_index=tr.target_to_draft_index(ids, draft.vocab_size))
     n_params = sum(p.numel() for p in draft.head.parameters())
     size = os.path.getsize(os.path.join(out, "model.safetensors"))
-    report["export"] = {"dir": out, "params": n_params, "safetensors_bytes": size, "dtype": "float16"}
+    report["export"] = {"dir": out, "params": n_params, "safetensors_bytes": size, "dtype": "float16",
+                        "head_config": half.config.to_dict(),
+                        "target": {"name": getattr(model.config, "_name_or_path", "") or type(model).__name__,
+                                   "layers": int(model.config.num_hidden_layers)}}
     runs_path = os.path.join(a.work_dir, "sampling_runs.json")
     if os.path.exists(runs_path):
         report["sampling_runs"] = json.load(open(runs_path))
@@ -291,8 +295,21 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
+def _head_lines(hc: dict, target: dict) -> tuple[str, str]:
+    """(the layers whose inputs the head reads, the head's shape) from the exported config."""
+    layers = target.get("layers")
+    feats = ", ".join(map(str, eagle3_layers(layers))) if layers else "n/a"
+    if not hc:
+        return feats, "one decoder layer (config not recorded)"
+    fused = hc.get("target_hidden_size", hc["hidden_size"])
+    return feats, (f"one decoder layer (H={hc['hidden_size']}, {hc['num_attention_heads']} heads / "
+                   f"{hc['num_key_value_heads']} kv heads, SwiGLU {hc['intermediate_size']}), "
+                   f"fc {3 * fused} -> {hc['hidden_size']}")
+
+
 def model_card(r: dict) -> str:
-    """MODEL_CARD.md text from a run report (measured numbers only)."""
+    """MODEL_CARD.md text from a run report (measured numbers only; the head's shape and the
+    target's layer count come from the report's ``export`` entry)."""
     ss = r.get("sampling_settings", {})
     data = r.get("data", {})
     trn = r.get("train", {})
@@ -301,6 +318,7 @@ def model_card(r: dict) -> str:
     ex = r.get("export", {})
     samp_s = sum(x.get("train_s", 0) + x.get("heldout_s", 0) for x in r.get("sampling_runs", []))
     cfg = trn.get("config", {})
+    feats, shape = _head_lines(ex.get("head_config", {}), ex.get("target", {}))
     lines = [
         "# SmolLM2-135M-Instruct EAGLE-3 draft head (rheoplan)",
         "",
@@ -308,15 +326,14 @@ def model_card(r: dict) -> str:
         "to fp32), trained on this machine by `rheoplan train-draft` from the target's own samples. "
         "Format: `config.json` + `model.safetensors` (fp16) in the EAGLE-3 reference layout; load with "
         "`rheoplan.models.eagle3.load_eagle3_checkpoint(path, model)` (it reads the prompt's features from "
-        "the inputs of layers 2, 15, 27 of `model`).",
+        f"the inputs of layers {feats} of `model`).",
         "",
         "## Head",
         "",
         f"- parameters: {ex.get('params', 0) / 1e6:.2f} M; file size {ex.get('safetensors_bytes', 0) / 2**20:.1f} MiB (fp16)",
         f"- draft vocabulary: {r.get('draft_vocab_size', 'n/a')} target tokens, chosen by target probability "
         f"mass in the training data (covers {_pct(r.get('draft_vocab_train_mass_coverage'))} of it)",
-        "- one decoder layer (H=576, 9 heads / 3 kv heads, SwiGLU 1536), fc 1728 -> 576; lm_head initialised "
-        "from the target's output rows, norm from the target's final norm",
+        f"- {shape}; lm_head initialised from the target's output rows, norm from the target's final norm",
         "",
         "## Data (generated here; no downloads)",
         "",

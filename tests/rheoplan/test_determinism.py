@@ -1,4 +1,4 @@
-"""Reproducibility of ``plan_and_decode`` from one seed (RHEOSAMPLING.md §5, "Randomness"):
+"""Reproducibility of ``plan_and_decode`` from one seed (docs/method.md §5, "Randomness"):
 same seed -> same tokens (FunctionalLM and HF); different seeds differ; and the kernel-
 backed CPU planner (``passes=None`` -> ``kernel_pipeline('cpu')``) gives the same tokens
 as the reference passes (``DEFAULT_PIPELINE``)."""

@@ -1,5 +1,5 @@
 """EAGLE-3 checkpoint I/O: ``config.json`` + ``model.safetensors`` (or ``pytorch_model.bin``)
-in the reference layout (EAGLE_REFERENCE.md), read strictly.
+in the layout of the EAGLE authors' released EAGLE-3 checkpoints, read strictly.
 
 The reference loader is non-strict: a checkpoint with missing keys runs with random weights.
 ``read_eagle3`` names every missing and unexpected key and every shape mismatch instead.
