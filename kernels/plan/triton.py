@@ -34,17 +34,20 @@ def _beats(sa, ia, sb, ib):
 def topk_kernel(score_ptr, depth_ptr, n_nodes_ptr, out_ptr, count_ptr, M, level, k,
                 WRITE_IDS: tl.constexpr, BLOCK: tl.constexpr):
     """WRITE_IDS: out[b, rank] = id (frontier); else out[b, id] = rank < k (kept mask)."""
-    b = tl.program_id(0)
-    n = tl.load(n_nodes_ptr + b)
+    b = tl.program_id(0).to(tl.int64)
+    # both loops stop at the tree's node count, not the capacity M
+    n = tl.minimum(tl.load(n_nodes_ptr + b), M)
     lo = 0 if WRITE_IDS else 1
     total = 0
-    for si in range(0, M, BLOCK):
+    if not WRITE_IDS:
+        tl.store(out_ptr + b * M, True)  # the root is always kept (also when n = 0)
+    for si in range(0, n, BLOCK):
         i = si + tl.arange(0, BLOCK)
         s_i = tl.load(score_ptr + b * M + i, mask=i < n, other=0.0)
         d_i = tl.load(depth_ptr + b * M + i, mask=i < n, other=-1)
         cand_i = (i < n) & (i >= lo) & ((d_i == level) | (tl.full([BLOCK], level, tl.int32) < 0))
         rank = tl.zeros([BLOCK], dtype=tl.int32)
-        for sj in range(0, M, BLOCK):
+        for sj in range(0, n, BLOCK):
             j = sj + tl.arange(0, BLOCK)
             s_j = tl.load(score_ptr + b * M + j, mask=j < n, other=0.0)
             d_j = tl.load(depth_ptr + b * M + j, mask=j < n, other=-1)
@@ -55,7 +58,7 @@ def topk_kernel(score_ptr, depth_ptr, n_nodes_ptr, out_ptr, count_ptr, M, level,
         if WRITE_IDS:
             tl.store(out_ptr + b * k + rank, i.to(tl.int64), mask=sel)
         else:
-            tl.store(out_ptr + b * M + i, sel | (i == 0), mask=i < M)
+            tl.store(out_ptr + b * M + i, sel | (i == 0), mask=i < n)
         total += tl.sum(sel.to(tl.int32), axis=0)
     tl.store(count_ptr + b, total.to(tl.int64))
 
@@ -68,8 +71,9 @@ def _topk(score, depth, n_nodes, level, k, write_ids):
         out = torch.full((B, k), -1, dtype=torch.int64, device=dev)
     else:
         out = torch.zeros(B, M, dtype=torch.bool, device=dev)
-    topk_kernel[(B,)](score.contiguous(), depth.contiguous(), n_nodes.contiguous(), out, count, M, level, k,
-                      WRITE_IDS=write_ids, BLOCK=min(128, triton.next_power_of_2(M)))
+    topk_kernel[(B,)](score.contiguous(), depth.to(dev).contiguous(), n_nodes.to(dev).contiguous(), out, count,
+                      M, level, k,
+                      WRITE_IDS=write_ids, BLOCK=max(16, min(64, triton.next_power_of_2(M))))
     return out, count
 
 
@@ -87,8 +91,9 @@ def prune_topn(score, n_nodes, budget):
 def linearize_kernel(kept_ptr, n_nodes_ptr, parent_ptr, token_ptr, depth_ptr, exp_row_ptr, prefix_ptr,
                      lin_of_ptr, n_ptr, node_ptr, tok_ptr, pos_ptr, par_ptr, dep_ptr, erow_ptr, first_ptr,
                      nch_ptr, mask_ptr, bits_ptr, paths_ptr, n_paths_ptr, M, L,
-                     W: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr):
-    b = tl.program_id(0)
+                     W: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr,
+                     COL_TILE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
     n_nodes = tl.load(n_nodes_ptr + b)
     prefix = tl.load(prefix_ptr + b)
     # 1. linear index of every kept id (prefix count), written to the id -> linear map
@@ -98,10 +103,10 @@ def linearize_kernel(kept_ptr, n_nodes_ptr, parent_ptr, token_ptr, depth_ptr, ex
         kept = tl.load(kept_ptr + b * M + v, mask=v < n_nodes, other=0).to(tl.int1)
         li = carry + tl.cumsum(kept.to(tl.int32), axis=0) - 1
         tl.store(lin_of_ptr + b * M + v, tl.where(kept, li, -1).to(tl.int64), mask=v < M)
-        tl.store(node_ptr + b * L + li, v.to(tl.int64), mask=kept)
+        tl.store(node_ptr + b * L + li, v.to(tl.int64), mask=kept & (li < L))  # more kept than L: no overrun
         carry += tl.sum(kept.to(tl.int32), axis=0)
-    k = carry
-    tl.store(n_ptr + b, k.to(tl.int64))
+    tl.store(n_ptr + b, carry.to(tl.int64))
+    k = tl.minimum(carry, L)  # indexing bound only: n keeps the true count
     tl.debug_barrier()
     # 2. per linear node: tables gathered through its id
     i = tl.arange(0, BLOCK_L)
@@ -131,11 +136,14 @@ def linearize_kernel(kept_ptr, n_nodes_ptr, parent_ptr, token_ptr, depth_ptr, ex
             up = tl.load(bits_ptr + (b * L + par) * W + w, mask=at & (par >= 0), other=0)
             tl.store(bits_ptr + (b * L + i) * W + w, up | own, mask=at)
         tl.debug_barrier()
-    j = tl.arange(0, BLOCK_L)
-    words = tl.load(bits_ptr + (b * L + i[:, None]) * W + (j[None, :] // 64),
-                    mask=real[:, None] & (j[None, :] < L), other=0)
-    m2 = ((words >> (j[None, :] % 64).to(tl.int64)) & 1) != 0
-    tl.store(mask_ptr + (b * L + i[:, None]) * L + j[None, :], m2, mask=(i[:, None] < L) & (j[None, :] < L))
+    # dense mask in COL_TILE-wide column tiles: a [BLOCK_L, BLOCK_L] int64 tile spills
+    # kilobytes per thread (and compiles for minutes) from BLOCK_L = 256 up
+    for js in range(0, BLOCK_L, COL_TILE):
+        j = js + tl.arange(0, COL_TILE)
+        words = tl.load(bits_ptr + (b * L + i[:, None]) * W + (j[None, :] // 64),
+                        mask=real[:, None] & (j[None, :] < L), other=0)
+        m2 = ((words >> (j[None, :] % 64).to(tl.int64)) & 1) != 0
+        tl.store(mask_ptr + (b * L + i[:, None]) * L + j[None, :], m2, mask=(i[:, None] < L) & (j[None, :] < L))
     # 4. one path per leaf (no kept child), walked upwards
     tl.debug_barrier()
     nch = tl.load(nch_ptr + b * L + i, mask=real, other=1)
@@ -150,8 +158,14 @@ def linearize_kernel(kept_ptr, n_nodes_ptr, parent_ptr, token_ptr, depth_ptr, ex
     tl.store(n_paths_ptr + b, tl.sum(leaf.to(tl.int32), axis=0).to(tl.int64))
 
 
-def linearize(kept, n_nodes, parent, token, depth, exp_row, prefix_len, budget, max_depth) -> Linear:
-    """Same contract as ``reference.linearize`` (L = 1 + budget must fit one block)."""
+def linearize(kept, n_nodes, parent, token, depth, exp_row, prefix_len, budget, max_depth,
+              trim_paths: bool = True) -> Linear:
+    """Same contract as ``reference.linearize`` (L = 1 + budget must fit one block).
+
+    ``trim_paths=False`` returns ``paths`` at full width ``[B, L, D + 1]`` (rows past
+    ``n_paths`` are -1) instead of cutting it to ``max(n_paths)`` rows: cutting needs the
+    value on the host, a device-to-host sync per call that also blocks CUDA-graph capture.
+    """
     B, M = kept.shape
     L, D = 1 + budget, max_depth
     W = (L + 63) // 64
@@ -164,9 +178,17 @@ def linearize(kept, n_nodes, parent, token, depth, exp_row, prefix_len, budget, 
     bits = full(B, L, W, v=0)
     paths = full(B, L, D + 1)
     lin_of = full(B, M)
-    linearize_kernel[(B,)](kept.contiguous(), n_nodes, parent.contiguous(), token.contiguous(), depth.contiguous(),
+    n_nodes, prefix_len = n_nodes.to(dev), prefix_len.to(dev)
+    # [BLOCK_L, COL_TILE] int64 mask tiles of <= 4096 words: spill-free on sm_90 up to budget 511
+    # (scripts/aot_sm90.py); BLOCK_M up to 1024 for the id scan
+    block_l = triton.next_power_of_2(L)
+    col_tile = max(1, min(64, 4096 // block_l))
+    col_tile = min(col_tile, block_l)
+    linearize_kernel[(B,)](kept.contiguous(), n_nodes.contiguous(), parent.contiguous(), token.contiguous(), depth.contiguous(),
                            exp_row.contiguous(), prefix_len.contiguous(), lin_of, n, node, tok, pos, par, dep, erow,
                            first, nch, mask, bits, paths, n_paths, M, L, W=W, D=D,
-                           BLOCK_M=min(1024, triton.next_power_of_2(M)), BLOCK_L=triton.next_power_of_2(L))
-    P = int(n_paths.max())
-    return Linear(n, node, tok, pos, par, dep, mask, bits, paths[:, :P].contiguous(), n_paths, first, nch, erow)
+                           BLOCK_M=min(1024, block_l * 4), BLOCK_L=block_l, COL_TILE=col_tile,
+                           num_warps=8 if block_l >= 256 else 4)
+    if trim_paths:
+        paths = paths[:, :int(n_paths.max())].contiguous()
+    return Linear(n, node, tok, pos, par, dep, mask, bits, paths, n_paths, first, nch, erow)

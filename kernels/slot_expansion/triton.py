@@ -31,35 +31,45 @@ def _q_block(logits_ptr, row, offs, V, INV_T, mx, ssum):
 def slot_expansion_kernel(logits_ptr, parent_score_ptr, noise_ptr, cand_tok_ptr, cand_q_ptr,
                           sup_token_ptr, sup_q_ptr, z_ptr, y_rank_ptr, y_token_ptr, y_qtilde_ptr,
                           child_token_ptr, child_q_ptr, child_weight_ptr, child_score_ptr,
-                          V, noise_stride, INV_T: tl.constexpr, S: tl.constexpr, S_BLOCK: tl.constexpr,
-                          M: tl.constexpr, K: tl.constexpr, PROXY: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+                          V, noise_stride, INV_T, S: tl.constexpr, S_BLOCK: tl.constexpr,
+                          S_TILE: tl.constexpr, M: tl.constexpr, K: tl.constexpr, PROXY: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    # int64 row: row * V overflows int32 past ~16.7k rows at V = 128k
+    row = tl.program_id(0).to(tl.int64)
     offs0 = tl.arange(0, BLOCK)
-    # -- softmax statistics (online max / sum) -------------------------------------------
-    mx = tl.full((), float("-inf"), tl.float32)
-    ssum = tl.full((), 0.0, tl.float32)
+    # -- softmax statistics: per-lane running max / sum, reduced once after the loop -----
+    # (one cross-warp reduction instead of two per block). A lane that has seen only -inf
+    # keeps max -inf; ``safe`` keeps exp(-inf - -inf) = NaN out of its sum (item 7).
+    mx_v = tl.full([BLOCK], float("-inf"), tl.float32)
+    s_v = tl.zeros([BLOCK], tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + offs0
         x = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * INV_T
-        new_mx = tl.maximum(mx, tl.max(x, axis=0))
-        ssum = ssum * tl.exp(mx - new_mx) + tl.sum(tl.exp(x - new_mx), axis=0)
-        mx = new_mx
+        new_mx = tl.maximum(mx_v, x)
+        safe = tl.where(new_mx == float("-inf"), 0.0, new_mx)
+        s_v = s_v * tl.exp(mx_v - safe) + tl.exp(x - safe)
+        mx_v = new_mx
+    mx = tl.max(mx_v, axis=0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    ssum = tl.sum(s_v * tl.exp(mx_v - mx_safe), axis=0)
+    mx = mx_safe
     # -- S-th largest bit pattern: largest t with #{bits >= t} >= S ----------------------
     t = tl.full((), 0, tl.int32)
     for i in range(0, 31):
         cand = t | (1 << (30 - i))
-        cnt = tl.full((), 0, tl.int32)
+        cnt_v = tl.zeros([BLOCK], tl.int32)
         for start in range(0, V, BLOCK):
             q = _q_block(logits_ptr, row, start + offs0, V, INV_T, mx, ssum)
             bits = q.to(tl.int32, bitcast=True)
-            cnt += tl.sum(((bits >= cand) & (q >= 0)).to(tl.int32), axis=0)
-        t = tl.where(cnt >= S, cand, t)
+            cnt_v += ((bits >= cand) & (q >= 0)).to(tl.int32)
+        t = tl.where(tl.sum(cnt_v, axis=0) >= S, cand, t)
     # -- compaction in id order: all above t, then the first (S - above) equal to t -------
-    above = 0
+    above_v = tl.zeros([BLOCK], tl.int32)
     for start in range(0, V, BLOCK):
         q = _q_block(logits_ptr, row, start + offs0, V, INV_T, mx, ssum)
         bits = q.to(tl.int32, bitcast=True)
-        above += tl.sum(((bits > t) & (q >= 0)).to(tl.int32), axis=0)
+        above_v += ((bits > t) & (q >= 0)).to(tl.int32)
+    above = tl.sum(above_v, axis=0)
     taken = 0
     eq_seen = 0
     for start in range(0, V, BLOCK):
@@ -71,18 +81,29 @@ def slot_expansion_kernel(logits_ptr, parent_score_ptr, noise_ptr, cand_tok_ptr,
         eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
         sel = ((bits > t) & valid) | (eq & (eq_rank < S - above))
         pos = taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(cand_tok_ptr + row * S + pos, offs.to(tl.int64), mask=sel)
-        tl.store(cand_q_ptr + row * S + pos, q, mask=sel)
+        # pos < S: an inconsistency between passes must not write into the next row
+        tl.store(cand_tok_ptr + row * S + pos, offs.to(tl.int64), mask=sel & (pos < S))
+        tl.store(cand_q_ptr + row * S + pos, q, mask=sel & (pos < S))
         taken += tl.sum(sel.to(tl.int32), axis=0)
         eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+    # the candidates are reloaded below by other threads than the ones that stored them
+    tl.debug_barrier()
     # -- rank the S candidates: q desc, id asc --------------------------------------------
+    # (S x S comparisons in S_TILE-wide column tiles, tokens as int32: bounded registers)
     si = tl.arange(0, S_BLOCK)
     smask = si < S
     ctok = tl.load(cand_tok_ptr + row * S + si, mask=smask, other=0)
+    ctok32 = ctok.to(tl.int32)
     cq = tl.load(cand_q_ptr + row * S + si, mask=smask, other=-1.0)
-    better = ((cq[None, :] > cq[:, None]) | ((cq[None, :] == cq[:, None]) & (ctok[None, :] < ctok[:, None]))) \
-        & smask[None, :]
-    rank = tl.sum(better.to(tl.int32), axis=1)
+    rank = tl.zeros([S_BLOCK], tl.int32)
+    for js in range(0, S_BLOCK, S_TILE):
+        sj = js + tl.arange(0, S_TILE)
+        jmask = sj < S
+        tj = tl.load(cand_tok_ptr + row * S + sj, mask=jmask, other=0).to(tl.int32)
+        qj = tl.load(cand_q_ptr + row * S + sj, mask=jmask, other=-1.0)
+        better = ((qj[None, :] > cq[:, None]) | ((qj[None, :] == cq[:, None]) & (tj[None, :] < ctok32[:, None]))) \
+            & jmask[None, :]
+        rank += tl.sum(better.to(tl.int32), axis=1)
     tl.store(sup_token_ptr + row * S + rank, ctok, mask=smask)
     tl.store(sup_q_ptr + row * S + rank, cq, mask=smask)
     tl.debug_barrier()
@@ -142,7 +163,7 @@ def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torc
     logits = logits.contiguous()
     if noise.dim() != 2 or noise.shape[0] != n:
         noise = torch.zeros(n, 1, dtype=torch.float64, device=dev)
-    noise = noise.to(torch.float64).contiguous()
+    noise = noise.to(device=dev, dtype=torch.float64).contiguous()
     ilong = lambda *sh: torch.full(sh, -1, dtype=torch.int64, device=dev)  # noqa: E731
     f32 = lambda *sh: torch.zeros(sh, dtype=torch.float32, device=dev)  # noqa: E731
     out = SlotExpansion(ilong(n, s), f32(n, s), torch.full((n,), s, dtype=torch.int64, device=dev), f32(n),
@@ -150,10 +171,12 @@ def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torc
     if n == 0:
         return out
     cand_tok, cand_q = ilong(n, s), f32(n, s)
+    s_block = triton.next_power_of_2(s)
     slot_expansion_kernel[(n,)](
-        logits, parent_score.to(torch.float32).contiguous(), noise, cand_tok, cand_q,
+        logits, parent_score.to(device=dev, dtype=torch.float32).contiguous(), noise, cand_tok, cand_q,
         out.sup_token, out.sup_q, out.z, out.y_rank, out.y_token, out.y_qtilde,
         out.child_token, out.child_q, out.child_weight, out.child_score,
-        V, noise.shape[1], INV_T=1.0 / temperature, S=s, S_BLOCK=triton.next_power_of_2(s), M=m, K=K,
-        PROXY=PROXY_CODES[proxy], BLOCK=min(block, triton.next_power_of_2(V)))
+        V, noise.shape[1], 1.0 / temperature, S=s, S_BLOCK=s_block, S_TILE=min(s_block, 32 if s_block <= 128 else 16),
+        M=m, K=K, PROXY=PROXY_CODES[proxy], BLOCK=min(block, triton.next_power_of_2(V)),
+        num_warps=4 if s_block <= 128 else 8)  # spill-free on sm_90 at S = 128 and 256 (scripts/aot_sm90.py)
     return out

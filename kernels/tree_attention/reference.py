@@ -25,11 +25,13 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """``out [B, Hq, L, d]`` for queries ``q [B, Hq, L, d]`` over cached ``k/v_cache
     [B, Hkv, P, d]`` (first ``prefix_len[b]`` valid) and the tree's own ``k/v_tree
     [B, Hkv, L, d]``; ``Hq`` a multiple of ``Hkv`` (query head h reads kv head
-    ``h // (Hq / Hkv)``). Rows with nothing visible come out NaN (as SDPA's)."""
+    ``h // (Hq / Hkv)``). Rows with nothing visible come out 0 (SDPA would give NaN, which
+    the next layer would spread to every row that reads that row's keys and values)."""
     B, Hq, L, d = q.shape
     Hkv, P = k_cache.shape[1], k_cache.shape[2]
     g = Hq // Hkv
     k = torch.cat([k_cache, k_tree], dim=2).repeat_interleave(g, dim=1)
     v = torch.cat([v_cache, v_tree], dim=2).repeat_interleave(g, dim=1)
     mask = dense_mask(prefix_len, ancestor_bits, P)[:, None]
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return torch.where(mask.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -107,59 +107,79 @@ def _time_cuda(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def cuda_section(vocab: int, reps: int, out) -> None:
+def cuda_section(vocab: int, reps: int, out, device: str = "cuda", batches=(1, 8, 64), prefix: int = 1024,
+                 heads=((32, 8, 128), (9, 3, 64))) -> None:
+    """Per-kernel CUDA-event times. Every input is made on the device before the clock starts
+    (no host-to-device copy inside a timed call); p and the noise are float32, as the decode
+    loop hands them over (the kernels upcast in registers). ``device="cpu"`` (with
+    ``TRITON_INTERPRET=1``) runs the same code at toy sizes: a smoke test, not a timing."""
     # Triton kernels: imported only when a GPU section runs.
     from rheoplan.kernels.plan import reference as pref, triton as ptk
     from rheoplan.kernels.slot_expansion import triton as stk
     from rheoplan.kernels.tree_attention import reference as aref, triton as atk
-    from rheoplan.kernels.verify import reference as vref, triton as vtk
+    from rheoplan.kernels.verify import triton as vtk
 
-    dev = "cuda"
+    dev = device
     cfg = _tree_cfg()
-    print(f"\n# CUDA {torch.cuda.get_device_name()}; vocab={vocab}; median us over {reps} reps", file=out)
-    print(f"{'kernel':<22} {'batch':>5} {'triton us':>10} {'torch ref us':>13}", file=out)
-    for B in (1, 8, 64):
-        g = torch.Generator().manual_seed(B)
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter smoke run)"
+    timer = _time_cuda if dev == "cuda" else (lambda fn, r: 1e6 * _time_cpu(fn, r))
+    print(f"\n# CUDA {name}; vocab={vocab}; median us over {reps} reps", file=out)
+    print(f"{'kernel':<26} {'batch':>5} {'triton us':>10} {'torch ref us':>13}", file=out)
+    for B in batches:
+        g = torch.Generator(device=dev).manual_seed(B)
         n = B * cfg.frontier
-        logits = (torch.randn(n, vocab, generator=g) * 3).to(dev)
+        logits = torch.randn(n, vocab, generator=g, device=dev) * 3
         parent = torch.zeros(n, device=dev)
         noise = torch.zeros(n, 128, dtype=torch.float64, device=dev)
         kw = dict(temperature=1.0, support=128, rheostat=1, slots=10)
-        t_k = _time_cuda(lambda: stk.slot_expansion(logits, parent, noise, **kw), reps)
-        t_r = _time_cuda(lambda: torch.sort(torch.softmax(logits, -1), dim=-1, descending=True, stable=True),
-                         reps)
-        print(f"{'slot_expansion':<22} {B:>5} {t_k:10.1f} {t_r:13.1f}  (ref: softmax + stable sort only)", file=out)
-        bank = torch.randn(64, 512, generator=g)
-        tree = plan_tree(lambda t, nd: bank[(nd.clamp(min=0) + t.cur_depth) % 64], list(range(B)), tree=cfg,
+        t_k = timer(lambda: stk.slot_expansion(logits, parent, noise, **kw), reps)
+        t_r = timer(lambda: torch.topk(torch.softmax(logits, -1), 128, dim=-1), reps)
+        print(f"{'slot_expansion':<26} {B:>5} {t_k:10.1f} {t_r:13.1f}  (ref: torch softmax + topk only)", file=out)
+        cpu_bank = torch.randn(64, 512, generator=torch.Generator().manual_seed(B))
+        tree = plan_tree(lambda t, nd: cpu_bank[(nd.clamp(min=0) + t.cur_depth) % 64], list(range(B)), tree=cfg,
                          sampling=SamplingConfig())
         d = lambda x: x.to(dev)  # noqa: E731
-        t_k = _time_cuda(lambda: ptk.prune_topn(d(tree.score), d(tree.n_nodes), 60), reps)
-        t_r = _time_cuda(lambda: pref.prune_topn(tree.score, tree.n_nodes, 60), max(3, reps // 10))
-        print(f"{'prune_topn':<22} {B:>5} {t_k:10.1f} {t_r:13.1f}  (ref on CPU)", file=out)
+        score, n_nodes = d(tree.score), d(tree.n_nodes)
+        t_k = timer(lambda: ptk.prune_topn(score, n_nodes, 60), reps)
+        t_r = timer(lambda: pref.prune_topn(tree.score, tree.n_nodes, 60), max(3, reps // 10))
+        print(f"{'prune_topn':<26} {B:>5} {t_k:10.1f} {t_r:13.1f}  (ref on CPU)", file=out)
         la = (d(tree.kept), d(tree.n_nodes), d(tree.parent), d(tree.token), d(tree.depth), d(tree.exp_row),
               d(tree.prefix_len))
-        t_k = _time_cuda(lambda: ptk.linearize(*la, 60, 8), reps)
-        print(f"{'linearize':<22} {B:>5} {t_k:10.1f} {'-':>13}", file=out)
-        p = torch.softmax(torch.randn(n, vocab, generator=g, dtype=torch.float64), -1).to(dev)
-        tok = torch.arange(128).repeat(n, 1).to(dev)
-        q = torch.full((n, 128), 1 / 128).to(dev)
+        t_k = timer(lambda: ptk.linearize(*la, 60, 8, trim_paths=False), reps)
+        print(f"{'linearize (no host sync)':<26} {B:>5} {t_k:10.1f} {'-':>13}", file=out)
+        p = torch.softmax(torch.randn(n, vocab, generator=g, device=dev), -1)
+        tok = torch.arange(128, device=dev).repeat(n, 1)
+        q = torch.full((n, 128), 1 / 128, device=dev)
         sn = torch.full((n,), 128, device=dev)
         yy = torch.full((n,), 5, device=dev)
-        u = torch.rand(n, dtype=torch.float64).to(dev)
-        gg = torch.randn(n, vocab, dtype=torch.float64).to(dev)
-        t_k = _time_cuda(lambda: vtk.coupling_rows(p, tok, q, sn, 1, 10, yy, "ot", u, gg), reps)
-        print(f"{'coupling_rows (ot)':<22} {B:>5} {t_k:10.1f} {'-':>13}", file=out)
-        Hq, Hkv, Lq, P, dh = 32, 8, 61, 1024, 128
-        qa = torch.randn(B, Hq, Lq, dh, device=dev, dtype=torch.float16)
-        kc = torch.randn(B, Hkv, P, dh, device=dev, dtype=torch.float16)
-        kt = torch.randn(B, Hkv, Lq, dh, device=dev, dtype=torch.float16)
-        bits = d(tree.linear.ancestor_bits) if tree.linear.ancestor_bits.shape[1] == Lq else \
-            torch.full((B, Lq, 1), -1, dtype=torch.int64, device=dev)
+        u = torch.rand(n, dtype=torch.float64, generator=g, device=dev)
+        gg = torch.randn(n, vocab, generator=g, device=dev)
+        t_k = timer(lambda: vtk.coupling_rows(p, tok, q, sn, 1, 10, yy, "ot", u, gg), reps)
+        print(f"{'coupling_rows (ot)':<26} {B:>5} {t_k:10.1f} {'-':>13}", file=out)
+        lin = tree.linear
+        Lw = lin.token.shape[1]
+        pw = torch.softmax(torch.randn(B, Lw, vocab, generator=g, device=dev) * 3, -1)
+        y = torch.tensor([[node_y(tree, b, r) for r in range(tree.y_token.shape[1])] for b in range(B)])
+        wargs = [pw, None, None, d(lin.token), d(lin.first_child), d(lin.n_children), d(lin.exp_row),
+                 d(tree.sup_token), d(tree.sup_q), d(tree.sup_n), d(y), tree.rheostat, tree.slots, "ot"]
+        noise_w = vtk.WalkNoise(7, 1, d(lin.node), torch.arange(B, device=dev), 2, 3)
+        t_k = timer(lambda: vtk.verify_walk(*wargs, noise=noise_w), reps)
+        print(f"{'verify_walk (noise in kernel)':<26} {B:>5} {t_k:10.1f} {'-':>13}", file=out)
+        Lq, P = 61, prefix
+        bits = torch.full((B, Lq, 1), -1, dtype=torch.int64, device=dev)  # every node sees every node
         plen = torch.full((B,), P, device=dev)
-        t_k = _time_cuda(lambda: atk.tree_attention(qa, kc, kc, kt, kt, plen, bits, block_m=64, block_n=64), reps)
-        t_r = _time_cuda(lambda: aref.tree_attention(qa, kc, kc, kt, kt, plen, bits), reps)
-        print(f"{'tree_attention':<22} {B:>5} {t_k:10.1f} {t_r:13.1f}  (SDPA, dense mask; P=1024 Hq=32 Hkv=8)",
-              file=out)
+        for Hq, Hkv, dh in heads:
+            qa = torch.randn(B, Hq, Lq, dh, device=dev, dtype=torch.bfloat16)
+            kc = torch.randn(B, Hkv, P, dh, device=dev, dtype=torch.bfloat16)
+            kt = torch.randn(B, Hkv, Lq, dh, device=dev, dtype=torch.bfloat16)
+            t_k = timer(lambda: atk.tree_attention(qa, kc, kc, kt, kt, plen, bits), reps)
+            # the reference's cost without building its mask: SDPA on the dense mask made once
+            mask = aref.dense_mask(plen, bits, P)[:, None]
+            kk = torch.cat([kc, kt], 2).repeat_interleave(Hq // Hkv, 1)
+            t_r = timer(lambda: torch.nn.functional.scaled_dot_product_attention(qa, kk, kk, attn_mask=mask),
+                             reps)
+            print(f"{'tree_attention bf16':<26} {B:>5} {t_k:10.1f} {t_r:13.1f}  (SDPA, dense mask; P={P} Hq={Hq} "
+                  f"Hkv={Hkv} d={dh})", file=out)
         out.flush()
 
 
@@ -185,7 +205,7 @@ def main(argv=None) -> int:
             if not torch.cuda.is_available():
                 print("--cuda: no CUDA device; skipped", file=out)
             else:
-                cuda_section(max(args.vocab), max(args.reps, 20), out)
+                cuda_section(max(args.vocab), args.reps, out)
     finally:
         if out is not sys.stdout:
             out.close()

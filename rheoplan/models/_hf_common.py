@@ -74,16 +74,19 @@ def _cache_kwarg(base: torch.nn.Module) -> str:
 
 
 def run_base(base: torch.nn.Module, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-             allowed: torch.Tensor) -> torch.Tensor:
+             allowed: torch.Tensor | None, **attention_kwargs) -> torch.Tensor:
     """One forward of the decoder stack; appends to ``cache``; returns hidden ``[q, H]``.
 
     ``allowed`` is the bool mask ``[q, cached + q]`` (rows: new tokens, columns: cached then
-    new entries); it is passed as a 4D additive mask so any tree shape works.
+    new entries); it is passed as a 4D additive mask so any tree shape works. ``None`` passes
+    no mask: only for an attention implementation that gets its mask another way (the tree
+    attention kernel reads ``attention_kwargs["rheoplan_tree"]``, which transformers hands
+    down to every attention call).
     """
     dtype = next(base.parameters()).dtype
-    mask = additive_mask(allowed, dtype)
+    mask = None if allowed is None else additive_mask(allowed, dtype)
     out = base(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask,
-               use_cache=True, **{_cache_kwarg(base): cache})
+               use_cache=True, **{_cache_kwarg(base): cache}, **attention_kwargs)
     return out.last_hidden_state[0]
 
 

@@ -30,6 +30,9 @@ from rheoplan.models._hf_common import (
     run_base, select_cache,
 )
 from rheoplan.models.functional import check_commit_path
+from rheoplan.models.tree_attention import (
+    TreeAttentionArgs, check_tree_attention_available, tree_attention_active,
+)
 
 
 def eagle3_layers(num_layers: int) -> list[int]:
@@ -165,6 +168,24 @@ class HFTarget(TargetModel):
         self._prompt_features: torch.Tensor | None = None
         self._tree: LinearTree | None = None  #: last verified tree (its entries sit after the prefix)
         self._prefix = 0  #: committed entries in the cache
+        self._tree_attention = False  #: verify forward through the Triton tree-attention kernel
+        self._tree_attention_tf32 = False
+
+    def use_tree_attention(self, enabled: bool = True, allow_tf32: bool = False) -> None:
+        """Run the verify forward (``forward_tree``) through the Triton tree-attention kernel,
+        registered as a transformers attention implementation (``rheoplan.models.tree_attention``);
+        prefill (``start``) keeps the model's own attention. Needs the model on a CUDA device,
+        or on the CPU under ``TRITON_INTERPRET=1``; raises before any model work otherwise.
+        ``allow_tf32`` lets a float32 model use TF32 dots in the kernel (GPU only)."""
+        if enabled:
+            check_tree_attention_available(self.device)
+        self._tree_attention = bool(enabled)
+        self._tree_attention_tf32 = bool(allow_tf32)
+
+    @property
+    def tree_attention(self) -> bool:
+        """Whether ``forward_tree`` runs the Triton tree-attention kernel."""
+        return self._tree_attention
 
     def close(self) -> None:
         """Remove the feature-capture hooks from the model (they would outlive this adapter)."""
@@ -241,8 +262,17 @@ class HFTarget(TargetModel):
         if int(tok.min()) < 0 or int(tok.max()) >= self.vocab_size:
             raise ValueError(f"linear.token holds ids outside [0, {self.vocab_size}) in its first "
                              f"n={n} slots")
-        allowed = prefix_and_block_mask(self._prefix, linear.ancestor_mask[0, :n, :n].to(self.device))
-        hidden = run_base(self.base, self.cache, tok, pos, allowed)
+        if self._tree_attention:
+            # The Triton kernel reads the ancestor words; no dense [n, prefix + n] mask is built.
+            words = (n + 63) // 64
+            args = TreeAttentionArgs(torch.full((1,), self._prefix, dtype=torch.int64, device=self.device),
+                                     linear.ancestor_bits[:1, :n, :words].to(self.device),
+                                     allow_tf32=self._tree_attention_tf32)
+            with tree_attention_active(self.model):
+                hidden = run_base(self.base, self.cache, tok, pos, None, rheoplan_tree=args)
+        else:
+            allowed = prefix_and_block_mask(self._prefix, linear.ancestor_mask[0, :n, :n].to(self.device))
+            hidden = run_base(self.base, self.cache, tok, pos, allowed)
         self._tree = linear
         return HFTreeLogits(hidden, self.head, self._features())
 

@@ -65,3 +65,33 @@ def test_triton_matches_reference(device):
     assert torch.equal(kept, tk.prune_topn(d(score), d(t.n_nodes), budget).cpu())
     args = (t.kept, t.n_nodes, t.parent, t.token, t.depth, t.exp_row, t.prefix_len)
     _equal(reference.linearize(*args, budget, 3), tk.linearize(*(d(x) for x in args), budget, 3))
+
+
+@pytest.mark.interpreter
+def test_triton_linearize_untrimmed_paths(device):
+    """trim_paths=False: no host sync; the first n_paths rows equal the trimmed paths, the
+    rest are -1 (readiness item 14)."""
+    from rheoplan.kernels.plan import triton as tk
+
+    budget = 12
+    t = _tree(budget, depth=3, frontier=2, slots=3, seed=6)
+    args = [x.to(device) for x in (t.kept, t.n_nodes, t.parent, t.token, t.depth, t.exp_row, t.prefix_len)]
+    trimmed = tk.linearize(*args, budget, 3)
+    full = tk.linearize(*args, budget, 3, trim_paths=False)
+    P = trimmed.paths.shape[1]
+    assert full.paths.shape == (3, 1 + budget, 4)
+    assert torch.equal(full.paths[:, :P].cpu(), trimmed.paths.cpu())
+    assert (full.paths[:, P:] == -1).all()
+
+
+@pytest.mark.interpreter
+def test_triton_linearize_two_words(device):
+    """More than 64 linear nodes: two bit-words and two 64-wide column tiles of the mask."""
+    from rheoplan.kernels.plan import triton as tk
+
+    t = _tree(80, depth=4, frontier=4, slots=5, seed=3)
+    assert int(t.linear.n.max()) > 64
+    args = (t.kept, t.n_nodes, t.parent, t.token, t.depth, t.exp_row, t.prefix_len)
+    _equal(reference.linearize(*args, 80, 4), tk.linearize(*(x.to(device) for x in args), 80, 4))
+    kept = reference.prune_topn(t.score, t.n_nodes, 80)
+    assert torch.equal(kept, tk.prune_topn(t.score.to(device), t.n_nodes.to(device), 80).cpu())

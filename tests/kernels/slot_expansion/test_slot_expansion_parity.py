@@ -77,3 +77,40 @@ def test_triton_matches_reference(logit_rows, device, V, S, m, K, proxy, T):
     ref = reference.slot_expansion(logits, parent, noise, **kw)
     got = tk.slot_expansion(logits.to(device), parent.to(device), noise.to(device), block=16, **kw)
     _assert_same(ref, type(ref)(*(x.cpu() for x in got)), float_exact=False)
+
+
+@pytest.mark.interpreter
+def test_triton_first_block_all_minus_inf(device):
+    """A row whose first BLOCK logits are all -inf (readiness item 7): exp(-inf - -inf) must
+    not turn the softmax sum into NaN (the whole support came back as token -1)."""
+    from rheoplan.kernels.slot_expansion import triton as tk
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    logits[0, :16] = float("-inf")
+    logits[1, :32] = float("-inf")
+    parent = torch.zeros(3)
+    noise = _noise(3, 8, 1)
+    kw = dict(temperature=1.0, support=8, rheostat=1, slots=4)
+    ref = reference.slot_expansion(logits, parent, noise, **kw)
+    got = tk.slot_expansion(logits.to(device), parent.to(device), noise.to(device), block=16, **kw)
+    assert (got.sup_token.cpu() >= 0).all()
+    _assert_same(ref, type(ref)(*(x.cpu() for x in got)), float_exact=False)
+
+
+@pytest.mark.interpreter
+def test_triton_temperature_is_a_runtime_argument(logit_rows, device):
+    """Two temperatures, one compiled kernel (readiness item 9: INV_T was a constexpr)."""
+    from rheoplan.kernels.slot_expansion import triton as tk
+
+    logits = logit_rows(4, 24, seed=3)
+    parent, noise = -torch.rand(4), _noise(4, 8, 1)
+    for T in (0.6, 1.4):
+        kw = dict(temperature=T, support=8, rheostat=1, slots=3)
+        ref = reference.slot_expansion(logits, parent, noise, **kw)
+        got = tk.slot_expansion(logits.to(device), parent.to(device), noise.to(device), block=16, **kw)
+        _assert_same(ref, type(ref)(*(x.cpu() for x in got)), float_exact=False)
+    import inspect
+
+    params = inspect.signature(tk.slot_expansion_kernel.fn).parameters  # .fn: the Python function
+    constexprs = [name for name, p in params.items() if "constexpr" in str(p.annotation)]
+    assert "INV_T" not in constexprs and "S" in constexprs

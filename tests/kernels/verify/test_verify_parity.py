@@ -93,3 +93,86 @@ def test_triton_walk(device, verifier):
     got = tk.verify_walk(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in args), block=8)
     for name, a, b in zip(ref._fields, ref, got):
         assert torch.equal(a, b.cpu()), name
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("verifier", ["rheo", "ot"])
+def test_triton_native_dtype_and_reused_scratch(device, verifier):
+    """float32 p and gumbel go in as they are (upcast in the kernel, readiness item 15): the
+    result equals the reference on the same values in float64; a second call on the reused
+    scratch (left zeroed by the first) gives the same tokens."""
+    from rheoplan.kernels.verify import triton as tk
+
+    m, K = 1, 4
+    p, tok, q, n, y, u, g = _rows(8, 20, 8, m, K, seed=11)
+    p32, g32 = p.float(), g.float()
+    ref = reference.coupling_rows(p32.double(), tok, q, n, m, K, y, verifier, u, g32.double())
+    d = lambda x: x.to(device)  # noqa: E731
+    for _ in range(2):
+        got = tk.coupling_rows(d(p32), d(tok), d(q), d(n), m, K, d(y), verifier, d(u), d(g32), block=8)
+        assert torch.equal(ref, got.cpu())
+    scratch = tk._law_scratch(torch.device(device), 8, 20)
+    assert not scratch.any()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("verifier", ["onehot", "ot"])
+def test_triton_walk_in_kernel_noise(device, verifier):
+    """noise=WalkNoise: the walk draws its uniforms and Gumbel noise in the kernel (readiness
+    item 18) from the streams rheoplan.verify.walk reads (node = creation id, tree = batch
+    index); same emitted tokens and paths as the reference given those numbers from Streams."""
+    from rheoplan.kernels.verify import triton as tk
+    from rheoplan.rng import Purpose, Streams
+
+    args = list(_walk_args(verifier))
+    node = plan_tree_node_ids(args)
+    B, L, V = args[0].shape
+    seed, step = 12345, 3
+    st = Streams(seed)
+    u = torch.zeros(B, L, dtype=torch.float64)
+    g = torch.zeros(B, L, V, dtype=torch.float64)
+    for b in range(B):
+        for i in range(L):
+            if node[b, i] >= 0:
+                u[b, i] = st.uniform(step, b, int(node[b, i]), Purpose.VERIFY_ACCEPT, 1)[0]
+                g[b, i] = st.gumbel(step, b, int(node[b, i]), Purpose.VERIFY_RESIDUAL, V)
+    args[1], args[2] = u, g
+    ref = reference.verify_walk(*args)
+    noise = tk.WalkNoise(seed, step, node, torch.arange(B), int(Purpose.VERIFY_ACCEPT), int(Purpose.VERIFY_RESIDUAL))
+    dev_args = [x.to(device) if isinstance(x, torch.Tensor) else x for x in args]
+    dev_args[1] = dev_args[2] = None
+    got = tk.verify_walk(*dev_args, block=8, noise=noise)
+    for name, a, b in zip(ref._fields, ref, got):
+        assert torch.equal(a, b.cpu()), name
+    # control: another step's streams give another walk somewhere (the noise is really read)
+    other = tk.verify_walk(*dev_args, block=8, noise=noise._replace(step=step + 1))
+    assert not torch.equal(other.emitted.cpu(), ref.emitted)
+
+
+def plan_tree_node_ids(args):
+    """Creation ids of the linear nodes of the tree _walk_args planned (LinearTree.node)."""
+    V = 12
+    cfg, sampling = TreeConfig(depth=3, frontier=2, slots=4, budget=8, support=8), SamplingConfig()
+    gen = torch.Generator().manual_seed(3)
+    bank = torch.randn(64, V, generator=gen)
+    draft = lambda t, nodes: bank[(nodes.clamp(min=0) * 7 + t.cur_depth) % 64].expand(nodes.shape[0], -1, -1)
+    tree = plan_tree(draft, [1, 2, 3], tree=cfg, sampling=sampling, seed=5)
+    assert torch.equal(tree.linear.token, args[3])
+    return tree.linear.node
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("seed,step,tree,node,purpose", [(0, 0, 0, 0, 1), (7, 3, 2, 17, 3), (2 ** 62 + 5, 1000, 63, 499, 2)])
+def test_philox_streams_bit_exact(device, seed, step, tree, node, purpose):
+    """In-kernel Philox4x64-10 equals numpy's Philox behind Streams bit for bit (uniforms and,
+    under the interpreter, Gumbel variables; on CUDA the Gumbel log is libdevice's: 1 ulp)."""
+    from rheoplan.kernels import philox_triton as pt
+    from rheoplan.rng import Streams
+
+    st = Streams(seed)
+    trees, nodes = torch.tensor([tree, tree + 1], device=device), torch.tensor([node, node], device=device)
+    u = pt.streams_uniform(seed, step, trees, nodes, purpose, 37).cpu()
+    assert torch.equal(u[0], st.uniform(step, tree, node, purpose, 37))
+    assert torch.equal(u[1], st.uniform(step, tree + 1, node, purpose, 37))
+    g = pt.streams_gumbel(seed, step, trees, nodes, purpose, 37).cpu()
+    torch.testing.assert_close(g[0], st.gumbel(step, tree, node, purpose, 37), rtol=4e-16, atol=0)

@@ -1,0 +1,42 @@
+"""``rheoplan.bench.gpu_e2e`` on the CPU (``--smoke``: toy models, Triton interpreter): every
+row kind of the GPU run goes through once, so the one-shot GPU run cannot die on a bug of
+the script itself. Times printed here mean nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+
+@pytest.mark.slow
+def test_smoke_rows(tmp_path, capsys):
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU smoke run under TRITON_INTERPRET=1 only")
+    from rheoplan.bench import gpu_e2e
+
+    rc = gpu_e2e.main(["--smoke", "--out", str(tmp_path), "--tokens", "3", "--warmup-tokens", "1",
+                       "--count-tokens", "1", "--temperatures", "1", "--impls", "triton", "numba", "generate"])
+    rows = json.loads((tmp_path / "gpu_e2e.json").read_text())
+    assert rc == 0, [r["error"] for r in rows]
+    kinds = {(r["draft"], r["impl"]) for r in rows}
+    assert kinds == {("none", "generate"), ("eagle3", "triton"), ("eagle3", "numba"), ("self", "triton"),
+                     ("self", "numba")}
+    for r in rows:
+        assert r["ok"] and r["tokens"] == 3 and r["tokens_per_s"] > 0, r
+        if r["impl"] != "generate":
+            assert set(r["phase_ms_per_step"]) >= {"draft", "plan", "verify_forward", "walk", "commit"}
+            assert r["same_tokens_as_numba"] in (None, True), r  # float32: the kernels change no token
+    assert "token check vs numba rows" in capsys.readouterr().out
+
+
+def test_bad_arguments_rejected(tmp_path):
+    from rheoplan.bench import gpu_e2e
+
+    with pytest.raises(SystemExit):
+        gpu_e2e.main(["--smoke", "--tokens", "0", "--out", str(tmp_path)])
