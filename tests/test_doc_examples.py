@@ -7,8 +7,10 @@ before its fence::
     <!-- example: realmodel -->
 
 Those blocks run in the real-model group (``-m realmodel``), in a namespace of their own
-per file, with ``load_smollm2`` loading the model once for the whole group. Nothing is
-skipped: a block that is not meant to run must not be fenced as ``python``.
+per file, with ``load_smollm2`` loading the model once for the whole group. A block
+tagged ``gpu`` (``<!-- example: realmodel gpu -->``) runs where CUDA is available and is
+skipped, saying so, elsewhere. Nothing else is skipped: a block that is not meant to run
+must not be fenced as ``python``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from _package import ROOT
 from rheoplan.models import smollm
 
-REALMODEL_TAG = "<!-- example: realmodel -->"
+TAG = re.compile(r"^<!-- example:((?: (?:realmodel|gpu))+) -->$")
 FENCE = re.compile(r"^```python\s*$")
 
 
@@ -32,7 +35,11 @@ class Block:
     path: Path
     line: int  #: 1-based line of the first code line
     code: str
-    realmodel: bool
+    tags: frozenset[str]  #: from the tag line before the fence: "realmodel", "gpu"
+
+    @property
+    def realmodel(self) -> bool:
+        return "realmodel" in self.tags
 
 
 def blocks(path: Path) -> list[Block]:
@@ -42,13 +49,14 @@ def blocks(path: Path) -> list[Block]:
     while i < len(lines):
         if FENCE.match(lines[i]):
             before = [ln for ln in lines[:i] if ln.strip()]
-            real = bool(before) and before[-1].strip() == REALMODEL_TAG
+            tag = TAG.match(before[-1].strip()) if before else None
+            tags = frozenset(tag.group(1).split()) if tag else frozenset()
             j = i + 1
             while j < len(lines) and not lines[j].startswith("```"):
                 j += 1
             if j == len(lines):
                 raise ValueError(f"{path}:{i + 1}: ```python block is never closed")
-            out.append(Block(path, i + 2, "\n".join(lines[i + 1:j]) + "\n", real))
+            out.append(Block(path, i + 2, "\n".join(lines[i + 1:j]) + "\n", tags))
             i = j
         i += 1
     return out
@@ -72,11 +80,12 @@ def _cases():
     for path in DOCS:
         bs = blocks(path)
         rel = path.relative_to(ROOT)
-        for real in (False, True):
-            mine = [b for b in bs if b.realmodel == real]
-            if mine:
-                marks = [pytest.mark.realmodel, pytest.mark.slow] if real else []
-                out.append(pytest.param(mine, id=f"{rel}{'-realmodel' if real else ''}", marks=marks))
+        for tags in sorted({b.tags for b in bs}, key=sorted):
+            mine = [b for b in bs if b.tags == tags]
+            marks = [pytest.mark.realmodel, pytest.mark.slow] if "realmodel" in tags else []
+            if "gpu" in tags:
+                marks.append(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+            out.append(pytest.param(mine, id="-".join([str(rel)] + sorted(tags)), marks=marks))
     return out
 
 
@@ -92,8 +101,6 @@ def _load_once(dtype):
 def smollm_loaded_once(monkeypatch):
     """``load_smollm2`` returns one shared (model, tokenizer) per dtype: the blocks only
     read the model, and loading it takes ~16 s."""
-    import torch
-
     monkeypatch.setattr(smollm, "load_smollm2", lambda dtype=torch.float32: _load_once(dtype))
 
 
@@ -118,7 +125,7 @@ def test_a_failing_block_fails_and_names_its_line(tmp_path):
     md.write_text("intro\n\n```python\nx = 1\n```\n\n<!-- example: realmodel -->\n```python\n"
                   "y = x + 1\nassert y == 3\n```\n")
     bs = blocks(md)
-    assert [(b.line, b.realmodel) for b in bs] == [(4, False), (9, True)]
+    assert [(b.line, b.tags) for b in bs] == [(4, frozenset()), (9, frozenset({"realmodel"}))]
     with pytest.raises(AssertionError) as e:
         run_blocks(bs)
     assert any(f.lineno + 1 == 10 and str(f.path) == str(md) for f in e.traceback)  # lineno is 0-based
