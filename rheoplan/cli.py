@@ -29,10 +29,16 @@ DEFAULT_PROMPT = "Write a short poem about the sea."
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling (the output follows exactly this law)")
+    g = p.add_argument_group("sampling (the output follows exactly this law: transformers' generate "
+                             "with the same settings)")
     g.add_argument("--temperature", "-t", type=float, help="0 = greedy (default 1.0)")
     g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default 0 = off)")
     g.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (default 1 = off)")
+    g.add_argument("--min-p", type=float,
+                   help="drop tokens below min_p x the top probability, in [0, 1] (default 0 = off)")
+    g.add_argument("--typical-p", type=float, help="typical-decoding mass in (0, 1] (default 1 = off)")
+    g.add_argument("--repetition-penalty", type=float,
+                   help="transformers' repetition penalty over prompt + output, > 0 (default 1 = off)")
     g.add_argument("--seed", type=int, help="one seed for every random draw (default 0)")
 
 
@@ -156,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def sampling_config_from(args) -> SamplingConfig:
+    """The ``SamplingConfig`` of the sampling flags (after ``--config`` and the defaults)."""
+    resolve_options(args)
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, typical_p=args.typical_p,
+                          repetition_penalty=args.repetition_penalty)
+
+
 def tree_config_from(args):
     resolve_options(args)
     if args.method == "eagle":
@@ -170,7 +184,7 @@ def tree_config_from(args):
 
 def cmd_generate(args) -> int:
     tree = tree_config_from(args)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = sampling_config_from(args)
     if args.method != "autoregressive":
         parse_draft_spec(args.draft)
     if args.max_new_tokens < 1:
@@ -196,7 +210,7 @@ def cmd_generate(args) -> int:
 
 def cmd_dump(args) -> int:
     tree = tree_config_from(args)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = sampling_config_from(args)
     if args.method == "autoregressive":
         raise ValueError("--method=autoregressive has no draft tree to dump")
     parse_draft_spec(args.draft)

@@ -140,6 +140,23 @@ def _check_eos(eos_token_id, vocab_size: int) -> set[int]:
     return {int(t) for t in ids}
 
 
+def _check_processors(processors) -> tuple:
+    if processors is None:
+        return ()
+    if callable(processors) and not isinstance(processors, (list, tuple)):
+        processors = [processors]  # one processor (a LogitsProcessorList is a list)
+    if isinstance(processors, (str, bytes)) or not hasattr(processors, "__iter__"):
+        raise TypeError(f"logits_processors={processors!r} is a {type(processors).__name__}: allowed "
+                        "None or a list of transformers LogitsProcessor objects")
+    processors = tuple(processors)
+    bad = [p for p in processors if not callable(p)]
+    if bad:
+        raise TypeError(f"logits_processors holds {bad[0]!r} ({type(bad[0]).__name__}), not callable: "
+                        "allowed transformers LogitsProcessor objects or callables "
+                        "(input_ids [1, n], scores [1, V]) -> scores")
+    return processors
+
+
 def _check_pair(tgt: TargetModel, drf: DraftModel) -> None:
     """Target/draft compatibility: vocabulary, device, the draft's own vocabulary map."""
     if drf.vocab_size != tgt.vocab_size:
@@ -150,6 +167,7 @@ def _check_pair(tgt: TargetModel, drf: DraftModel) -> None:
         raise ValueError(f"draft device={d_dev} does not match the target's: allowed "
                          f"device={t_dev} (put both models on the same device)")
     drf.check_vocab_map(tgt.vocab_size)
+    drf.check_target(tgt)
 
 
 def _check_int(name: str, value, lo: int) -> int:
@@ -210,6 +228,8 @@ class DecodeState:
     dump_steps: Collection[int] | None = (0,)
     progress: bool = False
     callback: Callable[[list[int]], None] | None = None
+    #: caller logits processors of the target law (``plan_and_decode(logits_processors=)``)
+    processors: tuple = ()
     # -- where the loop is ----------------------------------------------------------------
     root: int = field(init=False)  #: the next tree's root (last emitted token)
     prefix_len: int = field(init=False)  #: tokens committed before the root
@@ -233,7 +253,7 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                     dump_ir: str | os.PathLike | None = None,
                     dump_steps: Collection[int] | None = (0,),
                     progress: bool = False, passes=None,
-                    callback=None) -> DecodeResult:
+                    callback=None, logits_processors=None) -> DecodeResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``, losslessly.
 
     Args:
@@ -243,7 +263,9 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             any ``rheoplan.models.DraftModel``) or ``None`` for plain autoregressive sampling.
         prompt_ids: the prompt, a non-empty sequence of token ids.
         max_new_tokens: tokens to generate at most (>= 1).
-        sampling: target temperature / top-k / top-p; output follows exactly this law.
+        sampling: how the target's scores are processed (temperature, top-k, top-p, min-p,
+            typical-p, repetition penalty, with transformers' semantics); the output follows
+            exactly this law, the one ``generate`` samples from with the same settings.
         tree: draft-tree shape and verifier (see ``TreeConfig``; presets ``TreeConfig.eagle``,
             ``TreeConfig.chain``).
         seed: one seed for every draw (drafting and verification use independent streams);
@@ -255,6 +277,11 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
         passes: the pass list that plans each tree (default: the kernel-backed pipeline
             when it is available, else the reference passes).
         callback: called with the list of new tokens after every step (streaming).
+        logits_processors: transformers ``LogitsProcessor`` objects (or callables
+            ``(input_ids [1, n], scores [1, V]) -> scores``) applied to the target's scores at
+            every tree node, with that node's own context as ``input_ids`` (prompt + emitted +
+            the path to the node), after the repetition penalty and before the warpers, as
+            ``generate(logits_processor=...)`` applies them. The draft does not see them.
 
     Example:
         >>> from rheoplan.models import hashed_context_lm
@@ -278,6 +305,7 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
     if callback is not None and not callable(callback):
         raise TypeError(f"callback={callback!r} is not callable: allowed None or a function of the "
                         "new tokens")
+    processors = _check_processors(logits_processors)
     tgt = as_target(target)
     drf = None
     try:
@@ -295,7 +323,8 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
         state = DecodeState(target=tgt, draft=drf, prompt=ids, max_new_tokens=max_new_tokens,
                             sampling=sampling, tree=tree, seed=seed, eos=frozenset(eos), passes=passes,
                             dump_ir=None if dump_ir is None else Path(dump_ir), dump_steps=dump_steps,
-                            progress=progress, callback=callback)
+                            progress=progress, callback=callback,
+                            processors=processors)
         return _decode(state)
     finally:
         # Adapters built here are closed here (an HF target hooks its model's layers).
@@ -359,7 +388,11 @@ def _decode(s: DecodeState) -> DecodeResult:
         # cheaper than projecting node by node (each projection reads the whole lm_head).
         fw.prefetch(likely_path(t))
         t2 = time.perf_counter()
-        res = walk(t, 0, fw.logits, s.sampling, s.tree.verifier, s.streams, s.step)
+        # A context-dependent law (repetition penalty, caller processors) sees each node's
+        # own context: every committed token (prompt + emitted, the root last) + the path.
+        history = s.prompt + result.tokens if (s.sampling.needs_context or s.processors) else None
+        res = walk(t, 0, fw.logits, s.sampling, s.tree.verifier, s.streams, s.step,
+                   history=history, processors=s.processors)
         t3 = time.perf_counter()
         # Truncate first: an EOS past max_new_tokens is not emitted, so it does not stop the decode.
         emitted = list(res.emitted)[: s.remaining]

@@ -1,49 +1,199 @@
-"""Processed target and draft distributions (docs/method.md §2)."""
+"""Processed target and draft distributions (docs/method.md §2).
+
+The target law is transformers' sampling law (``generate``), defined here once: the
+verifier (``rheoplan.verify``) and the exact oracle (``rheoplan.testing``) both call
+``target_probs``. Each step below repeats the tensor operations of the transformers class
+it names, in the same order and dtype (float32 scores, as ``generate`` casts the logits),
+so the kept set is the same bit for bit, ties included:
+
+==================  ============================================  ===========================
+step                transformers                                  when
+==================  ============================================  ===========================
+repetition penalty  ``RepetitionPenaltyLogitsProcessor``          ``repetition_penalty != 1``
+caller processors   any ``LogitsProcessor``, in the given order   always
+temperature         ``TemperatureLogitsWarper``                   sampling
+top-k               ``TopKLogitsWarper`` (keeps k-th-score ties)  sampling, ``top_k > 0``
+top-p               ``TopPLogitsWarper``                          sampling, ``top_p < 1``
+min-p               ``MinPLogitsWarper``                          sampling, ``min_p > 0``
+typical             ``TypicalLogitsWarper``                       sampling, ``typical_p < 1``
+==================  ============================================  ===========================
+
+The order is ``GenerationMixin._get_logits_processor``'s: processors (repetition penalty,
+then the caller's list, where a caller's ``RepetitionPenaltyLogitsProcessor`` takes the
+built-in one's place), then the warpers. Greedy (``temperature == 0``) skips the warpers and
+takes the argmax (first index among ties), like ``generate(do_sample=False)``.
+"""
 
 from __future__ import annotations
+
+from typing import Callable, Sequence
 
 import torch
 
 from rheoplan.config import SamplingConfig
 
+#: a transformers ``LogitsProcessor`` or any callable ``(input_ids [1, n] int64, scores [1, V]
+#: float32) -> scores [1, V]``
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """The processed target law ``softmax(top_p(top_k(logits / T)))`` in float64.
+_NEG_INF = -float("inf")
 
-    ``T = 0`` gives a one-hot on the argmax (ties: lowest token id). Top-k keeps the
-    ``k`` best tokens by rank (value descending, ties lower id); top-p then keeps the
-    shortest rank prefix whose mass reaches ``top_p`` (at least one token).
-    Works on ``[..., V]``.
+
+def _repetition_penalty(ids: torch.Tensor, scores: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``RepetitionPenaltyLogitsProcessor``: each token in ``ids`` once, negative scores
+    multiplied by the penalty, the others divided."""
+    score = torch.gather(scores, 1, ids)
+    score = torch.where(score < 0, score * penalty, score / penalty)
+    return scores.scatter(1, ids, score)
+
+
+def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``TopKLogitsWarper``: drop scores below the k-th largest, so every tie with it stays."""
+    k = min(k, scores.size(-1))
+    return scores.masked_fill(scores < torch.topk(scores, k)[0][..., -1, None], _NEG_INF)
+
+
+def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``TopPLogitsWarper``: ascending sort, drop the prefix whose cumulative mass is at most
+    ``1 - top_p``, keep the top one. Among tied scores the sort order decides which stay
+    (the last in ascending order, i.e. what ``torch.sort`` puts last)."""
+    sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+    cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    sorted_remove = cumulative_probs <= (1 - top_p)
+    sorted_remove[..., -1:] = 0
+    remove = sorted_remove.scatter(1, sorted_indices, sorted_remove)
+    return scores.masked_fill(remove, _NEG_INF)
+
+
+def _min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    """``MinPLogitsWarper``: drop tokens whose probability is below ``min_p`` times the top one."""
+    probs = torch.softmax(scores, dim=-1)
+    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    remove.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
+    return scores.masked_fill(remove, _NEG_INF)
+
+
+def _typical(scores: torch.Tensor, mass: float) -> torch.Tensor:
+    """``TypicalLogitsWarper``: keep the tokens whose surprisal is closest to the entropy
+    until their mass reaches ``mass`` (ties with the last kept distance stay)."""
+    normalized = torch.nn.functional.log_softmax(scores, dim=-1)
+    p = torch.exp(normalized)
+    ent = -(normalized * p).nansum(-1, keepdim=True)
+    shifted = torch.abs((-normalized) - ent)
+    sorted_scores, sorted_indices = torch.sort(shifted, descending=False)
+    cumulative_probs = scores.gather(-1, sorted_indices).softmax(dim=-1).cumsum(dim=-1)
+    last_ind = (cumulative_probs < mass).sum(dim=1)
+    last_ind.clamp_(max=sorted_scores.shape[-1] - 1)
+    sorted_remove = sorted_scores > sorted_scores.gather(1, last_ind.view(-1, 1))
+    sorted_remove[..., :1] = 0
+    remove = sorted_remove.scatter(1, sorted_indices, sorted_remove)
+    return scores.masked_fill(remove, _NEG_INF)
+
+
+def _name(proc) -> str:
+    return getattr(proc, "__name__", None) or type(proc).__name__
+
+
+def _is_repetition_penalty(proc) -> bool:
+    return type(proc).__name__ == "RepetitionPenaltyLogitsProcessor"
+
+
+def _as_ids(input_ids, rows: int, device) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.int64, device=device)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[0] != rows or ids.shape[1] == 0:
+        raise ValueError(f"input_ids has shape {tuple(ids.shape)}: allowed a non-empty sequence of "
+                         f"token ids (or [{rows}, n]), the context the scores predict the next token of")
+    return ids
+
+
+def process_scores(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None,
+                   processors: Sequence[LogitsProcessor] = ()) -> torch.Tensor:
+    """The processed scores (float32, filtered tokens ``-inf``) whose softmax is the target law.
+
+    Args:
+        logits: raw next-token logits ``[..., V]`` (rows are independent).
+        sampling: the settings (see ``SamplingConfig``).
+        input_ids: the context the logits predict the next token of (prompt + emitted + path),
+            ``[L]`` for one row or ``[n, L]`` for ``n`` rows; needed when
+            ``sampling.needs_context`` or ``processors``.
+        processors: transformers ``LogitsProcessor`` objects (or callables of that signature),
+            applied after the repetition penalty and before the warpers, like ``generate``.
+
+    Example (top-k keeps all ties with the k-th score, like ``TopKLogitsWarper``):
+        >>> process_scores(torch.tensor([1., 2., 2., 0.]), SamplingConfig(top_k=1)).tolist()
+        [-inf, 2.0, 2.0, -inf]
+    """
+    x = logits.reshape(-1, logits.shape[-1]).to(torch.float32)
+    processors = list(processors)
+    if x.numel() == 0:
+        raise ValueError("target logits are empty: allowed [V] or [n, V] with V >= 1")
+    if torch.isnan(x).any() or (x == float("inf")).any() or not torch.isfinite(x).any(dim=-1).all():
+        raise ValueError("target logits contain NaN or +inf, or a row with no finite entry: "
+                         "the target model's output is broken")
+    ids = None
+    if sampling.needs_context or processors:
+        if input_ids is None:
+            raise ValueError("input_ids is None but the target law depends on the context "
+                             "(repetition_penalty != 1 or logits_processors): pass the token ids "
+                             "before the node (prompt + emitted + path)")
+        ids = _as_ids(input_ids, x.shape[0], x.device)
+        bad = ids[(ids < 0) | (ids >= x.shape[-1])]
+        if bad.numel():
+            raise ValueError(f"input_ids holds token ids {bad.tolist()[:5]} outside [0, {x.shape[-1]})")
+    if processors:
+        x = x.clone()  # a processor may write into its scores in place; the caller's logits stay
+    custom_penalty = [p for p in processors if _is_repetition_penalty(p)]
+    if custom_penalty:
+        # generate: a caller's processor of a built-in's type replaces it at its place (first).
+        x = custom_penalty[0](ids, x)
+        processors = [p for p in processors if p is not custom_penalty[0]]
+    elif sampling.repetition_penalty != 1.0:
+        x = _repetition_penalty(ids, x, sampling.repetition_penalty)
+    for proc in processors:
+        x = proc(ids, x)
+        if not isinstance(x, torch.Tensor) or x.shape[-1] != logits.shape[-1]:
+            raise ValueError(f"logits processor {_name(proc)} returned "
+                             f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}: allowed scores of "
+                             f"shape {tuple(ids.shape[:1]) + (logits.shape[-1],)}")
+    if not sampling.greedy:
+        if sampling.temperature != 1.0:
+            x = x / sampling.temperature
+        if sampling.top_k != 0:
+            x = _top_k(x, sampling.top_k)
+        if sampling.top_p < 1.0:
+            x = _top_p(x, sampling.top_p)
+        if sampling.min_p > 0.0:
+            x = _min_p(x, sampling.min_p)
+        if sampling.typical_p < 1.0:
+            x = _typical(x, sampling.typical_p)
+    x = x.to(torch.float32)
+    if torch.isnan(x).any() or (x == float("inf")).any() or not torch.isfinite(x).any(dim=-1).all():
+        names = [_name(p) for p in custom_penalty[:1] + processors]
+        raise ValueError("the processed target scores contain NaN or +inf, or no token is left: "
+                         f"check the logits processors {names}")
+    return x.reshape(logits.shape)
+
+
+def target_probs(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None,
+                 processors: Sequence[LogitsProcessor] = ()) -> torch.Tensor:
+    """The processed target law (float64): ``softmax(process_scores(...))``, or, when
+    greedy, a one-hot on its argmax (lowest token id among ties, like ``torch.argmax`` in
+    ``generate``). Works on ``[..., V]``; see ``process_scores`` for the arguments.
 
     Example:
         >>> target_probs(torch.tensor([0., 1., 1.]), SamplingConfig(temperature=0)).tolist()
         [0.0, 1.0, 0.0]
+        >>> [round(v, 3) for v in target_probs(torch.tensor([1., 2., 2., 0.]), SamplingConfig(top_p=0.3)).tolist()]
+        [0.0, 0.0, 1.0, 0.0]
     """
-    x = logits.to(torch.float64)
-    if not torch.isfinite(x).any(dim=-1).all() or torch.isnan(x).any() or (x == float("inf")).any():
-        raise ValueError("target logits contain NaN or +inf, or a row with no finite entry: "
-                         "the target model's output is broken")
+    x = process_scores(logits, sampling, input_ids, processors)
     if sampling.greedy:
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=torch.float64)
         out.scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
         return out
-    x = x / sampling.temperature
-    V = x.shape[-1]
-    if not (0 < sampling.top_k < V) and sampling.top_p >= 1.0:
-        return torch.softmax(x, dim=-1)  # no filter: skip the full-vocabulary sort
-    order = torch.sort(x, dim=-1, descending=True, stable=True).indices
-    ranked = torch.gather(x, -1, order)
-    keep = torch.ones_like(ranked, dtype=torch.bool)
-    if 0 < sampling.top_k < V:
-        keep[..., sampling.top_k:] = False
-    if sampling.top_p < 1.0:
-        pr = torch.softmax(ranked.masked_fill(~keep, float("-inf")), dim=-1)
-        before = torch.cumsum(pr, dim=-1) - pr  # mass strictly before each rank
-        keep &= before < sampling.top_p
-    ranked = ranked.masked_fill(~keep, float("-inf"))
-    out = torch.empty_like(x)
-    out.scatter_(-1, order, torch.softmax(ranked, dim=-1))
-    return out
+    return torch.softmax(x.to(torch.float64), dim=-1)
 
 
 def draft_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

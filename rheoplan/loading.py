@@ -29,7 +29,8 @@ from rheoplan.models.smollm import load_smollm2, resolve_dtype
 #: ~15% faster (docs/results.md "Tree size on this CPU"; docs/concepts.md "Defaults").
 #: Precedence in the CLI: these < a --config file < flags given on the command line.
 DEFAULTS = {
-    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0,
+    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
+    "repetition_penalty": 1.0, "seed": 0,
     "method": "rheo", "depth": 4, "frontier": 3, "slots": 3, "budget": 8, "rheostat": 1,
     "support": 128, "verifier": "ot", "proxy": "default",
 }

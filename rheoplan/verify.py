@@ -22,7 +22,7 @@ Two of the test-only lossy switches of ``rheoplan.mutation`` are read here
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -179,11 +179,14 @@ class WalkResult:
 
 
 def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], sampling: SamplingConfig,
-         verifier: str, streams: Streams, step: int, key: int | None = None) -> WalkResult:
+         verifier: str, streams: Streams, step: int, key: int | None = None,
+         history: Sequence[int] | None = None, processors: Sequence = ()) -> WalkResult:
     """Verify tree ``b`` (docs/method.md §5), reading target logits only where the walk goes.
 
     ``logits_at(i)`` returns the raw target logits ``[V]`` at linear node ``i``; they are
-    processed with ``target_probs``. Randomness: at node ``v`` (creation id) the accept
+    processed with ``target_probs``; when the law depends on the context (repetition
+    penalty, ``processors``), node ``i``'s context is ``history`` (every token up to and
+    including the root) followed by the path's tokens down to ``i``. Randomness: at node ``v`` (creation id) the accept
     uniform is ``streams.uniform(step, b, v, VERIFY_ACCEPT, 1)`` and the Gumbel noise
     ``streams.gumbel(step, b, v, VERIFY_RESIDUAL, V)``. ``key`` replaces ``b`` in those
     counters when the tree's index in the batch is not its stream id (default: ``b``);
@@ -206,8 +209,13 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
     i = 0
     path, nodes, emitted = [0], [int(lin.node[b, 0])], []
     visited = 0
+    needs_ids = sampling.needs_context or bool(processors)
+    if needs_ids and history is None:
+        raise ValueError("history is None but the target law depends on the context "
+                         "(repetition_penalty != 1 or processors): pass the tokens up to the root")
     while True:
-        p = target_probs(logits_at(i), sampling)
+        ids = list(history) + emitted if needs_ids else None
+        p = target_probs(logits_at(i), sampling, ids, processors)
         visited += 1
         V = p.shape[-1]
         v = int(lin.node[b, i])

@@ -77,10 +77,13 @@ def cases():
             d_pad = triton.next_power_of_2(d)
             bm, bn, nw = attn.launch_config(dt, d_pad)
             ptrs = {n: "*" + name for n in attn.tree_attention_kernel.arg_names if n.endswith("_ptr")}
-            ptrs.update(prefix_ptr="*i64", bits_ptr="*i64")
-            yield (f"tree_attention {name} d={d} {bm}x{bn} w{nw}", attn.tree_attention_kernel, ptrs,
-                   {"SCALE": "fp32"}, dict(GROUP=4, D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn,
-                                           PREC="ieee" if name == "fp32" else "tf32"), nw)
+            ptrs.update(prefix_ptr="*i64", bits_ptr="*i64", part_m_ptr="*fp32", part_l_ptr="*fp32",
+                        part_acc_ptr="*fp32")
+            for split in (False, True):
+                yield (f"tree_attention {name} d={d} {bm}x{bn} w{nw}{' split' if split else ''}",
+                       attn.tree_attention_kernel, ptrs, {"SCALE": "fp32"},
+                       dict(GROUP=4, D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn,
+                            PREC="ieee" if name == "fp32" else "tf32", SPLIT=split), nw)
     f32 = {n: "*fp32" for n in ("parent_score_ptr", "cand_q_ptr", "sup_q_ptr", "z_ptr", "y_qtilde_ptr",
                                 "child_q_ptr", "child_weight_ptr", "child_score_ptr")}
     for S, logit in ((128, "*bf16"), (128, "*fp32"), (256, "*bf16")):

@@ -178,14 +178,13 @@ def linearize(kept, n_nodes, parent, token, depth, exp_row, prefix_len, budget, 
     bits = full(B, L, W, v=0)
     paths = full(B, L, D + 1)
     lin_of = full(B, M)
-    n_nodes, prefix_len = n_nodes.to(dev), prefix_len.to(dev)
     # [BLOCK_L, COL_TILE] int64 mask tiles of <= 4096 words: spill-free on sm_90 up to budget 511
     # (scripts/aot_sm90.py); BLOCK_M up to 1024 for the id scan
     block_l = triton.next_power_of_2(L)
     col_tile = max(1, min(64, 4096 // block_l))
     col_tile = min(col_tile, block_l)
-    linearize_kernel[(B,)](kept.contiguous(), n_nodes.contiguous(), parent.contiguous(), token.contiguous(), depth.contiguous(),
-                           exp_row.contiguous(), prefix_len.contiguous(), lin_of, n, node, tok, pos, par, dep, erow,
+    on = lambda t: t.to(dev).contiguous()  # noqa: E731  (a CPU table among device ones: moved, not an error)
+    linearize_kernel[(B,)](on(kept), on(n_nodes), on(parent), on(token), on(depth), on(exp_row), on(prefix_len), lin_of, n, node, tok, pos, par, dep, erow,
                            first, nch, mask, bits, paths, n_paths, M, L, W=W, D=D,
                            BLOCK_M=min(1024, block_l * 4), BLOCK_L=block_l, COL_TILE=col_tile,
                            num_warps=8 if block_l >= 256 else 4)

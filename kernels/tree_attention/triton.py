@@ -47,8 +47,13 @@ def _online_softmax_step(qv, k, v, visible, m_i, l_i, acc, SCALE, PREC: tl.const
 def tree_attention_kernel(q_ptr, kc_ptr, vc_ptr, kt_ptr, vt_ptr, prefix_ptr, bits_ptr, out_ptr,
                           sq_b, sq_h, sq_l, sq_d, skc_b, skc_h, skc_l, skc_d, svc_b, svc_h, svc_l, svc_d,
                           skt_b, skt_h, skt_l, skt_d, svt_b, svt_h, svt_l, svt_d, so_b, so_h, so_l, so_d,
-                          Hkv, L, P, W, SCALE, GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                          Hkv, L, P, W, SCALE, split_len, part_m_ptr, part_l_ptr, part_acc_ptr, B, Hq,
+                          GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+    """SPLIT: program axis 2 splits the prefix into ``split_len``-column chunks (the last split
+    also takes the tree block) and each program writes its unnormalised (max, sum, acc) to
+    the ``part_*`` scratch; ``_combine_splits`` merges them. Without SPLIT one program
+    covers the whole prefix and writes the output."""
     # int64 only in the per-(batch, head) base pointers; offsets inside one head's slice are
     # int32 (the wrapper checks that a slice spans < 2**31 elements): int64 [BLOCK, D] offset
     # tiles double the registers of the address arithmetic and made the kernel spill
@@ -73,15 +78,23 @@ def tree_attention_kernel(q_ptr, kc_ptr, vc_ptr, kt_ptr, vt_ptr, prefix_ptr, bit
     bits_base = bits_ptr + b * L * W
     # the kernel never reads past the capacity P, whatever prefix_len says
     plen = tl.minimum(tl.load(prefix_ptr + b), P).to(tl.int32)
-    for start in range(0, plen, BLOCK_N):
+    lo = 0
+    hi = plen
+    tree_end = L
+    if SPLIT:
+        sp = tl.program_id(2)
+        lo = sp * split_len
+        hi = tl.minimum(lo + split_len, plen)
+        tree_end = tl.where(sp == tl.num_programs(2) - 1, L, 0)
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        cin = cols < plen
+        cin = cols < hi
         visible = rmask[:, None] & cin[None, :]
         kv_mask = cin[:, None] & dmask[None, :]
         k = tl.load(kc_base + (cols[:, None] * skc_l + dd[None, :] * skc_d), mask=kv_mask, other=0.0)
         v = tl.load(vc_base + (cols[:, None] * svc_l + dd[None, :] * svc_d), mask=kv_mask, other=0.0)
         m_i, l_i, acc = _online_softmax_step(qv, k, v, visible, m_i, l_i, acc, SCALE, PREC)
-    for start in range(0, L, BLOCK_N):
+    for start in range(0, tree_end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         cin = cols < L
         # BLOCK_N <= 64 and start % BLOCK_N == 0: the whole tile lies in word start // 64, so one
@@ -93,11 +106,19 @@ def tree_attention_kernel(q_ptr, kc_ptr, vc_ptr, kt_ptr, vt_ptr, prefix_ptr, bit
         k = tl.load(kt_base + (cols[:, None] * skt_l + dd[None, :] * skt_d), mask=kv_mask, other=0.0)
         v = tl.load(vt_base + (cols[:, None] * svt_l + dd[None, :] * svt_d), mask=kv_mask, other=0.0)
         m_i, l_i, acc = _online_softmax_step(qv, k, v, visible, m_i, l_i, acc, SCALE, PREC)
-    # a row that sees nothing (no prefix, padded tree row) writes 0, not 0/0 = NaN: a NaN
-    # row would poison every row of the next layer's tiles through 0 * NaN in dot(p, v)
-    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(out_ptr + b * so_b + (h[:, None] * so_h + qi[:, None] * so_l + dd[None, :] * so_d),
-             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+    if SPLIT:
+        # partials of row (b, h, qi) of split sp at [sp, b, h, qi] (acc: [..., D_PAD])
+        first = (tl.program_id(2).to(tl.int64) * B + b) * Hq * L  # int64 base, int32 in-row offsets
+        row = h * L + qi
+        tl.store(part_m_ptr + first + row, m_i, mask=rmask)
+        tl.store(part_l_ptr + first + row, l_i, mask=rmask)
+        tl.store(part_acc_ptr + first * D_PAD + (row[:, None] * D_PAD + dd[None, :]), acc, mask=rmask[:, None])
+    else:
+        # a row that sees nothing (no prefix, padded tree row) writes 0, not 0/0 = NaN: a NaN
+        # row would poison every row of the next layer's tiles through 0 * NaN in dot(p, v)
+        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        tl.store(out_ptr + b * so_b + (h[:, None] * so_h + qi[:, None] * so_l + dd[None, :] * so_d),
+                 out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
 def _pow2_at_least_16(name: str, value: int) -> None:
@@ -109,23 +130,53 @@ def launch_config(dtype: torch.dtype, d_pad: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) sized for sm_90 (232,448 B shared memory, 255 registers).
 
     Chosen from ahead-of-time sm_90 compiles (Triton 3.9, ``scripts/aot_sm90.py``, GROUP 4,
-    3 stages): each row of the table compiles with 0 bytes of spill stack. Examples:
-    bf16 d=128 64/32/8 warps -> 254 registers, 33.8 KB shared; bf16 d=128 at 64/64 spilled
-    (24-232 B per thread at 8/4 warps); fp32 d=128 32/32/4 -> 182 registers, 86.5 KB;
-    fp32 d=256 16/16/8 -> 105 registers, 83.3 KB.
+    3 stages): each row of the table compiles with 0 bytes of spill stack, with and without
+    the split prefix. Examples: bf16 d=128 64/32/8 warps -> 254-255 registers, 33.8 KB
+    shared; bf16 d=128 at 64/64 spilled (24-232 B per thread at 8/4 warps); fp32 d=128
+    32/32/8 -> 200-212 registers, 86.5 KB (4 warps spilled 24 B with the split prefix);
+    fp32 d=256 16/16/8 -> 105-172 registers, 83.3 KB.
 
     Example: ``launch_config(torch.bfloat16, 128) == (64, 32, 8)``.
     """
     if dtype == torch.float32:
-        return (32, 32, 4) if d_pad <= 128 else (16, 16, 8)
+        return (32, 32, 8) if d_pad <= 128 else (16, 16, 8)
     if d_pad <= 64:
         return 64, 64, 8
     return (64, 32, 8) if d_pad <= 128 else (32, 32, 8)
 
 
+def _combine_splits(part_m, part_l, part_acc, out, d: int) -> None:
+    """Merge per-split online-softmax partials ``[S, B, Hq, L]`` (max, sum) and ``[..., D_PAD]``
+    (unnormalised output) into ``out [B, Hq, L, d]``; rows that see nothing get 0.
+
+    Example: two splits with maxima (0, 1), sums (1, 1), outputs (2, 4) give
+    ``(2 e^-1 + 4) / (e^-1 + 1)``.
+    """
+    top = part_m.amax(0)
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    w = torch.exp(part_m - top)  # a split that saw nothing has max -inf: weight 0
+    total = (part_l * w).sum(0)
+    acc = (part_acc * w[..., None]).sum(0)
+    res = torch.where(total[..., None] > 0, acc / torch.where(total > 0, total, 1.0)[..., None], 0.0)
+    out.copy_(res[..., :d])
+
+
+def default_splits(device: torch.device, programs: int, prefix_capacity: int, block_n: int) -> int:
+    """How many programs share one prefix (flash-decoding): enough for ~2 programs per SM, each
+    split at least 256 columns, 1 off CUDA. At batch 1 a model has only ``Hkv`` (3-8) kv heads,
+    so without splitting 3-32 programs would stream the whole prefix on a 132-SM H200.
+
+    Example: 9 programs, P = 4096 on 132 SMs -> min(ceil(264 / 9), 4096 // 256) = 16.
+    """
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(-(-2 * sms // programs), prefix_capacity // max(256, block_n)))
+
+
 def tree_attention(q, k_cache, v_cache, k_tree, v_tree, prefix_len, ancestor_bits, scale=None,
                    block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                   allow_tf32: bool = False):
+                   allow_tf32: bool = False, num_splits: int | None = None):
     """Same contract as ``reference.tree_attention`` (rows that see nothing come out 0).
 
     Any strides; any head dim ``d <= 256``; ``prefix_len`` and ``ancestor_bits`` may sit on
@@ -136,6 +187,8 @@ def tree_attention(q, k_cache, v_cache, k_tree, v_tree, prefix_len, ancestor_bit
     Returns ``out [B, Hq, L, d]`` as a view of a ``[B, L, Hq, d]`` contiguous buffer, so
     ``out.transpose(1, 2)`` is the ``[B, L, Hq, d]`` layout a transformers attention returns,
     with no copy. ``allow_tf32`` lets float32 inputs use TF32 dots (faster, ~1e-3 relative).
+    ``num_splits`` programs share each prefix (``default_splits`` when None: 1 off CUDA); their
+    partial softmax states are merged by ``_combine_splits``.
     """
     if q.dim() != 4 or k_cache.dim() != 4:
         raise ValueError(f"q and k_cache must be 4-D [B, H, len, d], got {tuple(q.shape)}, {tuple(k_cache.shape)}")
@@ -181,10 +234,24 @@ def tree_attention(q, k_cache, v_cache, k_tree, v_tree, prefix_len, ancestor_bit
     prefix_len = prefix_len.to(device=q.device, dtype=torch.int64)
     ancestor_bits = ancestor_bits.to(device=q.device, dtype=torch.int64).contiguous()
     prec = "ieee" if q.dtype == torch.float32 and not allow_tf32 else "tf32"
-    grid = (B * Hkv, triton.cdiv(group * L, block_m))
-    tree_attention_kernel[grid](
+    base = (B * Hkv, triton.cdiv(group * L, block_m))
+    if num_splits is None:
+        num_splits = default_splits(q.device, base[0] * base[1], P, block_n)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits={num_splits!r}: allowed an int >= 1")
+    # columns per split: a multiple of BLOCK_N, so every tile lies inside one split
+    split_len = triton.cdiv(triton.cdiv(max(P, 1), num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(P, split_len))
+    split = num_splits > 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    parts = ((torch.empty(num_splits, B, Hq, L, **f32), torch.empty(num_splits, B, Hq, L, **f32),
+              torch.empty(num_splits, B, Hq, L, d_pad, **f32)) if split else (out, out, out))
+    tree_attention_kernel[base + (num_splits,)](
         q, k_cache, v_cache, k_tree, v_tree, prefix_len, ancestor_bits, out,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *k_tree.stride(), *v_tree.stride(), *out.stride(),
-        Hkv, L, P, W, float(scale) if scale is not None else 1.0 / math.sqrt(d),
-        GROUP=group, D=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PREC=prec, num_warps=num_warps)
+        Hkv, L, P, W, float(scale) if scale is not None else 1.0 / math.sqrt(d), split_len, *parts, B, Hq,
+        GROUP=group, D=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PREC=prec, SPLIT=split,
+        num_warps=num_warps)
+    if split:
+        _combine_splits(*parts, out, d)
     return out

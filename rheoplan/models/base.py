@@ -1,7 +1,8 @@
 """The two model interfaces the decode loop talks to (batch 1 per decode).
 
 Before the first step the loop checks the pair (``vocab_size``, ``device``,
-``draft.check_vocab_map``, ``target.max_context``), calls ``start(prompt_ids)`` on both
+``draft.check_vocab_map``, ``draft.check_target``, ``target.max_context``), calls
+``start(prompt_ids)`` on both
 and ``draft.take_prompt_features(target)``. Then a decode step, in the order the loop
 calls these methods:
 
@@ -112,6 +113,11 @@ class DraftModel(ABC):
     def check_vocab_map(self, target_vocab_size: int) -> None:
         """Raise ``ValueError`` if the draft's own vocabulary map (e.g. an EAGLE-3 head's
         draft-to-target ids) does not fit a target of ``target_vocab_size`` tokens.
+        Default: nothing to check."""
+
+    def check_target(self, target: TargetModel) -> None:
+        """Raise ``ValueError`` if the draft cannot draft for ``target`` (e.g. an EAGLE-3 head
+        trained for another feature width or layer count). Called before any model work.
         Default: nothing to check."""
 
     def take_prompt_features(self, target: TargetModel) -> None:

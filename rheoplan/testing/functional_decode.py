@@ -33,11 +33,12 @@ def _draft_sampler(streams: Streams, step: int, keys: list[int]):
 
 def functional_decode_batch(target, draft, prefix: Sequence[int], n_tokens: int, n_runs: int, *,
                             tree: TreeConfig, sampling: SamplingConfig, seed: int = 0,
-                            max_steps: int | None = None) -> list[tuple[int, ...]]:
+                            max_steps: int | None = None, processors=()) -> list[tuple[int, ...]]:
     """``n_runs`` independent decodes of ``n_tokens`` tokens each (truncated), batched.
 
     Every step plans one tree per unfinished run (one ``plan_tree`` call, stream id = run
     index) and verifies it with ``walk``. Returns the emitted tokens of each run.
+    ``processors`` are logits processors of the target law (as in ``plan_and_decode``).
     """
     if n_runs < 1:
         raise ValueError(f"n_runs={n_runs} is out of range: allowed >= 1")
@@ -68,7 +69,8 @@ def functional_decode_batch(target, draft, prefix: Sequence[int], n_tokens: int,
                     j = int(lin.parent[b, j])
                 return target([ctxs[r] + tuple(toks[::-1])])[0]
 
-            res = walk(t, b, logits_at, sampling, tree.verifier, verify_streams, step, key=r)
+            res = walk(t, b, logits_at, sampling, tree.verifier, verify_streams, step, key=r,
+                       history=ctxs[r], processors=processors)
             out[r] += res.emitted
             ctxs[r] = ctxs[r] + tuple(res.emitted)
         step += 1
@@ -76,7 +78,7 @@ def functional_decode_batch(target, draft, prefix: Sequence[int], n_tokens: int,
 
 
 def functional_decode(target, draft, prefix: Sequence[int], n_tokens: int, *, tree: TreeConfig,
-                      sampling: SamplingConfig, seed: int = 0) -> list[int]:
+                      sampling: SamplingConfig, seed: int = 0, processors=()) -> list[int]:
     """One decode of ``n_tokens`` tokens with functional models (see the module docstring).
 
     Example:
@@ -88,4 +90,4 @@ def functional_decode(target, draft, prefix: Sequence[int], n_tokens: int, *, tr
         4
     """
     return list(functional_decode_batch(target, draft, prefix, n_tokens, 1, tree=tree, sampling=sampling,
-                                        seed=seed)[0])
+                                        seed=seed, processors=processors)[0])

@@ -55,23 +55,26 @@ def total_variation(a: Law, b: Law) -> float:
 
 
 class _TargetMemo:
-    """Processed target law per full path, memoised (the oracle revisits paths often)."""
+    """Processed target law per full path, memoised (the oracle revisits paths often).
+    The path is the context the law's logits processors see (``generate``'s input_ids)."""
 
-    def __init__(self, target, sampling: SamplingConfig):
-        self.target, self.sampling = target, sampling
+    def __init__(self, target, sampling: SamplingConfig, processors: Sequence = ()):
+        self.target, self.sampling, self.processors = target, sampling, tuple(processors)
         self.memo: dict[tuple[int, ...], torch.Tensor] = {}
 
     def __call__(self, path: tuple[int, ...]) -> torch.Tensor:
         p = self.memo.get(path)
         if p is None:
-            p = target_probs(self.target([path])[0], self.sampling)
+            p = target_probs(self.target([path])[0], self.sampling, path, self.processors)
             self.memo[path] = p
         return p
 
 
-def target_law(target, prefix: Sequence[int], n_tokens: int, sampling: SamplingConfig = SamplingConfig()) -> Law:
+def target_law(target, prefix: Sequence[int], n_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+               processors: Sequence = ()) -> Law:
     """The target's exact law of its next ``n_tokens`` tokens after ``prefix`` (plain
-    autoregressive sampling from the processed distribution ``p``).
+    autoregressive sampling from the processed distribution ``p``; ``processors`` as in
+    ``plan_and_decode(logits_processors=...)``).
 
     Example:
         >>> import torch
@@ -81,7 +84,7 @@ def target_law(target, prefix: Sequence[int], n_tokens: int, sampling: SamplingC
         {(0, 0): 0.25, (0, 1): 0.25, (1, 0): 0.25, (1, 1): 0.25}
     """
     _check_args(prefix, n_tokens)
-    probs = _TargetMemo(target, sampling)
+    probs = _TargetMemo(target, sampling, processors)
     out: Law = {}
 
     def rec(ctx: tuple[int, ...], acc: tuple[int, ...], w: float) -> None:
@@ -223,11 +226,11 @@ class ExactOracle:
     """
 
     def __init__(self, target, draft, tree: TreeConfig, sampling: SamplingConfig,
-                 coupling=None, passes=None):
+                 coupling=None, passes=None, processors: Sequence = ()):
         self.target, self.draft, self.tree, self.sampling = target, draft, tree, sampling
         self.coupling = coupling
         self.passes = passes
-        self.probs = _TargetMemo(target, sampling)
+        self.probs = _TargetMemo(target, sampling, processors)
         self._step: dict[tuple[int, ...], Law] = {}
         self._law: dict[tuple[tuple[int, ...], int], Law] = {}
         self.n_trees = 0  #: tree realisations enumerated so far
@@ -267,7 +270,7 @@ class ExactOracle:
 def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
               tree: TreeConfig = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8),
               sampling: SamplingConfig = SamplingConfig(),
-              coupling=None, passes=None) -> Law:
+              coupling=None, passes=None, processors: Sequence = ()) -> Law:
     """Exact law of the first ``n_tokens`` tokens emitted by the whole multi-step decode.
 
     Args:
@@ -283,12 +286,14 @@ def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
         passes: a pass list of your own instead of ``DEFAULT_PIPELINE`` (see
             ``examples/custom_pass.py``); sampled tokens are forked at every pass named
             ``assign@d``.
+        processors: logits processors of the target law (``plan_and_decode``'s
+            ``logits_processors``); each sees the full path as its input ids.
 
     Returns ``{tokens: probability}``; compare with ``target_law`` by ``total_variation``.
     Cost grows like (tail size) ** (expanded nodes) per step: keep vocabularies at 3-6
     tokens, depth <= 3, frontier <= 2.
     """
-    return ExactOracle(target, draft, tree, sampling, coupling, passes).law(prefix, n_tokens)
+    return ExactOracle(target, draft, tree, sampling, coupling, passes, processors).law(prefix, n_tokens)
 
 
 def coupling_marginal_error(coupling, p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor,

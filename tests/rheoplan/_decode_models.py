@@ -58,6 +58,25 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def generate_processors(model, sampling, extra=(), prompt_len: int = 3):
+    """The processors ``model.generate`` applies for ``sampling`` (and ``extra`` passed as
+    ``logits_processor=``), built by transformers itself."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    kw = dict(do_sample=not sampling.greedy, top_k=sampling.top_k, top_p=sampling.top_p,
+              typical_p=sampling.typical_p, repetition_penalty=sampling.repetition_penalty)
+    if not sampling.greedy:
+        kw["temperature"] = sampling.temperature
+    if sampling.min_p > 0:
+        kw["min_p"] = sampling.min_p
+    gc, _ = model._prepare_generation_config(GenerationConfig(**kw))
+    return model._get_logits_processor(
+        generation_config=gc, input_ids_seq_length=prompt_len,
+        encoder_input_ids=torch.zeros(1, prompt_len, dtype=torch.long),
+        logits_processor=LogitsProcessorList(extra), device="cpu",
+        model_kwargs={"attention_mask": torch.ones(1, prompt_len, dtype=torch.long)})
+
+
 def chain_lm(vocab: int, sharp: float = 40.0) -> FunctionalLM:
     """Next token = (last + 1) % vocab with near-certainty: a draft equal to it is always right."""
 

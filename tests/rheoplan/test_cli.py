@@ -27,6 +27,9 @@ def no_model_loading(monkeypatch):
 @pytest.mark.parametrize("argv, needle", [
     (["generate", "--temperature", "-1"], "temperature=-1.0 is out of range"),
     (["generate", "--top-p", "0"], "top_p=0.0 is out of range"),
+    (["generate", "--min-p", "1.5"], "min_p=1.5 is out of range: allowed [0, 1]"),
+    (["generate", "--typical-p", "0"], "typical_p=0.0 is out of range: allowed (0, 1]"),
+    (["generate", "--repetition-penalty", "0"], "repetition_penalty=0.0 is out of range"),
     (["generate", "--rheostat", "9"], "rheostat=9 is out of range: allowed in [0, 3]"),
     (["generate", "-n", "0"], "--max-new-tokens=0 is out of range"),
     (["generate", "--draft", "foo"], "--draft='foo' is not understood"),
@@ -92,3 +95,14 @@ def test_unparsable_config(tmp_path, capsys):
     f.write_text("depth = = 3")
     rc, err = run(["generate", "--config", str(f)], capsys)
     assert rc == 2 and "is not valid TOML" in err
+
+
+def test_sampling_flags_and_config_file_make_the_sampling_config(tmp_path):
+    from rheoplan import SamplingConfig
+
+    f = tmp_path / "cfg.toml"
+    f.write_text('[sampling]\nmin_p = 0.05\nrepetition_penalty = 1.2\n')
+    args = cli.build_parser().parse_args(["generate", "--config", str(f), "--top-k", "40", "--typical-p", "0.9",
+                                          "--repetition-penalty", "1.1"])
+    assert cli.sampling_config_from(args) == SamplingConfig(top_k=40, min_p=0.05, typical_p=0.9,
+                                                            repetition_penalty=1.1)

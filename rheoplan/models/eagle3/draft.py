@@ -33,10 +33,11 @@ import torch
 from torch import nn
 
 from rheoplan.ir import DraftTree
+from rheoplan.models._hf_common import base_model
 from rheoplan.models.base import DraftModel, TargetModel, check_draft_call, check_emitted, check_prompt_ids
 from rheoplan.models.eagle3.checkpoint import read_eagle3
-from rheoplan.models.eagle3.head import Eagle3Head, check_vocab_map
-from rheoplan.models.hf_target import HFTarget
+from rheoplan.models.eagle3.head import Eagle3Head, Eagle3LoadError, check_vocab_map
+from rheoplan.models.hf_target import HFTarget, eagle3_layers
 
 
 class FeatureSource(Protocol):
@@ -56,7 +57,9 @@ class Eagle3Draft(DraftModel):
 
     Args:
         head: the EAGLE-3 head.
-        target_embed: the target's token embeddings (``nn.Embedding`` or ``[vocab, H]``).
+        target_embed: the target's token embeddings (``nn.Embedding`` or ``[vocab, H]``);
+            None when the head carries its own (``head.embed_tokens``, from a checkpoint's
+            ``embed_tokens.weight``), which is then used in any case.
         features_from: an ``HFTarget`` built with ``capture_layers='eagle3'`` (its
             ``prompt_features()``), or the target model (one extra capturing prefill per
             ``start``); read on the first ``node_logits`` after ``start``, so target and draft
@@ -80,14 +83,22 @@ class Eagle3Draft(DraftModel):
         6
     """
 
-    def __init__(self, head: Eagle3Head, target_embed: Any,
+    def __init__(self, head: Eagle3Head, target_embed: Any = None,
                  features_from: FeatureSource | None = None) -> None:
         self.head = head
-        self.embed = _embedding_weight(target_embed)
         cfg = head.config
+        if head.embed_tokens is not None:
+            self.embed = head.embed_tokens.weight.detach()
+        elif target_embed is None:
+            raise ValueError("target_embed is None and the head has no embed_tokens of its own: pass "
+                             "the target's token embeddings (model.get_input_embeddings())")
+        else:
+            self.embed = _embedding_weight(target_embed)
         if tuple(self.embed.shape) != (cfg.vocab_size, cfg.hidden_size):
             raise ValueError(f"target_embed has shape {tuple(self.embed.shape)}, expected "
-                             f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})")
+                             f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}): an "
+                             "EAGLE-3 head reads the target's token embeddings, so its hidden_size "
+                             "must be the target's embedding width")
         self.features_from = features_from
         self.vocab_size = cfg.vocab_size
         self._param = next(head.parameters())
@@ -100,6 +111,57 @@ class Eagle3Draft(DraftModel):
         head = self.head
         if head.d2t is not None:
             check_vocab_map(head.target_ids(), head.t2d, target_vocab_size)
+
+    def capture_layers(self, num_layers: int) -> list[int]:
+        """The target layers (inputs) this head reads, for an ``num_layers``-layer target."""
+        ids = self.head.config.eagle_aux_hidden_state_layer_ids
+        return list(ids) if ids is not None else eagle3_layers(num_layers)
+
+    def check_target(self, target: Any) -> None:
+        """Check that this head fits ``target`` (a transformers causal LM or an adapter
+        wrapping one, e.g. ``HFTarget``) before any model work, with a message that says what
+        to change: vocabulary and its map, the feature width (``target_hidden_size``), the
+        layers the head reads (they must exist, and an adapter must capture exactly them),
+        and the embeddings' width. ``plan_and_decode`` calls it; so does
+        ``load_eagle3_checkpoint``. Raises ``Eagle3LoadError``."""
+        cfg = self.head.config
+        model = target if isinstance(target, nn.Module) else getattr(target, "model", None)
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            return  # not a transformers model: only the vocabulary can be checked (decode does)
+        mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        vocab = int(getattr(target, "vocab_size", None) or mcfg.vocab_size)
+        if cfg.vocab_size != vocab:
+            raise Eagle3LoadError(f"EAGLE-3 head has vocab_size={cfg.vocab_size} but the target has "
+                                  f"{vocab} tokens: allowed a head trained for this target's tokenizer")
+        self.check_vocab_map(vocab)
+        hidden = int(mcfg.hidden_size)
+        if cfg.target_hidden_size != hidden:
+            raise Eagle3LoadError(
+                f"EAGLE-3 head has target_hidden_size={cfg.target_hidden_size} (its fc reads "
+                f"3 * {cfg.target_hidden_size} = {3 * cfg.target_hidden_size} features) but the target's "
+                f"hidden_size is {hidden}: allowed a head trained for this target (or fix "
+                "target_hidden_size in the head's config.json if it is wrong)")
+        layers = getattr(base_model(model), "layers", None)
+        n_layers = len(layers) if layers is not None else int(mcfg.num_hidden_layers)
+        try:
+            want = self.capture_layers(n_layers)
+        except ValueError as e:
+            raise Eagle3LoadError(f"the target has {n_layers} decoder layers: {e}") from None
+        bad = [i for i in want if not 0 <= i < n_layers]
+        if bad:
+            raise Eagle3LoadError(f"EAGLE-3 head reads the inputs of target layers {want} but the target "
+                                  f"has {n_layers} layers (layers {bad} do not exist): allowed a head "
+                                  "trained for this target")
+        captured = getattr(target, "capture_layers", "n/a")
+        if target is not model and captured != "n/a" and (captured is None or list(captured) != want):
+            raise Eagle3LoadError(
+                f"the target adapter captures layers {captured} but this EAGLE-3 head reads the inputs "
+                f"of layers {want}: build it with HFTarget(model, capture_layers={want}) (or pass the "
+                "model itself to plan_and_decode, which captures the EAGLE-3 default layers)")
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if self.head.embed_tokens is None and emb is not None and tuple(emb.weight.shape) != tuple(self.embed.shape):
+            raise Eagle3LoadError(f"the target's token embeddings have shape {tuple(emb.weight.shape)} "
+                                  f"but the head reads ({cfg.vocab_size}, {cfg.hidden_size})")
 
     def _reset(self) -> None:
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -177,7 +239,8 @@ class Eagle3Draft(DraftModel):
             self.set_prompt_features(src.prompt_features())
             return
         # Only the target model is known: run one capturing prefill, then drop the hooks.
-        probe = HFTarget(src, capture_layers="eagle3")
+        n_layers = len(getattr(getattr(src, "base_model", src), "layers", ()))
+        probe = HFTarget(src, capture_layers=self.capture_layers(n_layers))
         try:
             probe.start(self._prompt)
             self.set_prompt_features(probe.prompt_features())
@@ -250,7 +313,7 @@ class Eagle3Draft(DraftModel):
         self._slot, self._hidden, self._logits = {}, {}, {}
 
 
-def load_eagle3_checkpoint(path: str | os.PathLike, target: Any, *,
+def load_eagle3_checkpoint(path: str | os.PathLike, target: Any = None, *,
                            features_from: FeatureSource | None = None,
                            dtype: torch.dtype = torch.float32,
                            device: str | torch.device | None = None) -> Eagle3Draft:
@@ -262,7 +325,8 @@ def load_eagle3_checkpoint(path: str | os.PathLike, target: Any, *,
             prompt features come from it; per-step features from the verify forward, which
             ``as_target(model)`` captures by default), or its token embeddings
             (``nn.Embedding`` or a ``[vocab, H]`` tensor; then pass ``features_from`` or call
-            ``set_prompt_features``).
+            ``set_prompt_features``), or None when the checkpoint carries
+            ``embed_tokens.weight``. With a model, ``Eagle3Draft.check_target`` runs here.
         features_from: where prompt features come from (default: ``target`` when it is a model).
         dtype: the head's floating dtype.
         device: the head's device (default: the target's).
@@ -289,6 +353,9 @@ def load_eagle3_checkpoint(path: str | os.PathLike, target: Any, *,
     if features_from is None and is_model:
         features_from = target
     if device is None:
-        device = _embedding_weight(embed).device
+        device = _embedding_weight(embed).device if embed is not None else "cpu"
     head = read_eagle3(path, dtype=dtype, device=device)
-    return Eagle3Draft(head, embed, features_from=features_from)
+    draft = Eagle3Draft(head, embed, features_from=features_from)
+    if is_model:
+        draft.check_target(target)
+    return draft

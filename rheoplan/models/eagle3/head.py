@@ -72,13 +72,73 @@ def check_vocab_map(target_ids: torch.Tensor, t2d: torch.Tensor | None, vocab_si
                               "t2d[t] true exactly for the targets of d2t")
 
 
+#: RoPE scaling types the head supports, with the fields each one requires (transformers'
+#: ``ROPE_INIT_FUNCTIONS`` computes them; these are the types EAGLE-3 heads ship with).
+ROPE_TYPES = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor",),
+}
+
+
+def read_rope(d: dict) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)`` from a config dict in either transformers style:
+    4.x (``rope_theta`` and ``rope_scaling`` at the top level) or 5.x (``rope_parameters``
+    holding ``rope_theta``, ``rope_type`` and the scaling fields). ``rope_scaling`` is None
+    for plain RoPE. An unsupported type or a missing field raises ``Eagle3LoadError``; two
+    different thetas (top level and ``rope_parameters``) too, rather than picking one.
+
+    Example:
+        >>> read_rope({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
+        (500000.0, None)
+        >>> read_rope({"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
+        (500000.0, {'rope_type': 'linear', 'factor': 2.0})
+    """
+    params = d.get("rope_parameters")
+    scaling = d.get("rope_scaling")
+    theta = d.get("rope_theta")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise Eagle3LoadError(f"config rope_parameters={params!r}: allowed a dict")
+        p_theta = params.get("rope_theta")
+        if theta is not None and p_theta is not None and float(theta) != float(p_theta):
+            raise Eagle3LoadError(f"config sets rope_theta={theta} and rope_parameters.rope_theta="
+                                  f"{p_theta}: allowed one value (remove one of them)")
+        theta = p_theta if p_theta is not None else theta
+        rest = {k: v for k, v in params.items() if k != "rope_theta"}
+        if scaling is not None and rest and scaling != rest:
+            raise Eagle3LoadError(f"config sets both rope_scaling={scaling} and rope_parameters={params}: "
+                                  "allowed one of them")
+        scaling = scaling if scaling is not None else rest
+    theta = 10000.0 if theta is None else theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise Eagle3LoadError(f"config rope_theta={theta!r} is out of range: allowed a number > 0")
+    if not scaling:
+        return float(theta), None
+    if not isinstance(scaling, dict):
+        raise Eagle3LoadError(f"config rope_scaling={scaling!r}: allowed null or a dict with rope_type")
+    scaling = {("rope_type" if k == "type" else k): v for k, v in scaling.items() if k != "rope_theta"}
+    kind = scaling.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise Eagle3LoadError(f"config rope_scaling type {kind!r} is not supported: allowed "
+                              f"{sorted(ROPE_TYPES)}")
+    missing = [k for k in ROPE_TYPES[kind] if k not in scaling]
+    if missing:
+        raise Eagle3LoadError(f"config rope_scaling of type {kind!r} lacks {missing}")
+    return float(theta), (None if kind == "default" else scaling)
+
+
 @dataclass
 class Eagle3Config:
     """The config.json fields an EAGLE-3 head reads (those of the released EAGLE-3 checkpoints).
 
     ``draft_vocab_size`` and ``target_hidden_size`` default to ``vocab_size`` and
-    ``hidden_size``. The reference config's ``bias`` is not a field: whether ``fc`` has a
-    bias is read from the checkpoint's keys (it stays in ``extra`` when present).
+    ``hidden_size``. ``eagle_aux_hidden_state_layer_ids`` are the target layers whose inputs
+    the head reads (None: EAGLE-3's ``[2, n // 2, n - 3]`` of an ``n``-layer target). RoPE is
+    read in either transformers style (``read_rope``). The reference config's ``bias`` is not
+    a field: whether ``fc`` has a bias is read from the checkpoint's keys (it stays in
+    ``extra`` when present).
     """
 
     vocab_size: int
@@ -94,6 +154,7 @@ class Eagle3Config:
     hidden_act: str = "silu"
     max_position_embeddings: int = 2048
     head_dim: int | None = None
+    eagle_aux_hidden_state_layer_ids: list[int] | None = None
     extra: dict = field(default_factory=dict)  #: other config.json fields, kept for saving
 
     def __post_init__(self) -> None:
@@ -111,6 +172,13 @@ class Eagle3Config:
         if self.draft_vocab_size > self.vocab_size:
             raise Eagle3LoadError(f"config draft_vocab_size={self.draft_vocab_size} exceeds "
                                   f"vocab_size={self.vocab_size}")
+        ids = self.eagle_aux_hidden_state_layer_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or len(ids) != 3
+                                or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)):
+            raise Eagle3LoadError(f"config eagle_aux_hidden_state_layer_ids={ids!r}: allowed null or "
+                                  "three layer indices >= 0")
+        self.rope_theta, self.rope_scaling = read_rope({"rope_theta": self.rope_theta,
+                                                        "rope_scaling": self.rope_scaling})
         if self.num_attention_heads % self.num_key_value_heads:
             raise Eagle3LoadError(f"config num_attention_heads={self.num_attention_heads} is not a "
                                   f"multiple of num_key_value_heads={self.num_key_value_heads}")
@@ -123,8 +191,12 @@ class Eagle3Config:
                                "num_attention_heads", "num_key_value_heads") if n not in d]
         if missing:
             raise Eagle3LoadError(f"config.json lacks required fields {missing}")
+        theta, scaling = read_rope(d)
         known = {k: v for k, v in d.items() if k in names}
-        return cls(**known, extra={k: v for k, v in d.items() if k not in names})
+        known.update(rope_theta=theta, rope_scaling=scaling)
+        # rope_parameters (transformers 5) is folded into rope_theta / rope_scaling above
+        extra = {k: v for k, v in d.items() if k not in names and k != "rope_parameters"}
+        return cls(**known, extra=extra)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -230,20 +302,33 @@ class Eagle3Head(nn.Module):
         ['d2t', 'fc.weight', 'lm_head.weight']
     """
 
-    def __init__(self, cfg: Eagle3Config) -> None:
+    def __init__(self, cfg: Eagle3Config, *, vocab_map: bool | None = None, fc_bias: bool = False,
+                 embed_tokens: bool = False) -> None:
+        """``vocab_map``: hold ``d2t``/``t2d`` (default: when the draft vocabulary is smaller;
+        checkpoints of the reference code hold them even when it is not). ``fc_bias``: ``fc``
+        has a bias. ``embed_tokens``: the head carries its own copy of the token embeddings
+        (``embed_tokens.weight``, used instead of the target's)."""
         super().__init__()
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         self.config = cfg
         H = cfg.hidden_size
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=fc_bias)
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        if cfg.draft_vocab_size != cfg.vocab_size:
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H) if embed_tokens else None
+        if vocab_map is None:
+            vocab_map = cfg.draft_vocab_size != cfg.vocab_size
+        elif not vocab_map and cfg.draft_vocab_size != cfg.vocab_size:
+            raise ValueError(f"vocab_map=False with draft_vocab_size={cfg.draft_vocab_size} < vocab_size="
+                             f"{cfg.vocab_size}: a reduced draft vocabulary needs d2t/t2d")
+        if vocab_map:
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
             self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+            if cfg.draft_vocab_size == cfg.vocab_size:
+                self.t2d.fill_(True)  # the identity map (d2t = 0)
         else:
             self.d2t = self.t2d = None
         # Reuse transformers' RoPE so rope_scaling (llama3, linear, ...) means what it means there;
@@ -258,8 +343,8 @@ class Eagle3Head(nn.Module):
         cfg = self.config
         ids = torch.as_tensor(draft_to_target).to(torch.int64)
         if self.d2t is None:
-            raise ValueError(f"set_vocab_map() on a head with draft_vocab_size == vocab_size "
-                             f"({cfg.vocab_size}): it has no d2t/t2d to fill")
+            raise ValueError(f"set_vocab_map() on a head without d2t/t2d (draft_vocab_size == "
+                             f"vocab_size == {cfg.vocab_size}; build it with vocab_map=True)")
         if ids.shape != (cfg.draft_vocab_size,):
             raise ValueError(f"draft_to_target has shape {tuple(ids.shape)}: allowed "
                              f"({cfg.draft_vocab_size},) (one target id per draft id)")

@@ -148,3 +148,29 @@ def test_launch_config_fits_sm90():
             smem = size * d_pad * (bm + 3 * 2 * bn)
             assert smem < 232_448, (dtype, d_pad, smem)
             assert warps in (4, 8) and bn <= 64
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_prefix(device, splits):
+    """The prefix shared by several programs (flash-decoding), partials merged afterwards:
+    same output; a split whose chunk is past prefix_len (sees nothing) weighs 0."""
+    args = _case(L=9, P=48, prefix=[5, 48])  # tree 0: splits 2.. see no prefix at all
+    ref = reference.tree_attention(*args)
+    torch.testing.assert_close(_run(device, args, block_m=16, block_n=16, num_splits=splits), ref,
+                               rtol=2e-5, atol=2e-5)
+    empty = _case(L=6, P=40, prefix=[0, 0])  # padded rows see nothing in any split: 0
+    torch.testing.assert_close(_run(device, empty, block_m=16, block_n=16, num_splits=splits),
+                               reference.tree_attention(*empty), rtol=2e-5, atol=2e-5)
+
+
+def test_combine_splits_example():
+    from rheoplan.kernels.tree_attention import triton as tk
+
+    m = torch.tensor([0.0, 1.0]).view(2, 1, 1, 1)
+    lsum = torch.ones(2, 1, 1, 1)
+    acc = torch.tensor([2.0, 4.0]).view(2, 1, 1, 1, 1)
+    out = torch.empty(1, 1, 1, 1)
+    tk._combine_splits(m, lsum, acc, out, 1)
+    e = torch.exp(torch.tensor(-1.0))
+    assert torch.allclose(out.flatten(), ((2 * e + 4) / (e + 1)).flatten())

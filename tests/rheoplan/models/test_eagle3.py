@@ -97,12 +97,12 @@ def _rewrite(tmp_path, change):
 
 def test_strict_key_errors(tmp_path):
     save_eagle3(make_head(), tmp_path)
-    _rewrite(tmp_path, lambda sd: (sd.pop("norm.weight"), sd.pop("t2d"),
-                                   sd.__setitem__("embed_tokens.weight", torch.zeros(V, H))))
+    _rewrite(tmp_path, lambda sd: (sd.pop("norm.weight"), sd.pop("lm_head.weight"),
+                                   sd.__setitem__("midlayer.extra.weight", torch.zeros(V, H))))
     with pytest.raises(Eagle3LoadError) as err:
         read_eagle3(tmp_path)
     msg = str(err.value)
-    assert "missing keys ['norm.weight', 't2d']" in msg and "unexpected keys ['embed_tokens.weight']" in msg
+    assert "missing keys ['lm_head.weight', 'norm.weight']" in msg and "unexpected keys ['midlayer.extra.weight']" in msg
 
 
 def test_shape_and_file_errors(tmp_path):

@@ -1,0 +1,149 @@
+"""The processed target law is transformers' ``generate`` law, bit for bit.
+
+``process_scores`` is compared with the ``LogitsProcessorList`` that ``generate`` itself
+builds (``GenerationMixin._get_logits_processor`` on a tiny Llama) on tie-heavy logits
+(scores drawn from a handful of values, so many tokens tie at the top-k / top-p / min-p /
+typical boundaries) and on random contexts for the repetition penalty. ``torch.equal``
+on the processed scores means the kept sets and the kept values are identical.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from rheoplan import SamplingConfig
+from _decode_models import generate_processors
+from rheoplan.distributions import process_scores, target_probs
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def gen_model():
+    from _decode_models import tiny_llama
+
+    return tiny_llama(0, vocab=12)
+
+
+def tie_heavy_logits(gen: torch.Generator, V: int, levels=(-2.0, -1.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0)):
+    """Scores from a few values: ties at every boundary; sometimes a -inf (an earlier filter)."""
+    lv = torch.tensor(levels)
+    x = lv[torch.randint(len(levels), (V,), generator=gen)]
+    if torch.rand(1, generator=gen) < 0.3:
+        x[torch.randint(V, (1,), generator=gen)] = float("-inf")
+    if torch.rand(1, generator=gen) < 0.5:  # sometimes also non-round scales (softmax masses differ)
+        x = x * float(torch.rand(1, generator=gen) * 3 + 0.2)
+    return x
+
+
+SETTINGS = [
+    SamplingConfig(top_k=1), SamplingConfig(top_k=3), SamplingConfig(top_k=5, temperature=0.7),
+    SamplingConfig(top_p=0.3), SamplingConfig(top_p=0.5), SamplingConfig(top_p=0.9, temperature=1.3),
+    SamplingConfig(min_p=0.3), SamplingConfig(min_p=0.6, temperature=0.5),
+    SamplingConfig(typical_p=0.5), SamplingConfig(typical_p=0.9),
+    SamplingConfig(repetition_penalty=1.3), SamplingConfig(repetition_penalty=0.7, top_k=4),
+    SamplingConfig(temperature=0.8, top_k=6, top_p=0.8, min_p=0.05, typical_p=0.95, repetition_penalty=1.2),
+    SamplingConfig(temperature=0, repetition_penalty=1.5, top_k=2),  # greedy: warpers skipped
+]
+
+
+@pytest.mark.parametrize("sampling", SETTINGS, ids=repr)
+def test_process_scores_equals_generates_processors_bitwise(gen_model, sampling):
+    V = gen_model.config.vocab_size
+    procs = generate_processors(gen_model, sampling)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(150):
+        logits = tie_heavy_logits(gen, V)
+        ids = torch.randint(V, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen)
+        want = procs(ids[None], logits[None].clone())[0]
+        got = process_scores(logits, sampling, ids)
+        assert torch.equal(got, want), (logits, ids, got, want)
+        p = target_probs(logits, sampling, ids)
+        if sampling.greedy:
+            assert int(p.argmax()) == int(torch.argmax(want)) and float(p.max()) == 1.0
+        else:
+            torch.testing.assert_close(p, torch.softmax(want.double(), -1), rtol=0, atol=0)
+
+
+def test_the_issues_tie_examples():
+    """top-p on [1, 2, 2, 0] with 0.3 keeps token 2 (transformers'), not token 1; top-k keeps
+    every token tied with the k-th score; greedy takes the lowest id among ties."""
+    x = torch.tensor([1.0, 2.0, 2.0, 0.0])
+    assert target_probs(x, SamplingConfig(top_p=0.3)).tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert torch.isfinite(process_scores(x, SamplingConfig(top_k=1))).tolist() == [False, True, True, False]
+    assert target_probs(x, SamplingConfig(temperature=0)).tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert int(torch.argmax(x)) == 1  # the rule generate's torch.argmax follows
+
+
+def test_user_processors_run_where_generate_runs_them(gen_model):
+    """A caller's processors run after the repetition penalty and before the warpers; a
+    caller's RepetitionPenaltyLogitsProcessor takes the built-in one's place."""
+    from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+    from transformers.generation.logits_process import SequenceBiasLogitsProcessor
+
+    V = gen_model.config.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    cases = [
+        (SamplingConfig(temperature=0.5, top_k=3, repetition_penalty=1.4),
+         [NoRepeatNGramLogitsProcessor(2), SequenceBiasLogitsProcessor({(4,): 3.0, (1, 2): -2.0})]),
+        (SamplingConfig(top_p=0.6, repetition_penalty=1.4), [RepetitionPenaltyLogitsProcessor(0.5)]),
+        (SamplingConfig(temperature=0), [NoRepeatNGramLogitsProcessor(1)]),
+    ]
+    for sampling, extra in cases:
+        procs = generate_processors(gen_model, sampling, extra)
+        for _ in range(60):
+            logits = tie_heavy_logits(gen, V)
+            ids = torch.randint(V, (5,), generator=gen)
+            assert torch.equal(process_scores(logits, sampling, ids, extra), procs(ids[None], logits[None].clone())[0])
+
+
+def test_processors_do_not_write_into_the_callers_logits():
+    def in_place(ids, scores):
+        scores[:, 0] = -5.0
+        return scores
+
+    x = torch.tensor([1.0, 2.0, 3.0])
+    got = process_scores(x, SamplingConfig(), [0], [in_place])
+    assert x.tolist() == [1.0, 2.0, 3.0] and got.tolist() == [-5.0, 2.0, 3.0]
+
+
+def test_rows_are_independent():
+    x = torch.tensor([[1.0, 2.0, 2.0, 0.0], [0.0, 0.0, 1.0, 1.0]])
+    s = SamplingConfig(top_k=1, temperature=0.5)
+    both = target_probs(x, s)
+    for r in range(2):
+        assert torch.equal(both[r], target_probs(x[r], s))
+    assert target_probs(x[None], s).shape == (1, 2, 4)
+
+
+@pytest.mark.parametrize("call,parts", [
+    (lambda: process_scores(torch.zeros(3), SamplingConfig(repetition_penalty=1.2)),
+     ["input_ids is None", "repetition_penalty"]),
+    (lambda: process_scores(torch.zeros(3), SamplingConfig(), None, [lambda i, s: s]), ["input_ids is None"]),
+    (lambda: process_scores(torch.zeros(3), SamplingConfig(repetition_penalty=1.2), [0, 3]), [r"\[3\]", r"\[0, 3\)"]),
+    (lambda: process_scores(torch.zeros(3), SamplingConfig(), [0], [lambda i, s: s[:, :2]]), ["returned", r"\(1, 3\)"]),
+    (lambda: process_scores(torch.zeros(3), SamplingConfig(), [0], [lambda i, s: s - float("inf")]),
+     ["no token is left", "<lambda>"]),
+    (lambda: process_scores(torch.tensor([0.0, float("nan")]), SamplingConfig()), ["NaN"]),
+])
+def test_bad_input_is_named(call, parts):
+    import re
+
+    with pytest.raises(ValueError) as err:
+        call()
+    for part in parts:
+        assert re.search(part, str(err.value)), (part, str(err.value))
+
+
+def test_no_filter_no_sort_fast_path_is_the_softmax():
+    x = torch.randn(2, 50)
+    assert torch.equal(target_probs(x, SamplingConfig()), torch.softmax(x.float().double(), -1))
+
+
+@pytest.mark.parametrize("k,p", list(itertools.product([0, 2], [1.0, 0.5])))
+def test_greedy_ignores_the_warpers_like_generate(k, p):
+    x = torch.tensor([0.5, 3.0, 3.0, 1.0])
+    assert target_probs(x, SamplingConfig(temperature=0, top_k=k, top_p=p)).tolist() == [0.0, 1.0, 0.0, 0.0]
