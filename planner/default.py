@@ -21,3 +21,31 @@ DEFAULT_PIPELINE = [
     FnPass("prune", prune),  # keep the best `budget` nodes
     FnPass("linearize", linearize),  # order, positions, masks, verifier tables
 ]
+
+
+def cost_pipeline(plan, base=None, on_decision=None) -> list:
+    """``base`` (default ``DEFAULT_PIPELINE``) made cost-aware for one step's frozen
+    ``rheoplan.costmodel.CostPlan``: every ``expand`` is gated by ``cost_expand`` (stop
+    drafting when another depth cannot pay) and ``prune`` is replaced by ``cost_prune``
+    (keep a node only while it pays for its verify cost). Other passes are kept as given.
+    ``on_decision`` observes the prune's ``CostDecision`` (see ``cost_prune``).
+
+    Example:
+        >>> from rheoplan.costmodel import Calibration, CostPlan, Timings
+        >>> tm = Timings((1, 64), (10.0, 40.0), (12.0, 50.0), 0, 1000, (1,), (2.0,), 1.0, 1.0)
+        >>> [p.name for p in cost_pipeline(CostPlan.from_calibration(tm, Calibration()))][-2:]
+        ['prune', 'linearize']
+    """
+    from rheoplan.planner.cost_depth import cost_expand
+    from rheoplan.planner.cost_prune import cost_prune
+
+    def rewrite(p):
+        if isinstance(p, Repeat):
+            return Repeat(p.name, tuple(rewrite(q) for q in p.body), p.times)
+        if p.name == "expand":
+            return cost_expand(plan, p)
+        if p.name == "prune":
+            return cost_prune(plan, on_decision)
+        return p
+
+    return [rewrite(p) for p in (DEFAULT_PIPELINE if base is None else base)]

@@ -18,11 +18,14 @@ from rheoplan.bench import decode as bench_decode
 from rheoplan.bench import kernels as bench_kernels
 from rheoplan.bench import planner as bench_planner
 from rheoplan.config import PROXIES, VERIFIERS, SamplingConfig, TreeConfig
+from rheoplan.costmodel import CostPlan
 from rheoplan.decode import plan_and_decode
-from rheoplan.loading import DEFAULTS, METHODS, add_dtype, encode_prompt, load_default, parse_draft_spec
+from rheoplan.loading import (AUTO_BUDGET, AUTO_DEPTH, AUTO_OPTIONS, DEFAULTS, METHODS, add_dtype, auto_tree,
+                              encode_prompt, int_or_auto, load_cost_model, load_default, parse_draft_spec)
 from rheoplan.models import as_draft
 from rheoplan.pipeline import DumpIR
 from rheoplan.plan import plan_tree
+from rheoplan.planner.default import cost_pipeline
 from rheoplan.train import cli as train_cli
 
 DEFAULT_PROMPT = "Write a short poem about the sea."
@@ -47,14 +50,22 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", choices=METHODS,
                    help="rheo: RheoSampling (default); eagle: one-hot dynamic top-K tree; "
                         "chain: chain speculative sampling; autoregressive: no draft")
-    g.add_argument("--depth", type=int, help="tree depth D (default 4)")
+    g.add_argument("--depth", type=int_or_auto,
+                   help=f"tree depth D, or 'auto': the cost model stops drafting at the depth where "
+                        f"another draft call cannot pay (up to {AUTO_DEPTH}) (default auto)")
     g.add_argument("--frontier", type=int, help="nodes expanded per depth k (default 3)")
     g.add_argument("--slots", type=int, help="children per expanded node K (default 3)")
-    g.add_argument("--budget", type=int, help="drafted nodes kept N (default 8)")
+    g.add_argument("--budget", type=int_or_auto,
+                   help=f"drafted nodes kept N, or 'auto': the cost model keeps a node only while its "
+                        f"calibrated acceptance pays for its verify cost (up to {AUTO_BUDGET}; a step "
+                        f"where no tree pays is autoregressive) (default auto)")
     g.add_argument("--rheostat", type=int, help="deterministic slots m, 0..K (default 1)")
     g.add_argument("--support", type=int, help="sparse draft support S (default 128)")
     g.add_argument("--verifier", choices=VERIFIERS, help="coupling (default ot)")
     g.add_argument("--proxy", choices=PROXIES, help="sampled-slot score (default: default)")
+    g.add_argument("--calibration", metavar="FILE",
+                   help="with auto depth/budget: start the online acceptance calibration from FILE "
+                        "(written by --save-calibration); the same seed and file give the same tokens")
     g.add_argument("--config", metavar="FILE",
                    help="JSON or TOML file with any of the sampling/tree options above "
                         "(keys as the flags, with underscores); flags override it")
@@ -88,7 +99,10 @@ def read_config_file(path: str) -> dict:
         k = key.replace("-", "_")
         if k not in DEFAULTS:
             raise ValueError(f"--config={path}: unknown option {key!r}; allowed: {', '.join(sorted(DEFAULTS))}")
-        want = type(DEFAULTS[k])
+        want = int if k in AUTO_OPTIONS else type(DEFAULTS[k])
+        if k in AUTO_OPTIONS and value == "auto":
+            out[k] = value
+            continue
         ok = isinstance(value, want) and not isinstance(value, bool) or (want is float and isinstance(value, int) and not isinstance(value, bool))
         if not ok:
             article = "an" if want.__name__[0] in "aeiou" else "a"
@@ -133,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "is produced, then the decode statistics.")
     g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"the prompt (default {DEFAULT_PROMPT!r})")
     g.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--save-calibration", metavar="FILE",
+                   help="with auto depth/budget: write the acceptance calibration this decode ended "
+                        "with to FILE (pass it back with --calibration)")
     _add_model(g)
     _add_sampling(g)
     _add_tree(g)
@@ -170,16 +187,32 @@ def sampling_config_from(args) -> SamplingConfig:
                           repetition_penalty=args.repetition_penalty)
 
 
+def uses_cost_model(args) -> bool:
+    """Does this run plan trees by the cost model (``--depth`` or ``--budget`` is auto)?"""
+    return args.method != "autoregressive" and "auto" in (args.depth, args.budget)
+
+
 def tree_config_from(args):
+    """The tree (with auto depth/budget: the largest one the cost model may plan)."""
     resolve_options(args)
+    depth = AUTO_DEPTH if args.depth == "auto" else args.depth
+    budget = 1 if args.budget == "auto" else args.budget
     if args.method == "eagle":
-        return TreeConfig.eagle(depth=args.depth, frontier=args.frontier, slots=args.slots,
-                                budget=args.budget, support=args.support)
+        tree = TreeConfig.eagle(depth=depth, frontier=args.frontier, slots=args.slots, budget=budget,
+                                support=args.support)
+    elif args.method == "chain":
+        tree = TreeConfig.chain(depth=depth, support=args.support)
+    else:
+        tree = TreeConfig(depth=depth, frontier=args.frontier, slots=args.slots, budget=budget,
+                          rheostat=args.rheostat, support=args.support, verifier=args.verifier,
+                          proxy=args.proxy)
+    if args.calibration and not uses_cost_model(args):
+        raise ValueError("--calibration needs --depth auto or --budget auto (the cost model)")
+    if args.calibration and not Path(args.calibration).is_file():
+        raise ValueError(f"--calibration={args.calibration}: no such file")
     if args.method == "chain":
-        return TreeConfig.chain(depth=args.depth, support=args.support)
-    return TreeConfig(depth=args.depth, frontier=args.frontier, slots=args.slots, budget=args.budget,
-                      rheostat=args.rheostat, support=args.support, verifier=args.verifier,
-                      proxy=args.proxy)
+        return tree
+    return auto_tree(tree, args.depth, args.budget) if uses_cost_model(args) else tree
 
 
 def cmd_generate(args) -> int:
@@ -189,7 +222,13 @@ def cmd_generate(args) -> int:
         parse_draft_spec(args.draft)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} is out of range: allowed >= 1")
+    if args.save_calibration and not uses_cost_model(args):
+        raise ValueError("--save-calibration needs --depth auto or --budget auto (the cost model)")
     model, tok, draft = load_default(method=args.method, draft=args.draft, dtype=args.dtype)
+    cost = None
+    if uses_cost_model(args):
+        cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration=args.calibration,
+                               sampling=sampling)
     ids = encode_prompt(tok, args.prompt, not args.no_chat)
     out: list[int] = []
     shown = [0]
@@ -202,9 +241,13 @@ def cmd_generate(args) -> int:
         shown[0] = len(text)
 
     res = plan_and_decode(model, draft, ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                          tree=tree, seed=args.seed, eos_token_id=tok.eos_token_id, callback=stream)
+                          tree=tree, seed=args.seed, eos_token_id=tok.eos_token_id, callback=stream,
+                          cost_model=cost)
     print()
     print(f"\n[{args.method}] {res.summary()}", file=sys.stderr)
+    if args.save_calibration and res.calibration is not None:
+        res.calibration.save(args.save_calibration)
+        print(f"calibration written to {args.save_calibration}", file=sys.stderr)
     return 0
 
 
@@ -215,6 +258,12 @@ def cmd_dump(args) -> int:
         raise ValueError("--method=autoregressive has no draft tree to dump")
     parse_draft_spec(args.draft)
     model, tok, draft = load_default(method=args.method, draft=args.draft, dtype=args.dtype)
+    passes, decisions = None, []
+    if uses_cost_model(args):  # measured before the draft starts on the prompt (it decodes)
+        cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration=args.calibration,
+                               sampling=sampling)
+        plan = CostPlan.from_calibration(cost.timings, cost.fresh_calibration())
+        passes = cost_pipeline(plan, on_decision=decisions.append)
     ids = encode_prompt(tok, args.prompt, not args.no_chat)
     drf = as_draft(draft)
     drf.start(ids)
@@ -223,8 +272,13 @@ def cmd_dump(args) -> int:
     instruments = [DumpIR(out / "passes", tokenizer=tok)] if args.passes else []
     t = plan_tree(lambda tr, nodes: drf.node_logits(tr, nodes[0][nodes[0] >= 0].tolist()).unsqueeze(0),
                   [ids[-1]], tree=tree, sampling=sampling, prefix_len=[len(ids) - 1], seed=args.seed,
-                  instruments=instruments)
-    (out / "tree.txt").write_text(ir_text.to_text(t, tokenizer=tok) + "\n")
+                  instruments=instruments, passes=passes)
+    text = ir_text.to_text(t, tokenizer=tok)
+    if decisions:  # comment lines: the parser skips them, the tree still round-trips
+        lines = decisions[-1].text()
+        print("\n".join(lines))
+        text = "\n".join(lines) + "\n" + text
+    (out / "tree.txt").write_text(text + "\n")
     (out / "tree.json").write_text(ir_text.to_json(t))
     (out / "tree.dot").write_text(dump.to_dot(t, tokenizer=tok))
     dump.draw_png(t, out / "tree.png", tokenizer=tok)

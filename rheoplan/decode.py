@@ -21,7 +21,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -29,11 +29,13 @@ import torch
 from tqdm.auto import tqdm
 
 from rheoplan.config import ConfigError, SamplingConfig, TreeConfig
+from rheoplan.costmodel import Calibration, CostModel, CostPlan, DraftSchedule
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.models import as_draft, as_target
 from rheoplan.models.base import DraftModel, TargetModel
 from rheoplan.pipeline import DumpIR, PassContext
 from rheoplan.plan import plan_tree
+from rheoplan.planner.default import cost_pipeline
 from rheoplan.planner.linearize import linearize
 from rheoplan.rng import Streams
 from rheoplan.verify import walk
@@ -53,6 +55,11 @@ class StepStats:
     t_verify_forward: float = 0.0
     t_walk: float = 0.0
     t_commit: float = 0.0
+    t_step: float = 0.0  #: the whole step, wall clock (the loop's own bookkeeping included)
+    #: with a cost model: did the step draft, and what the model predicted for its tree
+    drafted: bool = True
+    predicted_tokens: float | None = None  #: E, expected emitted tokens
+    predicted_ms: float | None = None  #: predicted step latency
 
 
 @dataclass
@@ -63,6 +70,9 @@ class DecodeResult:
     steps: list[StepStats] = field(default_factory=list)
     seconds: float = 0.0
     stopped_by: str = "max_new_tokens"  #: 'max_new_tokens' or 'eos'
+    #: with a cost model: the calibration this decode ended with (save it with
+    #: ``Calibration.save`` and pass it as a later decode's prior)
+    calibration: Calibration | None = None
 
     @property
     def mean_accepted_length(self) -> float:
@@ -83,14 +93,26 @@ class DecodeResult:
         keys = ["t_draft", "t_plan", "t_verify_forward", "t_walk", "t_commit"]
         return {k[2:]: sum(getattr(s, k) for s in self.steps) for k in keys}
 
+    @property
+    def predicted_tokens_per_step(self) -> float | None:
+        """The cost model's mean expected tokens per step (None without a cost model)."""
+        pred = [s.predicted_tokens for s in self.steps if s.predicted_tokens is not None]
+        return sum(pred) / len(pred) if pred else None
+
     def summary(self) -> str:
         ph = self.phase_totals()
         n = max(1, len(self.steps))
         per = ", ".join(f"{k} {1e3 * v / n:.1f} ms" for k, v in ph.items())
-        return (f"{len(self.tokens)} tokens in {len(self.steps)} steps, {self.seconds:.2f} s "
-                f"({self.tokens_per_second:.1f} tok/s); mean accepted length "
-                f"{self.mean_accepted_length:.2f}, per-token acceptance {self.acceptance_rate:.1%}; "
-                f"per step: {per}")
+        out = (f"{len(self.tokens)} tokens in {len(self.steps)} steps, {self.seconds:.2f} s "
+               f"({self.tokens_per_second:.1f} tok/s); mean accepted length "
+               f"{self.mean_accepted_length:.2f}, per-token acceptance {self.acceptance_rate:.1%}; "
+               f"per step: {per}")
+        pred = self.predicted_tokens_per_step
+        if pred is not None:
+            ar = sum(1 for s in self.steps if not s.drafted)
+            out += (f"; cost model: predicted {pred:.2f} tokens/step (measured "
+                    f"{self.mean_accepted_length:.2f}), {ar} of {len(self.steps)} steps autoregressive")
+        return out
 
 
 def _check_prompt(prompt_ids, vocab_size: int) -> list[int]:
@@ -179,9 +201,26 @@ def _check_int(name: str, value, lo: int) -> int:
 
 
 def _root_only(root: int, prefix_len: int, tree: TreeConfig) -> DraftTree:
-    """A tree with no drafted nodes (autoregressive steps), linearised."""
-    t = empty_tree(1, 1, 1, 1, torch.tensor([root]), torch.tensor([prefix_len]), tree.slots, tree.slots)
-    return linearize(t, PassContext(tree_cfg=tree.with_(budget=1), sampling=SamplingConfig()))
+    """A tree with no drafted nodes (autoregressive steps), linearised.
+
+    Built once per shape and then only re-stamped with the root token and its position:
+    linearising a one-node tree every step cost about 1% of a token on a 2-core CPU.
+    """
+    key = (tree.slots,)
+    tmpl = _ROOT_ONLY.get(key)
+    if tmpl is None:
+        t = empty_tree(1, 1, 1, 1, torch.tensor([0]), torch.tensor([0]), tree.slots, tree.slots)
+        tmpl = _ROOT_ONLY[key] = linearize(t, PassContext(tree_cfg=tree.with_(budget=1), sampling=SamplingConfig()))
+    lin = tmpl.linear
+    token, lin_token, position = tmpl.token.clone(), lin.token.clone(), lin.position.clone()
+    token[0, 0] = lin_token[0, 0] = root
+    position[0, 0] = prefix_len
+    return tmpl.replace(token=token, prefix_len=torch.tensor([prefix_len], dtype=torch.int64),
+                        linear=replace(lin, token=lin_token, position=position))
+
+
+#: one linearised root-only tree per slot count; ``_root_only`` copies it with new values
+_ROOT_ONLY: dict[tuple, DraftTree] = {}
 
 
 def likely_path(tree: DraftTree, b: int = 0) -> list[int]:
@@ -230,6 +269,9 @@ class DecodeState:
     callback: Callable[[list[int]], None] | None = None
     #: caller logits processors of the target law (``plan_and_decode(logits_processors=)``)
     processors: tuple = ()
+    cost: CostModel | None = None  #: plan trees by the cost model (None: a fixed budget)
+    calibration: Calibration | None = None  #: this decode's online calibration (with ``cost``)
+    schedule: DraftSchedule = field(default_factory=DraftSchedule)
     # -- where the loop is ----------------------------------------------------------------
     root: int = field(init=False)  #: the next tree's root (last emitted token)
     prefix_len: int = field(init=False)  #: tokens committed before the root
@@ -239,6 +281,8 @@ class DecodeState:
     def __post_init__(self) -> None:
         self.streams = Streams(self.seed)
         self.root, self.prefix_len = self.prompt[-1], len(self.prompt) - 1
+        if self.cost is not None and self.calibration is None:
+            self.calibration = self.cost.fresh_calibration()
 
     @property
     def remaining(self) -> int:
@@ -253,7 +297,8 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                     dump_ir: str | os.PathLike | None = None,
                     dump_steps: Collection[int] | None = (0,),
                     progress: bool = False, passes=None,
-                    callback=None, logits_processors=None) -> DecodeResult:
+                    callback=None, logits_processors=None,
+                    cost_model: CostModel | None = None) -> DecodeResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``, losslessly.
 
     Args:
@@ -282,6 +327,14 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             every tree node, with that node's own context as ``input_ids`` (prompt + emitted +
             the path to the node), after the repetition penalty and before the warpers, as
             ``generate(logits_processor=...)`` applies them. The draft does not see them.
+        cost_model: plan each tree by the cost model (``rheoplan.costmodel.CostModel``:
+            latencies measured at load, ``rheoplan.probe.measure_timings``, and an optional
+            prior calibration): ``tree`` then gives the largest shape (depth, frontier,
+            slots, budget); drafting stops at the depth where another draft call cannot
+            pay, nodes are kept only while they pay for their verify cost, and a step
+            where no tree pays is a plain autoregressive step (drafting is retried later).
+            Decisions use only the frozen latencies and earlier steps' acceptances, so the
+            output law is unchanged and the same seed gives the same tokens.
 
     Example:
         >>> from rheoplan.models import hashed_context_lm
@@ -306,6 +359,9 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
         raise TypeError(f"callback={callback!r} is not callable: allowed None or a function of the "
                         "new tokens")
     processors = _check_processors(logits_processors)
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model={cost_model!r} is a {type(cost_model).__name__}: allowed None or a "
+                        "rheoplan.costmodel.CostModel")
     tgt = as_target(target)
     drf = None
     try:
@@ -324,7 +380,8 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                             sampling=sampling, tree=tree, seed=seed, eos=frozenset(eos), passes=passes,
                             dump_ir=None if dump_ir is None else Path(dump_ir), dump_steps=dump_steps,
                             progress=progress, callback=callback,
-                            processors=processors)
+                            processors=processors,
+                            cost=cost_model if drf is not None else None)
         return _decode(state)
     finally:
         # Adapters built here are closed here (an HF target hooks its model's layers).
@@ -350,8 +407,22 @@ def _check_context(tgt: TargetModel, n_prompt: int, max_new_tokens: int, budget:
 def _plan(s: DecodeState, st: StepStats) -> DraftTree:
     """This step's linearised tree (root only without a draft); draft time goes to ``st``."""
     if s.draft is None:
+        st.drafted = False
         return _root_only(s.root, s.prefix_len, s.tree)
     drf = s.draft
+    passes = s.passes
+    if s.cost is not None:
+        if s.schedule.skip_next():  # no tree paid recently: a plain autoregressive step
+            st.drafted = False
+            st.predicted_tokens, st.predicted_ms = 1.0, s.cost.timings.ar_step(s.prefix_len)
+            return _root_only(s.root, s.prefix_len, s.tree)
+        plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
+
+        def seen(d, _st=st):
+            _st.predicted_tokens, _st.predicted_ms = d.expected, d.predicted_ms
+            s.schedule.record(d.pays)
+
+        passes = cost_pipeline(plan, passes, on_decision=seen)
 
     def draft_fn(tr, nodes):
         t_d = time.perf_counter()
@@ -366,7 +437,7 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
     if s.dump_ir is not None and (s.dump_steps is None or s.step in s.dump_steps):
         instruments.append(DumpIR(s.dump_ir))
     return plan_tree(draft_fn, [s.root], tree=s.tree, sampling=s.sampling, prefix_len=[s.prefix_len],
-                     seed=s.seed, step=s.step, passes=s.passes, instruments=instruments)
+                     seed=s.seed, step=s.step, passes=passes, instruments=instruments)
 
 
 def _decode(s: DecodeState) -> DecodeResult:
@@ -407,6 +478,8 @@ def _decode(s: DecodeState) -> DecodeResult:
         st.trials = _trials(t, res.path)
         st.visited = res.visited
         st.t_verify_forward, st.t_walk = t2 - t1, t3 - t2
+        if s.calibration is not None and st.drafted:
+            s.calibration.update(t, res.path)  # known only now: it shapes later steps' trees
         result.tokens += emitted
         if bar is not None:
             bar.update(len(emitted))
@@ -419,12 +492,14 @@ def _decode(s: DecodeState) -> DecodeResult:
                 feats = [fw.features(i) for i in res.path]
                 drf.commit(t, list(res.nodes), list(res.emitted), feats)
             st.t_commit = time.perf_counter() - t4
+        st.t_step = time.perf_counter() - t0
         result.steps.append(st)
         if stop is not None:
             result.stopped_by = stop
             break
         s.root, s.prefix_len, s.step = res.emitted[-1], s.prefix_len + len(res.path), s.step + 1
     result.seconds = time.perf_counter() - t_start
+    result.calibration = s.calibration
     if bar is not None:
         bar.close()
     return result

@@ -20,20 +20,38 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from rheoplan.config import SamplingConfig, TreeConfig
+from rheoplan.costmodel import Calibration, CostModel
 from rheoplan.models.eagle3 import load_eagle3_checkpoint
 from rheoplan.models.early_exit import early_exit_draft
-from rheoplan.models.smollm import load_smollm2, resolve_dtype
+from rheoplan.models.smollm import GGUF_FILE, load_smollm2, resolve_dtype
+from rheoplan.probe import choose_dtype, measure_timings
 
-#: Run defaults: with a bfloat16 target (``--dtype auto`` on AMX CPUs) the 8-node tree was the
-#: fastest of the shapes measured on 2 cores with the shipped head; in float32 a 4-node tree is
-#: ~15% faster (docs/results.md "Tree size on this CPU"; docs/concepts.md "Defaults").
-#: Precedence in the CLI: these < a --config file < flags given on the command line.
+#: the default target's identity in the measurement caches
+SMOLLM2_ID = f"SmolLM2-135M-Instruct ({GGUF_FILE})"
+#: the prompt the latency probe decodes (any ordinary chat turn)
+PROBE_PROMPT = "Write a short story about a lighthouse keeper and a storm."
+
+#: Run defaults. ``depth`` and ``budget`` default to ``"auto"``: the cost model plans every
+#: tree (``rheoplan.costmodel``; latencies measured at load and cached), up to AUTO_DEPTH
+#: levels and AUTO_BUDGET kept nodes; an int fixes that dimension (the other one can stay
+#: auto). Precedence in the CLI: these < a --config file < flags given on the command line.
 DEFAULTS = {
     "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
     "repetition_penalty": 1.0, "seed": 0,
-    "method": "rheo", "depth": 4, "frontier": 3, "slots": 3, "budget": 8, "rheostat": 1,
+    "method": "rheo", "depth": "auto", "frontier": 3, "slots": 3, "budget": "auto", "rheostat": 1,
     "support": 128, "verifier": "ot", "proxy": "default",
 }
+#: the fixed tree the benchmarks compare the fixed-shape methods at (depth 4, frontier 3,
+#: slots 3, 8 kept nodes: the shape measured fastest before the cost model; docs/results.md)
+FIXED_TREE = {"depth": 4, "frontier": 3, "slots": 3, "budget": 8}
+#: options that take an int or "auto"
+AUTO_OPTIONS = ("depth", "budget")
+#: the largest tree the cost model may plan with ``--depth auto`` / ``--budget auto``
+AUTO_DEPTH = 6
+AUTO_BUDGET = 32
 METHODS = ("rheo", "eagle", "chain", "autoregressive")
 
 #: the EAGLE-3 head trained for SmolLM2-135M-Instruct that ships with rheoplan
@@ -43,9 +61,19 @@ SHIPPED_HEAD = Path(__file__).resolve().parent / "assets" / "smollm2-eagle3"
 def add_dtype(p) -> None:
     """Add the ``--dtype`` flag (target weights and activations) to an argparse parser or group."""
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="target weights and activations: 'auto' = bfloat16 on CPUs with AMX bf16 "
-                        "(a wide verify forward then costs about one token's), else float32 "
-                        "(default auto). The draft head stays float32")
+                   help="target weights and activations: 'auto' = the dtype measured fastest on this "
+                        "machine (1-token and verify-tree forwards timed once at load, cached under "
+                        "~/.cache/rheoplan/) (default auto). The draft head stays float32")
+
+
+def int_or_auto(text: str):
+    """argparse type of ``--depth`` / ``--budget``: ``'auto'`` or an int."""
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an int or 'auto'") from None
 
 
 def parse_draft_spec(spec: str) -> tuple[str, str]:
@@ -71,9 +99,12 @@ def load_default(*, method: str = "rheo", draft: str = "auto", dtype: str = "aut
     none for ``method='autoregressive'``). Progress goes to stderr."""
     t0 = time.perf_counter()
     torch_dtype = resolve_dtype(dtype)
-    print(f"loading SmolLM2-135M-Instruct ({str(torch_dtype).removeprefix('torch.')}"
-          f"{', auto' if dtype == 'auto' else ''}) ...", file=sys.stderr, flush=True)
-    model, tok = load_smollm2(dtype=torch_dtype)
+    print(f"loading SmolLM2-135M-Instruct ({dtype}) ...", file=sys.stderr, flush=True)
+    model, tok = load_smollm2(dtype=torch_dtype or torch.float32)
+    if torch_dtype is None:  # 'auto': measure which dtype is fastest here (cached)
+        torch_dtype, _ = choose_dtype(model, model_id=SMOLLM2_ID)
+        if torch_dtype != torch.float32:
+            model = model.to(torch_dtype)
     drf = None
     if method != "autoregressive":
         kind, arg = parse_draft_spec(draft)
@@ -81,6 +112,27 @@ def load_default(*, method: str = "rheo", draft: str = "auto", dtype: str = "aut
         print(f"draft: {kind} {arg}", file=sys.stderr)
     print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return model, tok, drf
+
+
+def auto_tree(tree: TreeConfig, depth, budget) -> TreeConfig:
+    """The largest tree the cost model may plan: ``depth`` / ``budget`` ints or ``'auto'``
+    (AUTO_DEPTH levels; AUTO_BUDGET nodes, at most what the tree can hold)."""
+    d = AUTO_DEPTH if depth == "auto" else depth
+    cap = tree.with_(depth=d, budget=1).capacity - 1
+    b = min(AUTO_BUDGET, cap) if budget == "auto" else budget
+    return tree.with_(depth=d, budget=b)
+
+
+def load_cost_model(model, tok, draft, tree: TreeConfig, *, draft_id: str = "",
+                    calibration: str | None = None, sampling: SamplingConfig | None = None) -> CostModel:
+    """The cost model for ``model`` + ``draft`` with trees up to ``tree``: latencies measured
+    on this machine (a few seconds the first time, then read from the cache) and, from
+    ``calibration`` (a JSON file written by ``--save-calibration``), a prior calibration."""
+    prior = Calibration.load(calibration) if calibration else None
+    ids = encode_prompt(tok, PROBE_PROMPT, chat=True)
+    tm = measure_timings(model, draft, ids, tree=tree, sampling=sampling or SamplingConfig(),
+                         model_id=SMOLLM2_ID, draft_id=draft_id)
+    return CostModel(tm, prior)
 
 
 def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:

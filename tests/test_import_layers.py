@@ -6,14 +6,16 @@ one above; ``docs/concepts.md`` "Code layout" lists the same table):
 ====  ============================================================================
  0    ``config``, ``mutation``                        plain values, test switches
  1    ``ir``, ``distributions``, ``rng``              the IR, the laws, random streams
- 2    ``ir_text``, ``planner.lint``, ``verify``       IR text + checker, the couplings
+ 2    ``ir_text``, ``planner.lint``, ``verify``,      IR text + checker, the couplings,
+      ``costmodel``                                   latencies, calibration, decision rule
  3    ``pipeline``                                    the pass runner and instruments
  4    ``planner``                                     the reference passes
  5    ``plan``                                        ``plan_tree``
  6    ``kernels``                                     numba / Triton kernels and their pipeline
  7    ``models``                                      adapters (target / draft interfaces)
  8    ``decode``                                      ``plan_and_decode``
- 9    ``testing``, ``dump``, ``loading``              oracle, drawings, the default model
+ 9    ``testing``, ``dump``, ``loading``, ``probe``   oracle, drawings, the default model,
+                                                      measuring dtype + latencies at load
 10    ``bench``, ``train``                            benchmarks, draft training
 11    ``cli``                                         the ``rheoplan`` command
 12    ``rheoplan`` (``__init__``)                     the public facade; nothing inside imports it
@@ -35,14 +37,14 @@ from _package import PACKAGES, modules
 LAYERS = [
     ["rheoplan.config", "rheoplan.mutation"],
     ["rheoplan.ir", "rheoplan.distributions", "rheoplan.rng"],
-    ["rheoplan.ir_text", "rheoplan.planner.lint", "rheoplan.verify"],
+    ["rheoplan.ir_text", "rheoplan.planner.lint", "rheoplan.verify", "rheoplan.costmodel"],
     ["rheoplan.pipeline"],
     ["rheoplan.planner"],
     ["rheoplan.plan"],
     ["rheoplan.kernels"],
     ["rheoplan.models"],
     ["rheoplan.decode"],
-    ["rheoplan.testing", "rheoplan.dump", "rheoplan.loading"],
+    ["rheoplan.testing", "rheoplan.dump", "rheoplan.loading", "rheoplan.probe"],
     ["rheoplan.bench", "rheoplan.train"],
     ["rheoplan.cli"],
     ["rheoplan"],

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from rheoplan.bench.decode import Method, check_run_args, load_prompts, methods_for, run_one
 from rheoplan.config import SamplingConfig
-from rheoplan.loading import DEFAULTS, add_dtype, encode_prompt, load_default, model_dtype
+from rheoplan.loading import FIXED_TREE, add_dtype, encode_prompt, load_default, model_dtype
 from rheoplan.models._hf_common import (base_model, cache_length, crop_cache, new_cache, output_head,
                                         prefix_and_block_mask, run_base)
 
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
                     help="new-token counts for the forward curve")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per forward size (default 5)")
     for k in ("depth", "frontier", "slots", "budget"):
-        ap.add_argument(f"--{k}", type=int, default=DEFAULTS[k])
+        ap.add_argument(f"--{k}", type=int, default=FIXED_TREE[k])
     ap.add_argument("--draft", default="auto", help="as for rheoplan generate (default auto)")
     add_dtype(ap)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

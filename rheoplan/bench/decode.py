@@ -3,7 +3,13 @@
 Every method runs in one process over the same held-out prompts (not used in
 training), temperatures and seeds, with the same node budget:
 
-* ``ar-hf``: autoregressive sampling with transformers ``generate`` (the speed baseline)
+* ``ar-hf``: autoregressive sampling with transformers ``generate`` (dynamic cache, eager)
+* ``default``: what ``rheoplan generate`` does by default: RheoSampling (m = 1, ``ot``)
+  with the cost model planning every tree (``--depth auto --budget auto``); its rows
+  also show the cost model's predicted tokens per step next to the measured ones
+* ``ar-hf-static``: ``generate`` on its own fast path: a static cache and a
+  ``torch.compile``d forward (compiled once per dtype before the clock starts; the compile
+  time is recorded; if compiling fails on this machine the run records why instead)
 * ``chain``: chain speculative sampling (depth D, one sampled token per depth)
 * ``eagle``: EAGLE's dynamic top-K tree with one-hot verification
 * ``rheo-m{m}-{verifier}[-{proxy}]``: RheoSampling variants
@@ -11,7 +17,8 @@ training), temperatures and seeds, with the same node budget:
 Each (method, temperature, seed) run is written to ``OUT/runs/*.json`` as soon as it
 finishes, so an interrupted benchmark resumes where it stopped (``--resume``, the
 default). ``--report`` turns whatever runs exist into ``docs/results.md``-style
-markdown and PNG plots.
+markdown and PNG plots. Every method's speed-up is against the FASTEST ``generate``
+variant of the same dtype and temperature, and the report names the CPU and its flags.
 
     rheoplan bench decode --prompts 40 --tokens 48 --seeds 0 1 2 --temperatures 0 0.6 1.0
 """
@@ -32,7 +39,7 @@ from tqdm.auto import tqdm
 
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.decode import plan_and_decode
-from rheoplan.loading import DEFAULTS, add_dtype, encode_prompt, load_default, model_dtype
+from rheoplan.loading import FIXED_TREE, auto_tree, encode_prompt, load_cost_model, load_default, model_dtype
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 
@@ -41,13 +48,21 @@ HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 class Method:
     name: str
     tree: TreeConfig | None  #: None = transformers generate
+    kind: str = "rheoplan"  #: 'rheoplan', 'generate' or 'generate-static'
+    cost: bool = False  #: plan by the cost model (``tree`` is the largest shape)
+
+
+GENERATE_KINDS = ("generate", "generate-static")
 
 
 def methods_for(depth: int, frontier: int, slots: int, budget: int) -> dict[str, Method]:
     """All benchmarked methods at one node budget."""
     base = TreeConfig(depth=depth, frontier=frontier, slots=slots, budget=budget)
+    auto = auto_tree(TreeConfig(frontier=frontier, slots=slots, rheostat=1, verifier="ot"), "auto", "auto")
     out = {
-        "ar-hf": Method("ar-hf", None),
+        "default": Method("default", auto, cost=True),
+        "ar-hf": Method("ar-hf", None, "generate"),
+        "ar-hf-static": Method("ar-hf-static", None, "generate-static"),
         "chain": Method("chain", TreeConfig.chain(depth=depth)),
         "eagle": Method("eagle", TreeConfig.eagle(depth=depth, frontier=frontier, slots=slots, budget=budget)),
     }
@@ -96,17 +111,82 @@ def plan_runs(names: list[str], temperatures: list[float], seeds: list[int]) -> 
             if not (t == 0 and n.startswith("rheo-") and n != "rheo-m1-ot")]
 
 
-def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed: int, tokens: int) -> dict:
-    """One (method, temperature, seed) run over all prompts; returns the aggregate record."""
+#: static-cache length for ``ar-hf-static``: one fixed shape for every prompt, so the
+#: compiled forward is not recompiled per prompt length
+STATIC_CACHE_LEN = 1024
+
+
+def static_generate_kwargs(model, needed: int) -> dict:
+    """``generate`` kwargs for transformers' own fast path on any device: a fresh static
+    cache of one fixed length and a compiled forward (transformers compiles only on GPUs
+    unless the compile config says all devices)."""
+    from transformers import CompileConfig, StaticCache
+
+    if needed > STATIC_CACHE_LEN:
+        raise ValueError(f"prompt + tokens = {needed} exceeds the static cache ({STATIC_CACHE_LEN})")
+    cc = CompileConfig(fullgraph=True, mode="default")
+    cc._compile_all_devices = True  # transformers' switch for compiling off-GPU
+    return {"cache": StaticCache(config=model.config, max_cache_len=STATIC_CACHE_LEN),
+            "compile_config": cc}
+
+
+def warm_static_generate(model, tok) -> tuple[float, str | None]:
+    """Compile ``generate``'s static-cache forward before any clock starts (greedy and
+    sampled share it): ``(seconds, None)``, or ``(seconds, why it failed)``."""
+    t0 = time.perf_counter()
+    try:
+        ids = torch.tensor([[tok.eos_token_id or 0] * 4])
+        with torch.no_grad():
+            for _ in range(2):  # the second call checks that nothing recompiles badly
+                model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                               pad_token_id=tok.eos_token_id, **static_generate_kwargs(model, 8))
+    except Exception as exc:  # report, do not crash the benchmark
+        return time.perf_counter() - t0, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    return time.perf_counter() - t0, None
+
+
+def machine_info() -> dict:
+    """What the report says about the machine: CPU model, the SIMD/matrix flags that
+    matter for these kernels, threads and library versions."""
+    import platform
+
+    import transformers
+
+    from rheoplan.costmodel import machine_name
+
+    flags: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                flags = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni",
+                                     "amx_tile", "amx_bf16", "amx_int8") if f in have]
+                break
+    except OSError:
+        pass
+    return {"cpu": machine_name("cpu"), "flags": flags, "threads": torch.get_num_threads(),
+            "cores": __import__("os").cpu_count(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed: int, tokens: int,
+            cost_model=None) -> dict:
+    """One (method, temperature, seed) run over all prompts; returns the aggregate record.
+    ``cost_model`` (a ``rheoplan.costmodel.CostModel``) is needed for a ``cost`` method."""
+    if method.cost and cost_model is None:
+        raise ValueError(f"method {method.name!r} plans by the cost model: pass cost_model=")
     sampling = SamplingConfig(temperature=temperature)
     n_tok = n_steps = acc = trials = 0
     seconds = 0.0
     phases: dict[str, float] = {}  # plan_and_decode's per-phase seconds, summed over prompts
+    predicted, ar_steps = [], 0
     for j, (_, prompt) in enumerate(prompts):
         ids = encode_prompt(tok, prompt, chat=True)
-        if method.tree is None:
+        if method.kind in GENERATE_KINDS:
             torch.manual_seed(seed * 1000 + j)
             kw = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+            if method.kind == "generate-static":
+                kw.update(static_generate_kwargs(model, len(ids) + tokens))
             t0 = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
@@ -118,7 +198,9 @@ def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed
         else:
             t0 = time.perf_counter()
             r = plan_and_decode(model, draft, ids, max_new_tokens=tokens, sampling=sampling, tree=method.tree,
-                                seed=seed * 1000 + j)
+                                seed=seed * 1000 + j, cost_model=cost_model if method.cost else None)
+            predicted += [st.predicted_tokens for st in r.steps if st.predicted_tokens is not None]
+            ar_steps += sum(1 for st in r.steps if not st.drafted)
             seconds += time.perf_counter() - t0
             n_tok += len(r.tokens)
             n_steps += len(r.steps)
@@ -132,6 +214,8 @@ def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed
             "mean_accepted_length": n_tok / n_steps if n_steps else float("nan"),
             "acceptance": acc / trials if trials else float("nan"),
             "phase_seconds": phases,
+            "predicted_tokens_per_step": sum(predicted) / len(predicted) if predicted else None,
+            "autoregressive_steps": ar_steps if method.cost else None,
             "tree": None if method.tree is None else method.tree.as_dict(),
             "dtype": model_dtype(model), "threads": torch.get_num_threads()}
 
@@ -142,16 +226,26 @@ def summarise(records: list[dict]) -> list[dict]:
     for r in records:
         # records from before the dtype field were all float32
         groups.setdefault((r["method"], r["temperature"], r.get("dtype", "float32")), []).append(r)
-    ar = {(t, d): statistics.median(x["tokens_per_second"] for x in rs)
-          for (m, t, d), rs in groups.items() if m == "ar-hf"}
+    # the baseline: the FASTEST generate variant of the same temperature and dtype
+    ar: dict[tuple, float] = {}
+    for (m, t, d), rs in groups.items():
+        if m.startswith("ar-hf") and not any(x.get("error") for x in rs):
+            ar[t, d] = max(ar.get((t, d), 0.0), statistics.median(x["tokens_per_second"] for x in rs))
     rows = []
     for (m, t, d), rs in sorted(groups.items(), key=lambda kv: (kv[0][2] != "float32", kv[0][2], kv[0][1], kv[0][0])):
         def stat(key):
             xs = [x[key] for x in rs]
             return statistics.median(xs), min(xs), max(xs)
+        errors = [x["error"] for x in rs if x.get("error")]
+        if errors:
+            rows.append({"method": m, "temperature": t, "dtype": d, "seeds": len(rs), "error": errors[0]})
+            continue
         tau, acc, tps = stat("mean_accepted_length"), stat("acceptance"), stat("tokens_per_second")
+        pred = [x["predicted_tokens_per_step"] for x in rs if x.get("predicted_tokens_per_step") is not None]
         rows.append({"method": m, "temperature": t, "dtype": d, "seeds": len(rs), "tau": tau, "acceptance": acc,
-                     "tps": tps, "speedup": tps[0] / ar[t, d] if (t, d) in ar else float("nan")})
+                     "tps": tps, "speedup": tps[0] / ar[t, d] if (t, d) in ar else float("nan"),
+                     "predicted_tau": statistics.median(pred) if pred else float("nan"),
+                     "compile_seconds": max((x.get("compile_seconds") or 0.0) for x in rs)})
     return rows
 
 
@@ -164,10 +258,29 @@ def _fmt(v, spread=None, pct=False):
 
 def report(records: list[dict], out_md: Path, plot_dir: Path) -> str:
     rows = summarise(records)
-    lines = ["| dtype | T | method | seeds | mean accepted length | per-token acceptance | tokens/s | speedup vs ar-hf |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = []
+    machines = {json.dumps(r["machine"], sort_keys=True) for r in records if r.get("machine")}
+    for mj in sorted(machines):
+        m = json.loads(mj)
+        lines.append(f"Machine: {m['cpu']}; flags: {' '.join(m['flags']) or 'none of avx2/avx512/amx'}; "
+                     f"{m['threads']} torch threads of {m['cores']} cores; torch {m['torch']}, "
+                     f"transformers {m['transformers']}.")
+    compiled = sorted({"%s %.0f s" % (r["dtype"], r["compile_seconds"]) for r in rows if r.get("compile_seconds")})
+    if compiled:
+        lines.append(f"`ar-hf-static` compile time (once per dtype, not in tokens/s): {', '.join(compiled)}.")
+    if lines:
+        lines.append("")
+    lines += ["| dtype | T | method | seeds | mean accepted length (predicted) | per-token acceptance | tokens/s | "
+              "speed-up vs fastest generate |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['temperature']} | {r['method']} | {r['seeds']} | {_fmt(r['tau'][0], r['tau'][1:])} | "
+        if r.get("error"):
+            lines.append(f"| {r['dtype']} | {r['temperature']} | {r['method']} | {r['seeds']} | failed: "
+                         f"{r['error']} | – | – | – |")
+            continue
+        pred = "" if r["predicted_tau"] != r["predicted_tau"] else f" ({r['predicted_tau']:.2f})"
+        lines.append(f"| {r['dtype']} | {r['temperature']} | {r['method']} | {r['seeds']} | "
+                     f"{_fmt(r['tau'][0], r['tau'][1:])}{pred} | "
                      f"{_fmt(r['acceptance'][0], r['acceptance'][1:], pct=True)} | {_fmt(r['tps'][0], r['tps'][1:])} | "
                      f"{_fmt(r['speedup'])}x |")
     table = "\n".join(lines)
@@ -181,6 +294,7 @@ def report(records: list[dict], out_md: Path, plot_dir: Path) -> str:
 
 
 def _plots(rows: list[dict], plot_dir: Path) -> None:
+    rows = [r for r in rows if not r.get("error")]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,9 +308,9 @@ def _plots(rows: list[dict], plot_dir: Path) -> None:
 
 def _plot_dtype(rows: list[dict], plot_dir: Path, dtype: str, suffix: str, plt) -> None:
     temps = sorted({r["temperature"] for r in rows})
-    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "ar-hf"]
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if not m.startswith("ar-hf")]
     for key, label, fname in (("tau", "mean accepted length", f"accepted_length{suffix}.png"),
-                              ("speedup", "speedup vs transformers generate", f"speedup{suffix}.png")):
+                              ("speedup", "speed-up vs the fastest generate", f"speedup{suffix}.png")):
         fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(methods)), 4))
         width = 0.8 / max(1, len(temps))
         for i, t in enumerate(temps):
@@ -235,12 +349,14 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6, 1.0])
     ap.add_argument("--methods", nargs="+", default=None,
                     help="subset of methods (default: all); see the module docstring for names")
-    ap.add_argument("--depth", type=int, default=DEFAULTS["depth"])
-    ap.add_argument("--frontier", type=int, default=DEFAULTS["frontier"])
-    ap.add_argument("--slots", type=int, default=DEFAULTS["slots"])
-    ap.add_argument("--budget", type=int, default=DEFAULTS["budget"])
+    for k in ("depth", "frontier", "slots", "budget"):
+        ap.add_argument(f"--{k}", type=int, default=FIXED_TREE[k],
+                        help=f"the fixed-shape methods' tree (default {FIXED_TREE[k]}; 'default' plans "
+                             "its own up to --depth auto / --budget auto)")
     ap.add_argument("--draft", default="auto", help="as for rheoplan generate (default auto)")
-    add_dtype(ap)
+    ap.add_argument("--dtype", nargs="+", choices=["auto", "float32", "bfloat16"], default=["float32", "auto"],
+                    help="target dtypes to run, in order (default: float32 auto; 'auto' = the one "
+                         "measured fastest here, run once if it is float32)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default="bench_out", help="run records and plots (default bench_out)")
     ap.add_argument("--report-md", default=None, help="write the table here too (e.g. docs/results_table.md)")
@@ -263,17 +379,38 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     if not args.report:
-        model, tok, draft = load_default(method="rheo", draft=args.draft, dtype=args.dtype)
-        dtype = model_dtype(model)
-        todo = [(all_methods[n], t, s) for n, t, s in plan_runs(names, args.temperatures, args.seeds)]
-        bar = tqdm(todo, desc="bench", unit="run")
-        for method, t, s in bar:
-            rec_path = runs_dir / f"{method.name}_T{t}_s{s}_p{len(prompts)}_n{args.tokens}_{dtype}.json"
-            bar.set_postfix_str(f"{method.name} T={t} seed={s}")
-            if rec_path.exists() and not args.no_resume:
+        machine = machine_info()
+        done_dtypes: set[str] = set()
+        for requested in dict.fromkeys(args.dtype):
+            model, tok, draft = load_default(method="rheo", draft=args.draft, dtype=requested)
+            dtype = model_dtype(model)
+            if dtype in done_dtypes:  # 'auto' picked a dtype already run
+                print(f"dtype {requested} = {dtype}: already run", file=sys.stderr)
                 continue
-            rec = run_one(model, tok, draft, method, prompts, t, s, args.tokens)
-            rec_path.write_text(json.dumps(rec, indent=1))
+            done_dtypes.add(dtype)
+            todo = [(all_methods[n], t, s) for n, t, s in plan_runs(names, args.temperatures, args.seeds)]
+            compile_s, compile_err, cost = None, None, None
+            bar = tqdm(todo, desc=f"bench {dtype}", unit="run")
+            for method, t, s in bar:
+                rec_path = runs_dir / f"{method.name}_T{t}_s{s}_p{len(prompts)}_n{args.tokens}_{dtype}.json"
+                bar.set_postfix_str(f"{method.name} T={t} seed={s}")
+                if rec_path.exists() and not args.no_resume:
+                    continue
+                if method.kind == "generate-static" and compile_s is None:
+                    compile_s, compile_err = warm_static_generate(model, tok)
+                if method.kind == "generate-static" and compile_err:
+                    rec = {"method": method.name, "temperature": t, "seed": s, "dtype": dtype,
+                           "error": f"static cache + torch.compile failed here: {compile_err}"}
+                else:
+                    if method.cost and cost is None:
+                        cost = load_cost_model(model, tok, draft, method.tree, draft_id=args.draft)
+                    rec = run_one(model, tok, draft, method, prompts, t, s, args.tokens, cost_model=cost)
+                if method.kind == "generate-static":
+                    rec["compile_seconds"] = compile_s
+                rec["machine"] = machine
+                rec["dtype_requested"] = requested
+                rec_path.write_text(json.dumps(rec, indent=1))
+            del model, draft
     records = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*.json"))]
     table = report(records, Path(args.report_md) if args.report_md else out / "results_table.md", out)
     print(table)

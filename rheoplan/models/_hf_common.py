@@ -67,10 +67,17 @@ def new_cache(model: torch.nn.Module):
     return cache
 
 
+_CACHE_KWARG: dict[type, str] = {}
+
+
 def _cache_kwarg(base: torch.nn.Module) -> str:
     # transformers 5.x names the argument ``cache``; 4.x called it ``past_key_values``.
-    params = inspect.signature(base.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    # Memoised per class: inspect.signature costs tens of microseconds, on every forward.
+    name = _CACHE_KWARG.get(type(base))
+    if name is None:
+        params = inspect.signature(base.forward).parameters
+        name = _CACHE_KWARG[type(base)] = "cache" if "cache" in params else "past_key_values"
+    return name
 
 
 def run_base(base: torch.nn.Module, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -83,8 +90,13 @@ def run_base(base: torch.nn.Module, cache, input_ids: torch.Tensor, position_ids
     attention kernel reads ``attention_kwargs["rheoplan_tree"]``, which transformers hands
     down to every attention call).
     """
-    dtype = next(base.parameters()).dtype
-    mask = None if allowed is None else additive_mask(allowed, dtype)
+    if allowed is None or bool(allowed.all()):
+        # None: the tree-attention kernel reads its mask elsewhere. All allowed (a one-token
+        # step): no mask lets attention take its unmasked path, as ``generate`` does,
+        # instead of adding a [q, kv] mask of zeros.
+        mask = None
+    else:
+        mask = additive_mask(allowed, next(base.parameters()).dtype)
     out = base(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask,
                use_cache=True, **{_cache_kwarg(base): cache}, **attention_kwargs)
     return out.last_hidden_state[0]
@@ -115,6 +127,37 @@ def select_cache(cache, keep: torch.Tensor) -> None:
 
 
 def crop_cache(cache, length: int) -> None:
-    """Drop every cached entry at or after ``length``, in place."""
+    """Drop every cached entry at or after ``length``, in place (a view: nothing is copied)."""
     if cache_length(cache) > length:
-        select_cache(cache, torch.arange(length, dtype=torch.int64))
+        for holder, k, v in _layer_tensors(cache):
+            keys = getattr(holder, k)
+            if keys is None or keys.numel() == 0:
+                continue
+            setattr(holder, k, keys.narrow(-2, 0, length))
+            setattr(holder, v, getattr(holder, v).narrow(-2, 0, length))
+
+
+def commit_cache(cache, prefix: int, path: list[int]) -> None:
+    """Keep the ``prefix`` cached entries and the tree entries ``prefix + path[j]`` (moved
+    to ``prefix + j``), drop the rest, in place.
+
+    Only the tree's part moves, so a commit costs O(tree), not O(context) like an
+    ``index_select`` of the whole cache. The moved entries are gathered into a copy before
+    they are written back, so the order of ``path`` does not matter.
+
+    Example: prefix 3, path [0, 2, 5] keeps entries 0, 1, 2 and moves 3 -> 3, 5 -> 4, 8 -> 5.
+    """
+    n = len(path)
+    moves = [(prefix + j, prefix + p) for j, p in enumerate(path) if p != j]
+    for holder, k, v in _layer_tensors(cache):
+        keys = getattr(holder, k)
+        if keys is None or keys.numel() == 0:
+            continue
+        vals = getattr(holder, v)
+        if moves:
+            dst = torch.tensor([d for d, _ in moves], device=keys.device)
+            src = torch.tensor([s for _, s in moves], device=keys.device)
+            keys.index_copy_(-2, dst, keys.index_select(-2, src))
+            vals.index_copy_(-2, dst, vals.index_select(-2, src))
+        setattr(holder, k, keys.narrow(-2, 0, prefix + n))
+        setattr(holder, v, vals.narrow(-2, 0, prefix + n))

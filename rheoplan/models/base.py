@@ -81,6 +81,12 @@ class TargetModel(ABC):
         a second forward over the prompt."""
         return None
 
+    def use_tree_attention(self, enabled: bool = True, allow_tf32: bool = False) -> bool:
+        """Run the verify forward's attention through the Triton tree-attention kernel (what the
+        "triton" backend asks for); returns whether this adapter now does. Default: it has no
+        attention layers to switch (a functional model), so False."""
+        return False
+
     def close(self) -> None:
         """Release what the adapter holds on the model (hooks); default: nothing. The
         decode loop calls it for adapters it built itself."""

@@ -21,7 +21,7 @@ import torch
 from rheoplan.ir import DraftTree
 from rheoplan.models.base import DraftModel, check_draft_call, check_emitted, check_prompt_ids
 from rheoplan.models._hf_common import (
-    base_model, cache_length, new_cache, output_head, run_base, select_cache,
+    base_model, cache_length, new_cache, output_head, run_base, commit_cache,
 )
 
 
@@ -136,9 +136,7 @@ class HFDraft(DraftModel):
         done = [v for v in path_nodes if v in self._slot]
         if done != path_nodes[:len(done)]:
             raise AssertionError(f"forwarded path nodes {done} are not a prefix of {path_nodes}")
-        keep = torch.cat([torch.arange(self._prefix, dtype=torch.int64),
-                          torch.tensor([self._slot[v] for v in done], dtype=torch.int64)])
-        select_cache(self.cache, keep)
+        commit_cache(self.cache, self._prefix, [self._slot[v] - self._prefix for v in done])
         self._prefix += len(done)
         path_tokens = [int(tree.token[0, 0])] + [int(t) for t in emitted[:-1]]
         self._pending = self._pending + path_tokens[len(done):]

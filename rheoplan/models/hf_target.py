@@ -27,7 +27,7 @@ from rheoplan.ir import LinearTree
 from rheoplan.models.base import TargetModel, TreeLogits, check_prompt_ids
 from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
-    run_base, select_cache,
+    run_base, commit_cache,
 )
 from rheoplan.models.functional import check_commit_path
 from rheoplan.models.tree_attention import (
@@ -171,7 +171,7 @@ class HFTarget(TargetModel):
         self._tree_attention = False  #: verify forward through the Triton tree-attention kernel
         self._tree_attention_tf32 = False
 
-    def use_tree_attention(self, enabled: bool = True, allow_tf32: bool = False) -> None:
+    def use_tree_attention(self, enabled: bool = True, allow_tf32: bool = False) -> bool:
         """Run the verify forward (``forward_tree``) through the Triton tree-attention kernel,
         registered as a transformers attention implementation (``rheoplan.models.tree_attention``);
         prefill (``start``) keeps the model's own attention. Needs the model on a CUDA device,
@@ -181,6 +181,7 @@ class HFTarget(TargetModel):
             check_tree_attention_available(self.device)
         self._tree_attention = bool(enabled)
         self._tree_attention_tf32 = bool(allow_tf32)
+        return self._tree_attention
 
     @property
     def tree_attention(self) -> bool:
@@ -280,9 +281,7 @@ class HFTarget(TargetModel):
         if self._tree is None:
             raise RuntimeError("commit() called before forward_tree()")
         path = check_commit_path(self._tree, path)
-        keep = torch.cat([torch.arange(self._prefix, dtype=torch.int64),
-                          self._prefix + torch.tensor(path, dtype=torch.int64)])
-        select_cache(self.cache, keep)
+        commit_cache(self.cache, self._prefix, path)
         self._prefix += len(path)
         self._tree = None
         assert cache_length(self.cache) == self._prefix

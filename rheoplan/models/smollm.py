@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 
 import torch
 
@@ -36,39 +35,31 @@ def smollm2_dir() -> str:
     return folder
 
 
-#: target dtypes the CLI offers; "auto" picks one for this CPU (``resolve_dtype``)
+#: target dtypes the CLI offers; "auto" measures which is fastest here (``rheoplan.probe.choose_dtype``)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def cpu_has_amx_bf16(cpuinfo: str | None = None) -> bool:
-    """True when the CPU advertises AMX bf16 tiles (Linux ``/proc/cpuinfo`` flag ``amx_bf16``).
-
-    With AMX, oneDNN's bf16 matmul costs about the same for 1 to 32 rows, so verifying a
-    9-token tree costs little more than one autoregressive step; in fp32 it costs ~1.9x
-    (``rheoplan bench cost``, docs/results.md).
-    """
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo.splitlines())
-
-
-def resolve_dtype(name: str, cpuinfo: str | None = None) -> torch.dtype:
-    """``'float32'``, ``'bfloat16'``, or ``'auto'``: bfloat16 on CPUs with AMX bf16, else float32."""
+def resolve_dtype(name: str) -> torch.dtype | None:
+    """``'float32'`` / ``'bfloat16'`` -> that dtype; ``'auto'`` -> None (measure it at load)."""
     if name == "auto":
-        return torch.bfloat16 if cpu_has_amx_bf16(cpuinfo) else torch.float32
+        return None
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r} is not understood: allowed 'auto', {', '.join(map(repr, DTYPES))}")
     return DTYPES[name]
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32):
-    """``(model, tokenizer)``: SmolLM2-135M-Instruct as a ``LlamaForCausalLM`` in eval mode."""
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct as a ``LlamaForCausalLM`` in eval mode.
+
+    The GGUF is always dequantised to float32 and then cast: asking transformers for
+    another dtype at load only adds a misleading warning about packed weights, and the
+    dtype probe (``rheoplan.probe.choose_dtype``) casts copies of one loaded model anyway.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+    if dtype != torch.float32:
+        model = model.to(dtype)
     return model.eval(), tok

@@ -270,7 +270,7 @@ class ExactOracle:
 def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
               tree: TreeConfig = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8),
               sampling: SamplingConfig = SamplingConfig(),
-              coupling=None, passes=None, processors: Sequence = ()) -> Law:
+              coupling=None, passes=None, processors: Sequence = (), cost_plan=None) -> Law:
     """Exact law of the first ``n_tokens`` tokens emitted by the whole multi-step decode.
 
     Args:
@@ -288,11 +288,18 @@ def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
             ``assign@d``.
         processors: logits processors of the target law (``plan_and_decode``'s
             ``logits_processors``); each sees the full path as its input ids.
+        cost_plan: a frozen ``rheoplan.costmodel.CostPlan`` (timings + calibration): the
+            pass list is made cost-aware (``rheoplan.planner.default.cost_pipeline``), so
+            the law covers the cost-aware depth gate and prune with that calibration.
 
     Returns ``{tokens: probability}``; compare with ``target_law`` by ``total_variation``.
     Cost grows like (tail size) ** (expanded nodes) per step: keep vocabularies at 3-6
     tokens, depth <= 3, frontier <= 2.
     """
+    if cost_plan is not None:
+        from rheoplan.planner.default import cost_pipeline
+
+        passes = cost_pipeline(cost_plan, passes)
     return ExactOracle(target, draft, tree, sampling, coupling, passes, processors).law(prefix, n_tokens)
 
 

@@ -106,3 +106,42 @@ def test_sampling_flags_and_config_file_make_the_sampling_config(tmp_path):
                                           "--repetition-penalty", "1.1"])
     assert cli.sampling_config_from(args) == SamplingConfig(top_k=40, min_p=0.05, typical_p=0.9,
                                                             repetition_penalty=1.1)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["generate", "--budget", "many"], "argument --budget: invalid int_or_auto value: 'many'"),
+    (["generate", "--calibration", "/no/such.json"], "--calibration=/no/such.json: no such file"),
+    (["generate", "--budget", "8", "--depth", "4", "--calibration", "x.json"],
+     "--calibration needs --depth auto or --budget auto"),
+    (["generate", "--budget", "8", "--depth", "4", "--save-calibration", "x.json"],
+     "--save-calibration needs --depth auto or --budget auto"),
+])
+def test_auto_tree_options_fail_before_loading(argv, needle, capsys):
+    try:
+        rc, err = run(argv, capsys)
+    except SystemExit as e:  # argparse's own type check
+        rc, err = e.code, capsys.readouterr().err
+    assert rc == 2 and needle in err
+
+
+def test_auto_is_the_default_and_sizes_the_largest_tree():
+    from rheoplan.loading import AUTO_BUDGET, AUTO_DEPTH
+
+    args = cli.build_parser().parse_args(["generate"])
+    tree = cli.tree_config_from(args)
+    assert cli.uses_cost_model(args)
+    assert tree.depth == AUTO_DEPTH and tree.budget == AUTO_BUDGET
+    args = cli.build_parser().parse_args(["generate", "--depth", "2", "--slots", "2", "--frontier", "1"])
+    tree = cli.tree_config_from(args)  # budget auto: at most what a depth-2 tree can hold
+    assert cli.uses_cost_model(args) and (tree.depth, tree.budget) == (2, 4)
+    args = cli.build_parser().parse_args(["generate", "--depth", "4", "--budget", "8"])
+    assert not cli.uses_cost_model(args) and cli.tree_config_from(args).budget == 8
+
+
+def test_config_file_takes_auto_for_depth_and_budget(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"depth": "auto", "budget": 12}))
+    assert cli.read_config_file(str(f)) == {"depth": "auto", "budget": 12}
+    f.write_text(json.dumps({"budget": "lots"}))
+    with pytest.raises(ValueError, match="budget='lots' must be an int"):
+        cli.read_config_file(str(f))

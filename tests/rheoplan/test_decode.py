@@ -357,3 +357,98 @@ def test_eos_inside_accepted_path_hf():
                         tree=TreeConfig(depth=6, frontier=1, slots=2, budget=6, support=V_GREEDY))
     assert r.tokens == ref[:cut] and r.stopped_by == "eos"
     assert r.steps[0].accepted >= cut  # EOS was accepted mid-path (draft == target)
+
+
+# --------------------------------------------------------------------------------------
+# The cost model plans the trees (online calibration, drafting schedule)
+# --------------------------------------------------------------------------------------
+
+
+def _cost(slope: float, draft_ms: float = 0.5, overhead: float = 0.5):
+    from rheoplan.costmodel import CostModel, Timings
+
+    return CostModel(Timings((1, 64), (10.0, 10.0 + 63 * slope), (12.0, 12.0 + 63 * slope), 0, 1000,
+                             (1, 4), (draft_ms, 2 * draft_ms), overhead, overhead))
+
+
+@pytest.mark.no_ir_lint
+@pytest.mark.parametrize("slope,mutations", [(1.0, ()), (5.0, ()), (1.0, ("reuse_draft_stream",))],
+                         ids=["exact-slope1", "exact-slope5", "reuse_draft_stream"])
+def test_cost_model_decode_loop_matches_target_law(slope, mutations, record_property):
+    """Trees that change step to step with the online calibration (and AR steps when no
+    tree pays) keep the output law: chi-square against the exact target law. The same
+    test catches a lossy loop (control (c): verification reading the draft stream)."""
+    tgt, drf = hashed_context_lm(4, seed=3, sharpness=2.0), hashed_context_lm(4, seed=4, sharpness=2.0)
+    s = SamplingConfig(temperature=1.0)
+    cfg = TreeConfig(depth=3, frontier=2, slots=2, budget=6, rheostat=1, support=4, verifier="ot")
+    n = 3
+    law = target_law(tgt, PREFIX, n, s)
+    cost = _cost(slope)
+    samples, sizes, drafted = [], set(), set()
+    with mutation(*mutations):
+        for r in range(800):
+            res = plan_and_decode(tgt, drf, PREFIX, max_new_tokens=n, sampling=s, tree=cfg, seed=SEED0 + r,
+                                  cost_model=cost)
+            samples.append(tuple(res.tokens))
+            sizes |= {st.tree_size for st in res.steps}
+            drafted |= {st.drafted for st in res.steps}
+    assert len(sizes) >= 2  # the cost model really chose different trees
+    res = chi_square(law, samples)
+    record_property("pvalue", res.pvalue)
+    if mutations:
+        assert res.pvalue < 1e-6, res
+    else:
+        assert res.unexpected == 0, res
+        assert res.pvalue >= ALPHA, res
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.5, 50.0])
+@pytest.mark.parametrize("draft_kind", ["llama", "eagle3"])
+def test_cost_model_greedy_parity_and_determinism(greedy_models, draft_kind, slope):
+    target = greedy_models[0]
+    prompt, n = [1, 2, 3, 4], 20
+    cost = _cost(slope)
+    before = cost.fresh_calibration()
+    tree = TreeConfig(depth=5, frontier=2, slots=3, budget=16, rheostat=1, support=V_GREEDY)
+    runs = [plan_and_decode(target, _draft(draft_kind, greedy_models), prompt, max_new_tokens=n,
+                            sampling=GREEDY, tree=tree, seed=0, cost_model=cost) for _ in range(2)]
+    assert runs[0].tokens == greedy_reference(target, prompt, n)
+    assert [st.tree_size for st in runs[0].steps] == [st.tree_size for st in runs[1].steps]
+    assert cost.fresh_calibration() == before  # each decode calibrates its own copy
+    if slope == 50.0:  # verify tokens are dear: mostly plain autoregressive steps, drafting retried
+        assert any(not st.drafted for st in runs[0].steps) and any(st.drafted for st in runs[0].steps)
+    for st in runs[0].steps:
+        assert st.predicted_tokens is not None and st.predicted_tokens >= 1.0
+
+
+def test_cost_model_sampled_tokens_repeat_with_the_same_seed():
+    tgt, drf = hashed_context_lm(6, seed=1, sharpness=1.5), hashed_context_lm(6, seed=2, sharpness=1.5)
+    cfg = TreeConfig(depth=4, frontier=2, slots=3, budget=10, rheostat=1, support=6)
+    a, b = (plan_and_decode(tgt, drf, PREFIX, max_new_tokens=30, tree=cfg, seed=7, cost_model=_cost(0.3)).tokens
+            for _ in range(2))
+    assert a == b
+    with pytest.raises(TypeError, match="cost_model=.*allowed None or a rheoplan.costmodel.CostModel"):
+        plan_and_decode(tgt, drf, PREFIX, max_new_tokens=3, tree=cfg, cost_model="auto")
+
+
+@pytest.mark.parametrize("root,prefix_len", [(5, 100), (7, 3), (0, 0)])
+def test_root_only_tree_equals_a_freshly_linearised_one(root, prefix_len):
+    """The autoregressive step's tree is a re-stamped template; it must equal linearising."""
+    from dataclasses import fields
+
+    from rheoplan.decode import _root_only
+    from rheoplan.ir import empty_tree
+    from rheoplan.pipeline import PassContext
+    from rheoplan.planner.linearize import linearize
+
+    tr = TreeConfig()
+    t = empty_tree(1, 1, 1, 1, torch.tensor([root]), torch.tensor([prefix_len]), tr.slots, tr.slots)
+    ref = linearize(t, PassContext(tree_cfg=tr.with_(budget=1), sampling=SamplingConfig()))
+    _root_only(9, 9, tr)  # the template is built once and must not keep an earlier root
+    new = _root_only(root, prefix_len, tr)
+    for f in fields(ref):
+        a, b = getattr(ref, f.name), getattr(new, f.name)
+        if f.name == "linear":
+            assert all(torch.equal(getattr(a, g.name), getattr(b, g.name)) for g in fields(a))
+        else:
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name

@@ -97,3 +97,52 @@ def test_main_rejects_bad_arguments_before_loading(monkeypatch, tmp_path, argv, 
     monkeypatch.setattr(cli, "load_default", lambda *a: pytest.fail("model loaded before validation"))
     with pytest.raises(ValueError, match=match):
         bench.main(argv + ["--out", str(tmp_path)])
+
+
+def test_speedup_is_against_the_fastest_generate_and_failures_are_reported(tmp_path):
+    recs = [_rec("ar-hf", 1.0, 0, 1.0, float("nan"), 10.0), _rec("ar-hf-static", 1.0, 0, 1.0, float("nan"), 16.0),
+            _rec("eagle", 1.0, 0, 1.5, 0.3, 20.0),
+            {"method": "ar-hf-static", "temperature": 0.0, "seed": 0, "error": "static cache + torch.compile failed "
+             "here: BackendCompilerFailed: no compiler"},
+            _rec("ar-hf", 0.0, 0, 1.0, float("nan"), 12.0), _rec("eagle", 0.0, 0, 1.5, 0.3, 18.0)]
+    recs[2]["predicted_tokens_per_step"] = 1.62
+    for r in recs:
+        r["machine"] = {"cpu": "AMD EPYC test", "flags": ["avx2", "avx512_bf16"], "threads": 2, "cores": 2,
+                        "torch": "2.x", "transformers": "5.x"}
+    rows = {(r["method"], r["temperature"]): r for r in bench.summarise(recs)}
+    assert rows["eagle", 1.0]["speedup"] == pytest.approx(20.0 / 16.0)  # the static path was faster
+    assert rows["eagle", 0.0]["speedup"] == pytest.approx(18.0 / 12.0)  # a failed variant is no baseline
+    table = bench.report(recs, tmp_path / "t.md", tmp_path)
+    assert "Machine: AMD EPYC test; flags: avx2 avx512_bf16; 2 torch threads of 2 cores" in table
+    assert "| float32 | 0.0 | ar-hf-static | 1 | failed: static cache + torch.compile failed here" in table
+    assert "| float32 | 1.0 | eagle | 1 | 1.50 (1.62) |" in table
+
+
+def test_machine_info_names_the_cpu():
+    info = bench.machine_info()
+    assert info["cpu"] and isinstance(info["flags"], list) and info["threads"] >= 1
+
+
+@pytest.mark.slow
+def test_static_generate_compiles_and_runs_on_this_machine():
+    target = tiny_llama(0)
+    seconds, err = bench.warm_static_generate(target, CharTokenizer())
+    assert err is None and seconds > 0
+    rec = bench.run_one(target, CharTokenizer(), None, bench.methods_for(3, 2, 2, 5)["ar-hf-static"],
+                        [("chat", "hello")], temperature=1.0, seed=0, tokens=5)
+    assert rec["tokens"] == 5
+
+
+def test_default_method_runs_the_cost_model_and_records_its_prediction():
+    from rheoplan.costmodel import CostModel, Timings
+
+    target, draft = tiny_llama(0), tiny_llama(1, layers=1)
+    method = bench.methods_for(3, 2, 2, 5)["default"]
+    assert method.cost and method.tree.budget > 5  # its own largest tree, not the fixed one
+    with pytest.raises(ValueError, match="pass cost_model="):
+        bench.run_one(target, CharTokenizer(), draft, method, [("chat", "hello")], 1.0, 0, 4)
+    cost = CostModel(Timings((1, 64), (10.0, 40.0), (12.0, 50.0), 0, 1000, (1,), (1.0,), 0.5, 0.5))
+    rec = bench.run_one(target, CharTokenizer(), draft, method, [("chat", "hello"), ("code", "def f")],
+                        temperature=1.0, seed=0, tokens=6, cost_model=cost)
+    assert rec["tokens"] == 12 and rec["predicted_tokens_per_step"] >= 1.0
+    assert rec["autoregressive_steps"] is not None

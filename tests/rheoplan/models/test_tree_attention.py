@@ -115,7 +115,7 @@ def test_prefill_keeps_the_model_attention():
     target = HFTarget(model)
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs the interpreter on CPU")
-    target.use_tree_attention(True)
+    assert target.use_tree_attention(True) is True
     target.start(PROMPT)  # would raise inside the model if prefill went through the kernel
     assert model.config._attn_implementation != TREE_ATTENTION
     q = torch.zeros(1, 2, 3, 16)
@@ -136,3 +136,9 @@ def test_unavailable_device_is_refused(monkeypatch):
             target.use_tree_attention(True)
         assert not target.tree_attention
     target.close()
+
+
+def test_functional_target_has_no_attention_to_switch():
+    from rheoplan.models import as_target, hashed_context_lm
+
+    assert as_target(hashed_context_lm(8, seed=0)).use_tree_attention(True) is False

@@ -1,0 +1,62 @@
+"""Pass ``cost_expand``: draft another depth only while it can pay for itself (COST_MODEL.md).
+
+Wraps an ``expand`` pass. Before drafting depth ``d + 1`` it bounds the best gain that
+depth could add, ``G = continuation[d] * sum of the frontier's estimated acceptances``
+(``continuation[d]``: how often the walk went on below a reached node at depth ``d`` in
+earlier steps), and compares the best tree without it (``rheoplan.costmodel.choose_n``
+over the nodes drafted so far) with that tree plus ``G`` tokens at the price of one more
+draft call over the frontier and one more verify token per frontier node. When it cannot
+pay, the pass returns the tree unchanged; the later ``expand`` passes see the same tree
+and decide the same, so drafting stops there. Before depth 1 it follows the drafting
+schedule: ``CostPlan.skip_draft`` makes the step a plain autoregressive one.
+
+Like ``cost_prune`` it reads only the draft side and the frozen plan, never the target's
+output for this step.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from rheoplan.costmodel import CostPlan
+from rheoplan.ir import DraftTree
+from rheoplan.pipeline import FnPass, PassContext
+from rheoplan.planner.cost_prune import decide
+from rheoplan.planner.expand import select_frontier
+
+
+def another_depth_pays(plan: CostPlan, tree: DraftTree, frontier: int, budget: int) -> bool:
+    """Can drafting one more depth below ``tree`` pay for its draft call and verify tokens?"""
+    d = tree.cur_depth
+    if d == 0:
+        return not plan.skip_draft
+    if d >= len(plan.continuation):
+        return False
+    now = decide(plan, tree, budget)
+    tm = plan.timings
+    ctx = int(tree.prefix_len.max())
+    B = tree.batch
+    gain, width = 0.0, 0
+    for b in range(B):
+        f = select_frontier(tree, b, frontier)
+        gain += plan.continuation[d] * sum(now.est_accept[b][v] for v in f)
+        width = max(width, len(f))
+    if width == 0:
+        return False
+    n_now = B + sum(now.chosen)
+    more = min(width * B, max(0, budget * B - sum(now.chosen)))
+    cost_more = (now.predicted_ms + tm.draft(width)
+                 + tm.verify(n_now + more, ctx) - tm.verify(n_now, ctx))
+    return (now.expected + gain) / cost_more > now.expected / now.predicted_ms
+
+
+def cost_expand_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, inner) -> DraftTree:
+    cfg = ctx.tree_cfg
+    if not another_depth_pays(plan, tree, cfg.frontier, cfg.budget):
+        return tree
+    return inner(tree, ctx)
+
+
+def cost_expand(plan: CostPlan, inner) -> FnPass:
+    """``inner`` (an ``expand`` pass) gated by the cost model; it keeps the name ``expand``."""
+    return FnPass("expand", partial(cost_expand_tree, plan=plan, inner=inner))

@@ -1,0 +1,111 @@
+"""Pass ``cost_prune``: keep a node only while it pays for its verify cost (COST_MODEL.md).
+
+Candidates are ranked exactly as ``prune`` ranks them (``rheoplan.ir.rank_key_order``:
+higher score, then shallower, then created earlier), capped at ``budget``. Each gets
+its estimated acceptance ``a_i`` (``rheoplan.costmodel.node_acceptance``: the calibrated
+acceptance of its weight bucket times its parent's), and the tree keeps the best ``N*``
+of them by ``rheoplan.costmodel.choose_n``, ``N = 0`` (a plain autoregressive step)
+included. A prefix of the ranking is closed under ancestors, so the kept set is a tree.
+
+Why this stays exact: the decision reads only the draft side (scores, weights, kinds:
+for sampled slots the token-independent proxy) and the frozen ``CostPlan`` (timings
+measured at load, the calibration as it stood before this step). It never sees the
+target's output for this step, so it is one more reason to keep fewer nodes, like the
+budget. The exact oracle covers it (``tests/planner/test_cost_prune.py``).
+
+With B > 1 trees, the candidates of all rows compete for one verify forward: rows are
+merged by estimated acceptance (each row in its own ranking order) and ``c_v`` is taken
+at the batch's total token count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from rheoplan.costmodel import CostPlan, choose_n, draft_ms_so_far, node_acceptance
+from rheoplan.ir import DraftTree, rank_key_order
+from rheoplan.pipeline import FnPass, PassContext
+
+
+@dataclass(frozen=True)
+class CostDecision:
+    """What the cost model decided for one batch of trees (``decide``)."""
+
+    est_accept: list[list[float]]  #: [B][n_nodes] estimated P(reached and accepted), root 1
+    order: list[list[int]]  #: [B] candidate node ids in ranking order (capped at budget)
+    chosen: list[int]  #: [B] N* drafted nodes kept per tree
+    expected: float  #: E: expected emitted tokens of the whole batch (1 per tree + kept a_i)
+    predicted_ms: float  #: predicted step latency: draft + verify(total tokens) + overhead
+    ar_ms: float  #: predicted latency of a plain autoregressive step (no draft)
+    draft_ms: float  #: the draft calls' share of ``predicted_ms``
+
+    @property
+    def pays(self) -> bool:
+        """Did the best tree beat a plain autoregressive step (tokens per ms)?"""
+        return self.expected / self.predicted_ms > len(self.chosen) / self.ar_ms
+
+    def text(self, b: int = 0) -> list[str]:
+        """Comment lines for the text IR (the parser skips lines starting with '#')."""
+        a = self.est_accept[b]
+        kept = set(self.order[b][: self.chosen[b]])
+        out = [f"# cost tree {b}: chosen N={self.chosen[b]} of {len(self.order[b])} candidates; "
+               f"E={self.expected:.3f} tokens, predicted {self.predicted_ms:.2f} ms "
+               f"(draft {self.draft_ms:.2f} ms) = {self.expected / self.predicted_ms * 1e3:.1f} tok/s; "
+               f"AR step {self.ar_ms:.2f} ms = {len(self.chosen) / self.ar_ms * 1e3:.1f} tok/s; "
+               f"{'tree pays' if self.pays else 'no tree pays'}"]
+        for rank, v in enumerate(self.order[b], start=1):
+            out.append(f"#   rank {rank}: %{v} est_accept={a[v]:.4f}{' kept' if v in kept else ''}")
+        return out
+
+
+def decide(plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
+    """The cost model's decision for ``tree`` (reads no ``kept`` flag, so it gives the same
+    answer before and after pruning)."""
+    B = tree.batch
+    acc, orders = [], []
+    for b in range(B):
+        a = node_acceptance(plan, tree, b).tolist()
+        ids = torch.arange(1, int(tree.n_nodes[b]), dtype=torch.int64)
+        order = ids[rank_key_order(tree.score[b, ids], ids)].tolist()
+        token = tree.token[b].tolist()
+        order = [v for v in order if token[v] >= 0][:budget]
+        acc.append(a)
+        orders.append(order)
+    # Merge the rows: repeatedly take the row whose next candidate is most likely accepted.
+    heads = [0] * B
+    merged, rows = [], []
+    while True:
+        best = max((b for b in range(B) if heads[b] < len(orders[b])),
+                   key=lambda b: (acc[b][orders[b][heads[b]]], -b), default=None)
+        if best is None:
+            break
+        merged.append(acc[best][orders[best][heads[best]]])
+        rows.append(best)
+        heads[best] += 1
+    ctx = int(tree.prefix_len.max())
+    draft = sum(draft_ms_so_far(plan, tree, b) for b in range(B))
+    tm = plan.timings
+    n, e, cost = choose_n(merged, draft, lambda k: tm.verify(k + B - 1, ctx), tm.overhead_ms)
+    chosen = [rows[:n].count(b) for b in range(B)]
+    return CostDecision(acc, orders, chosen, e + B - 1, cost, tm.verify(B, ctx) + tm.ar_overhead_ms, draft)
+
+
+def cost_prune_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, on_decision=None) -> DraftTree:
+    d = decide(plan, tree, ctx.tree_cfg.budget)
+    if on_decision is not None:  # an observer (the decode loop's statistics); it changes nothing
+        on_decision(d)
+    t = tree.clone()
+    t.kept.zero_()
+    for b in range(t.batch):
+        t.kept[b, d.order[b][: d.chosen[b]]] = True
+        t.kept[b, 0] = True
+    return t
+
+
+def cost_prune(plan: CostPlan, on_decision=None) -> FnPass:
+    """The pass, bound to one step's frozen ``CostPlan``; it replaces ``prune``.
+    ``on_decision(CostDecision)``, if given, sees the decision (for statistics and dumps)."""
+    return FnPass("prune", partial(cost_prune_tree, plan=plan, on_decision=on_decision))

@@ -1,0 +1,427 @@
+"""The cost model that plans a tree: latencies, calibrated acceptance, and the decision rule.
+
+A tree pays only when the tokens it is expected to emit outweigh what it costs to draft
+and verify it (design notes: COST_MODEL.md). Three kinds of quantity meet here:
+
+* ``Timings``: latencies measured once per machine + model + dtype at load
+  (``rheoplan.probe.measure_timings``, cached as JSON) and frozen during a decode:
+  ``c_v(n, ctx)`` one verify forward carrying ``n`` tokens over ``ctx`` cached ones
+  (piecewise linear in ``n``, linear in ``ctx``), ``c_d(w)`` one draft call over ``w``
+  frontier rows, ``c_o`` the loop's bookkeeping per tree step and ``c_o'`` per plain
+  autoregressive step.
+* ``Calibration``: online counts of (trials, accepts) per score bucket, from the steps
+  this decode already verified (optionally starting from a calibration file). A node's
+  estimated acceptance is the calibrated value of its bucket times its parent's.
+* ``CostPlan``: the frozen snapshot one step plans with (timings + the calibration as it
+  stood before the step + the drafting schedule). The planner passes
+  (``planner/cost_depth.py``, ``planner/cost_prune.py``) read only this and the tree, so a
+  tree's shape depends on the draft and on past steps, never on the target's output for
+  this step, and the same seed + calibration file give the same tokens (no live clock).
+
+The one definition of the decision rule is ``choose_n``:
+``N* = argmax_N (1 + sum_{i<=N} a_i) / (c_d + c_v(N + 1) + c_o)``, ``N = 0`` included.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from bisect import bisect_left
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from rheoplan.ir import DraftTree, NodeKind
+
+#: weight buckets per class: bucket ``b`` holds local weights in ``[b/NB, (b+1)/NB)``
+N_BUCKETS = 10
+#: class 0: DET and PAD children (weight = their draft probability q);
+#: class 1: SAMPLED children (weight = the token-independent proxy pi)
+N_CLASSES = 2
+#: pseudo-trials of the default prior (its mean is the bucket's midpoint weight)
+PRIOR_STRENGTH = 2.0
+#: how many depths ``Calibration`` tracks "the walk continued below a reached node" for
+MAX_DEPTH = 64
+
+
+def weight_bucket(w: float) -> int:
+    """Bucket of a local weight in [0, 1]: ``min(NB - 1, floor(w * NB))``.
+
+    Example: 0.0 -> 0, 0.35 -> 3, 1.0 -> 9 (with 10 buckets).
+    """
+    if not w > 0:
+        return 0
+    return min(N_BUCKETS - 1, int(w * N_BUCKETS))
+
+
+def node_class(kind: int) -> int:
+    """Calibration class of a node kind: 1 for SAMPLED (proxy weight), else 0 (q weight)."""
+    return 1 if kind == int(NodeKind.SAMPLED) else 0
+
+
+# -- latencies -----------------------------------------------------------------------------
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear interpolation, linear extrapolation past either end.
+
+    Example: xs [1, 4], ys [10, 16] -> x=2: 12.0; x=6: 20.0.
+    """
+    if len(xs) == 1:
+        return float(ys[0])
+    i = bisect_left(xs, x)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Latencies in milliseconds (see the module docstring). Frozen during a decode."""
+
+    sizes: tuple[int, ...]  #: verify tokens n measured (root included), increasing
+    verify_lo: tuple[float, ...]  #: c_v(n) at ``ctx_lo`` cached tokens
+    verify_hi: tuple[float, ...]  #: c_v(n) at ``ctx_hi`` cached tokens
+    ctx_lo: int
+    ctx_hi: int
+    draft_widths: tuple[int, ...]  #: frontier rows w measured, increasing
+    draft_ms: tuple[float, ...]  #: c_d(w)
+    overhead_ms: float  #: c_o: plan + walk + commit + loop per tree step (draft and forward excluded)
+    ar_overhead_ms: float  #: c_o': the same for a plain autoregressive step
+
+    def __post_init__(self) -> None:
+        if not self.sizes or len(self.sizes) != len(self.verify_lo) or len(self.sizes) != len(self.verify_hi):
+            raise ValueError("Timings: sizes, verify_lo and verify_hi must be non-empty and of equal length")
+        if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"Timings: sizes={self.sizes} must be increasing ints >= 1")
+        if not self.draft_widths or len(self.draft_widths) != len(self.draft_ms):
+            raise ValueError("Timings: draft_widths and draft_ms must be non-empty and of equal length")
+        if list(self.draft_widths) != sorted(set(self.draft_widths)):
+            raise ValueError(f"Timings: draft_widths={self.draft_widths} must be increasing")
+        if self.ctx_hi <= self.ctx_lo:
+            raise ValueError(f"Timings: ctx_hi={self.ctx_hi} must exceed ctx_lo={self.ctx_lo}")
+        vals = list(self.verify_lo) + list(self.verify_hi) + list(self.draft_ms) + [self.overhead_ms, self.ar_overhead_ms]
+        if any(not (v >= 0 and math.isfinite(v)) for v in vals):
+            raise ValueError("Timings: every latency must be finite and >= 0 ms")
+
+    def verify(self, n: int, ctx: int) -> float:
+        """``c_v(n, ctx)``: one verify forward of ``n`` tokens over ``ctx`` cached tokens (ms)."""
+        lo = _interp(self.sizes, self.verify_lo, n)
+        hi = _interp(self.sizes, self.verify_hi, n)
+        v = lo + (hi - lo) * (ctx - self.ctx_lo) / (self.ctx_hi - self.ctx_lo)
+        return max(v, 1e-3)
+
+    def draft(self, w: int) -> float:
+        """``c_d(w)``: one draft call over ``w`` frontier rows (ms)."""
+        return max(_interp(self.draft_widths, self.draft_ms, w), 1e-3)
+
+    def ar_step(self, ctx: int) -> float:
+        """Cost of a plain autoregressive step (ms): ``c_v(1) + c_o'``."""
+        return self.verify(1, ctx) + self.ar_overhead_ms
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Timings":
+        known = {f: d[f] for f in cls.__dataclass_fields__ if f in d}
+        missing = sorted(set(cls.__dataclass_fields__) - set(known))
+        if missing:
+            raise ValueError(f"Timings: missing fields {missing}")
+        for k in ("sizes", "verify_lo", "verify_hi", "draft_widths", "draft_ms"):
+            known[k] = tuple(known[k])
+        return cls(**known)
+
+
+# -- calibration ---------------------------------------------------------------------------
+
+
+@dataclass
+class Calibration:
+    """Online acceptance statistics of one decode (mutable; snapshot per step).
+
+    ``trials[c][b]`` / ``accepts[c][b]``: kept children of reached nodes in weight bucket
+    ``b`` of class ``c``, and how many of them the walk accepted. ``cont_trials[d]`` /
+    ``cont_accepts[d]``: reached nodes at depth ``d`` with kept children, and how often the
+    walk went on below them (the depth gate's bound). The prior (default: bucket midpoint,
+    ``PRIOR_STRENGTH`` pseudo-trials) is added when estimating.
+    """
+
+    trials: list[list[float]] = field(default_factory=lambda: [[0.0] * N_BUCKETS for _ in range(N_CLASSES)])
+    accepts: list[list[float]] = field(default_factory=lambda: [[0.0] * N_BUCKETS for _ in range(N_CLASSES)])
+    cont_trials: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
+    cont_accepts: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
+
+    def acceptance(self) -> tuple[tuple[float, ...], ...]:
+        """Estimated acceptance per (class, bucket): (accepts + prior) / (trials + prior)."""
+        out = []
+        for c in range(N_CLASSES):
+            row = []
+            for b in range(N_BUCKETS):
+                mid = (b + 0.5) / N_BUCKETS
+                row.append((self.accepts[c][b] + PRIOR_STRENGTH * mid) / (self.trials[c][b] + PRIOR_STRENGTH))
+            out.append(tuple(row))
+        return tuple(out)
+
+    def continuation(self) -> tuple[float, ...]:
+        """Estimated P(the walk goes on below a reached node at depth d), prior 0.5."""
+        return tuple((a + 0.5 * PRIOR_STRENGTH) / (t + PRIOR_STRENGTH)
+                     for t, a in zip(self.cont_trials, self.cont_accepts))
+
+    def update(self, tree: DraftTree, path: Sequence[int], b: int = 0) -> None:
+        """Count the trials and accepts of one verified step.
+
+        ``path``: linear indices the walk accepted, root first (``WalkResult.path``). Every
+        kept child of a path node was a trial; the next path node is its accept.
+        """
+        lin = tree.linear
+        for j, i in enumerate(path):
+            n_kids = int(lin.n_children[b, i])
+            if n_kids == 0:
+                continue
+            nxt = path[j + 1] if j + 1 < len(path) else -1
+            d = int(lin.depth[b, i])
+            if d < MAX_DEPTH:
+                self.cont_trials[d] += 1
+                self.cont_accepts[d] += 1 if nxt >= 0 else 0
+            first = int(lin.first_child[b, i])
+            for c in range(first, first + n_kids):
+                v = int(lin.node[b, c])
+                cls = node_class(int(tree.kind[b, v]))
+                bk = weight_bucket(float(tree.weight[b, v]))
+                self.trials[cls][bk] += 1
+                self.accepts[cls][bk] += 1 if c == nxt else 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        cal = cls()
+        for k in ("trials", "accepts"):
+            rows = d.get(k)
+            if (not isinstance(rows, list) or len(rows) != N_CLASSES
+                    or any(not isinstance(r, list) or len(r) != N_BUCKETS for r in rows)):
+                raise ValueError(f"calibration: {k} must be {N_CLASSES} lists of {N_BUCKETS} counts")
+            setattr(cal, k, [[float(x) for x in r] for r in rows])
+        for k in ("cont_trials", "cont_accepts"):
+            rows = d.get(k, [0.0] * MAX_DEPTH)
+            if not isinstance(rows, list) or len(rows) > MAX_DEPTH:
+                raise ValueError(f"calibration: {k} must be a list of at most {MAX_DEPTH} counts")
+            setattr(cal, k, [float(x) for x in rows] + [0.0] * (MAX_DEPTH - len(rows)))
+        bad = [(t, a) for tr, ac in zip(cal.trials, cal.accepts) for t, a in zip(tr, ac) if not 0 <= a <= t]
+        bad += [(t, a) for t, a in zip(cal.cont_trials, cal.cont_accepts) if not 0 <= a <= t]
+        if bad:
+            raise ValueError(f"calibration: counts {bad[:3]} break 0 <= accepts <= trials")
+        return cal
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Calibration":
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"calibration={str(path)!r}: no such file")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"calibration={str(path)!r} is not valid JSON: {exc}") from None
+        return cls.from_dict(d)
+
+
+# -- the snapshot a step plans with ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostPlan:
+    """Everything the cost-aware passes read besides the tree (frozen for one step)."""
+
+    timings: Timings
+    acceptance: tuple[tuple[float, ...], ...]  #: [class][bucket] (``Calibration.acceptance``)
+    continuation: tuple[float, ...]  #: [depth] (``Calibration.continuation``)
+    skip_draft: bool = False  #: the schedule says: no drafting this step (an AR step)
+
+    @classmethod
+    def from_calibration(cls, timings: Timings, cal: Calibration, skip_draft: bool = False) -> "CostPlan":
+        return cls(timings, cal.acceptance(), cal.continuation(), skip_draft)
+
+
+def node_acceptance(plan: CostPlan, tree: DraftTree, b: int = 0) -> torch.Tensor:
+    """Estimated P(node reached and accepted) for every created node of tree ``b``
+    (float64 ``[capacity]``; the root 1, nodes with a pending token 0).
+
+    Nodes are visited in creation order, so a parent is done before its children:
+    ``a(v) = acceptance[class(v)][bucket(weight(v))] * a(parent(v))``.
+    """
+    n = int(tree.n_nodes[b])
+    out = torch.zeros(tree.capacity, dtype=torch.float64)
+    out[0] = 1.0
+    kind = tree.kind[b, :n].tolist()
+    weight = tree.weight[b, :n].tolist()
+    parent = tree.parent[b, :n].tolist()
+    token = tree.token[b, :n].tolist()
+    acc = out.tolist()
+    for v in range(1, n):
+        if token[v] < 0:
+            continue
+        acc[v] = plan.acceptance[node_class(kind[v])][weight_bucket(weight[v])] * acc[parent[v]]
+    return torch.tensor(acc, dtype=torch.float64)
+
+
+def draft_ms_so_far(plan: CostPlan, tree: DraftTree, b: int = 0) -> float:
+    """Latency of the draft calls that built tree ``b``: one call per drafted depth, as
+    wide as the number of nodes expanded at that depth."""
+    rows = int(tree.n_expanded[b])
+    if rows == 0:
+        return 0.0
+    depths = tree.depth[b, tree.exp_node[b, :rows]].tolist()
+    widths: dict[int, int] = {}
+    for d in depths:
+        widths[d] = widths.get(d, 0) + 1
+    return sum(plan.timings.draft(w) for w in widths.values())
+
+
+def choose_n(acceptances: Sequence[float], draft_ms: float, verify_ms: Callable[[int], float],
+             overhead_ms: float) -> tuple[int, float, float]:
+    """The decision rule: ``(N*, E, cost)`` with
+    ``N* = argmax_N (1 + sum_{i<=N} a_i) / (draft_ms + verify_ms(N + 1) + overhead_ms)``
+    over ``N = 0 .. len(acceptances)``; ties go to the smaller N.
+
+    ``acceptances`` are the candidates' estimated acceptances in the prune order (best
+    first). ``E`` is the expected emitted tokens, ``cost`` the predicted step latency (ms).
+
+    Example: a = [0.9, 0.1], no draft cost, c_v(n) = 10 n, c_o = 0:
+    N=0: 1/10, N=1: 1.9/20, N=2: 2.0/30 -> (0, 1.0, 10.0).
+    """
+    best = (0, 1.0, draft_ms + verify_ms(1) + overhead_ms)
+    best_rate = best[1] / best[2]
+    e = 1.0
+    for i, a in enumerate(acceptances, start=1):
+        e += float(a)
+        cost = draft_ms + verify_ms(i + 1) + overhead_ms
+        rate = e / cost
+        if rate > best_rate:
+            best, best_rate = (i, e, cost), rate
+    return best
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What ``plan_and_decode(cost_model=...)`` takes: the frozen latencies and an optional
+    prior calibration (e.g. ``Calibration.load`` of a file). Each decode starts from a copy
+    of the prior and calibrates online, so the same seed + cost model give the same tokens."""
+
+    timings: Timings
+    calibration: Calibration | None = None
+
+    def fresh_calibration(self) -> Calibration:
+        """A decode's own calibration: a copy of the prior (or an empty one)."""
+        return Calibration.from_dict(self.calibration.to_dict()) if self.calibration else Calibration()
+
+
+# -- the drafting schedule -------------------------------------------------------------------
+
+
+@dataclass
+class DraftSchedule:
+    """When no tree paid, skip drafting for a while, then try again (backoff doubling).
+
+    A pure function of the history of decisions: after a drafted step whose best tree did
+    not beat a plain autoregressive step, the next ``backoff`` steps skip the draft; the
+    step after them drafts again (a probe). Each failing probe doubles the backoff (up to
+    ``max_backoff``); a tree that pays resets it to 1.
+
+    Example:
+        >>> s = DraftSchedule()
+        >>> s.record(pays=False); [s.skip_next() for _ in range(2)]
+        [True, False]
+    """
+
+    max_backoff: int = 32
+    backoff: int = 1
+    skip_left: int = 0
+
+    def skip_next(self) -> bool:
+        """Whether the next step skips drafting; consumes one skipped step."""
+        if self.skip_left > 0:
+            self.skip_left -= 1
+            return True
+        return False
+
+    def record(self, pays: bool) -> None:
+        """Record a drafted step's outcome: did its best tree beat an AR step?"""
+        if pays:
+            self.backoff = 1
+            self.skip_left = 0
+        else:
+            self.skip_left = self.backoff
+            self.backoff = min(self.max_backoff, 2 * self.backoff)
+
+
+# -- the cache of measured timings --------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """``$RHEOPLAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/rheoplan``, else ``~/.cache/rheoplan``."""
+    env = os.environ.get("RHEOPLAN_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "rheoplan"
+
+
+def machine_name(device: torch.device | str = "cpu") -> str:
+    """The CPU model (``/proc/cpuinfo``'s model name) or the GPU's name: the cache key's machine."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def cache_key(kind: str, model_id: str, device: torch.device | str = "cpu", **extra) -> str:
+    """A readable key: what was measured, on which machine, torch version, threads, model."""
+    parts = [kind, machine_name(device), f"torch {torch.__version__}",
+             f"threads {torch.get_num_threads()}", model_id]
+    parts += [f"{k}={v}" for k, v in sorted(extra.items())]
+    return " | ".join(parts)
+
+
+def cache_read(name: str, key: str) -> dict | None:
+    """The record stored under ``key`` in ``cache_dir()/name`` (a JSON object of records)."""
+    f = cache_dir() / name
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    rec = data.get(key) if isinstance(data, dict) else None
+    return rec if isinstance(rec, dict) else None
+
+
+def cache_write(name: str, key: str, record: dict) -> Path:
+    """Store ``record`` under ``key`` in ``cache_dir()/name`` (other keys are kept)."""
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / name
+    try:
+        data = json.loads(f.read_text())
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, json.JSONDecodeError):
+        data = {}
+    data[key] = record
+    tmp = f.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(f)
+    return f

@@ -1,0 +1,313 @@
+"""Measure at load what the planner needs to know about this machine: the fastest target
+dtype (``choose_dtype``) and the cost model's latencies (``measure_timings``).
+
+Both are measured with short real forwards, once per machine + torch version + threads +
+model (+ dtype and draft for the latencies), and cached as small JSON files under
+``rheoplan.costmodel.cache_dir()`` (``~/.cache/rheoplan/`` by default); later loads read
+the cache. Measure again (e.g. after a run on a busy machine) with ``RHEOPLAN_REMEASURE=1``
+or by deleting the files. Nothing here guesses from CPU flags: a dtype is used because it was faster
+here. Every measuring function takes a ``timer`` (default ``time.perf_counter``) so tests
+can inject a clock.
+
+Example (needs a model, so not run as a doctest):
+    >>> model, tok = load_smollm2(torch.float32)                       # doctest: +SKIP
+    >>> dtype, ms = choose_dtype(model, model_id="smollm2-135m")        # doctest: +SKIP
+    >>> model = model.to(dtype)                                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write
+from rheoplan.models.base import DraftModel
+
+DTYPE_CACHE = "dtype.json"
+TIMINGS_CACHE = "timings.json"
+#: verify sizes measured (tree tokens, root included); ``Timings.verify`` interpolates
+VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
+#: how many tokens the dtype probe's verify tree carries (the CLI's default tree: root + 8)
+PROBE_TREE = 9
+
+Timer = Callable[[], float]
+
+
+def _read_cache() -> bool:
+    """False when ``RHEOPLAN_REMEASURE`` is set: measure again (and overwrite the cache)."""
+    return os.environ.get("RHEOPLAN_REMEASURE", "") in ("", "0")
+
+
+def median_ms(fn: Callable[[], object], *, reps: int, warmup: int = 1,
+              timer: Timer = time.perf_counter) -> float:
+    """Median wall time of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones (ms).
+
+    Example (an injected clock that advances 2 ms per call):
+        >>> clock = [0.0]
+        >>> def fn(): clock[0] += 0.002
+        >>> round(median_ms(fn, reps=3, timer=lambda: clock[0]), 6)
+        2.0
+    """
+    if reps < 1:
+        raise ValueError(f"reps={reps} is out of range: allowed >= 1")
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = timer()
+        fn()
+        out.append(1e3 * (timer() - t0))
+    return statistics.median(out)
+
+
+def fastest(candidates: Mapping[str, Callable[[], object]], *, reps: int = 5, warmup: int = 1,
+            timer: Timer = time.perf_counter) -> tuple[str, dict[str, float]]:
+    """``(name, {name: median ms})`` of the fastest candidate; ties go to the first listed.
+
+    Candidates are timed round-robin (one call each per round), so a machine that slows
+    down during the probe slows every candidate alike.
+    """
+    if not candidates:
+        raise ValueError("fastest() needs at least one candidate")
+    names = list(candidates)
+    for name in names:
+        for _ in range(warmup):
+            candidates[name]()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(reps):
+        for name in names:
+            t0 = timer()
+            candidates[name]()
+            samples[name].append(1e3 * (timer() - t0))
+    ms = {n: statistics.median(samples[n]) for n in names}
+    best = min(names, key=lambda n: (ms[n], names.index(n)))
+    return best, ms
+
+
+def supported_dtypes(device: torch.device | str) -> list[torch.dtype]:
+    """Dtypes worth timing on ``device``: float32 and bfloat16 everywhere torch runs them,
+    float16 on a GPU (on a CPU torch's float16 matmuls are emulated)."""
+    dev = torch.device(device)
+    out = [torch.float32, torch.bfloat16]
+    if dev.type == "cuda":
+        out.append(torch.float16)
+        if not torch.cuda.is_bf16_supported():
+            out.remove(torch.bfloat16)
+    return out
+
+
+def model_identity(model) -> str:
+    """What a cache entry's model is: its config's name or path, type and parameter count."""
+    cfg = getattr(model, "config", None)
+    name = getattr(cfg, "_name_or_path", "") or type(model).__name__
+    n = sum(p.numel() for p in model.parameters())
+    return f"{name} ({getattr(cfg, 'model_type', '?')}, {n} params)"
+
+
+def _forwards(model, prompt_len: int, tree_tokens: int) -> Callable[[], None]:
+    """One 1-token step and one ``tree_tokens``-token verify forward after a cached prompt."""
+    from rheoplan.models.hf_target import HFTarget
+
+    dev = next(model.parameters()).device
+    tgt = HFTarget(model)
+    prompt = [(7 * i + 3) % int(model.config.vocab_size) for i in range(prompt_len + 1)]
+    tgt.start(prompt)
+    one = chain_linear(prompt[-1], prompt_len, 1)
+    tree = chain_linear(prompt[-1], prompt_len, tree_tokens)
+
+    def run() -> None:
+        tgt.forward_tree(one).prefetch([0])
+        tgt.forward_tree(tree).prefetch([0])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    return run
+
+
+def chain_linear(root: int, prefix_len: int, n: int):
+    """A linearised chain of ``n`` tokens (root included) after ``prefix_len`` cached ones:
+    the shape of a verify forward for timing (its cost depends on the token count)."""
+    from rheoplan.config import SamplingConfig, TreeConfig
+    from rheoplan.plan import plan_tree
+
+    if n == 1:
+        from rheoplan.ir import empty_tree
+        from rheoplan.pipeline import PassContext
+        from rheoplan.planner.linearize import linearize
+
+        t = empty_tree(1, 1, 1, 1, torch.tensor([root]), torch.tensor([prefix_len]), 1, 1)
+        cfg = TreeConfig(depth=1, frontier=1, slots=1, budget=1, rheostat=1, support=1)
+        return linearize(t, PassContext(tree_cfg=cfg, sampling=SamplingConfig())).linear
+    cfg = TreeConfig(depth=n - 1, frontier=1, slots=1, budget=n - 1, rheostat=1, support=1)
+    # a draft that always proposes token 0 (any valid id: only the token count matters)
+    t = plan_tree(lambda tr, nodes: torch.zeros(nodes.shape[0], nodes.shape[1], 2), [root], tree=cfg,
+                  sampling=SamplingConfig(), prefix_len=[prefix_len])
+    return t.linear
+
+
+def choose_dtype(model, *, model_id: str | None = None, reps: int = 5, prompt_len: int = 64,
+                 timer: Timer = time.perf_counter, use_cache: bool = True,
+                 log=sys.stderr) -> tuple[torch.dtype, dict[str, float]]:
+    """The fastest dtype for ``model`` on its device, by timing a 1-token forward and a
+    ``PROBE_TREE``-token verify forward in each supported dtype (about a second or two).
+
+    ``model`` is loaded once (any dtype); the others are cast copies, freed afterwards.
+    Returns ``(dtype, {dtype name: median ms of the pair})``; cached per machine + model.
+    """
+    dev = next(model.parameters()).device
+    mid = model_id or model_identity(model)
+    key = cache_key("dtype", mid, dev)
+    if use_cache and _read_cache():
+        rec = cache_read(DTYPE_CACHE, key)
+        if rec is not None and hasattr(torch, str(rec.get("dtype"))):
+            print(f"dtype auto: {rec['dtype']} (cached; measured ms per 1-token + {PROBE_TREE}-token "
+                  f"forward: {_fmt(rec.get('ms', {}))})", file=log)
+            return getattr(torch, rec["dtype"]), dict(rec.get("ms", {}))
+    own = next(model.parameters()).dtype
+    cands = {}
+    copies = []
+    for dt in supported_dtypes(dev):
+        m = model if dt == own else copy.deepcopy(model).to(dt)
+        copies.append(m)
+        cands[str(dt).removeprefix("torch.")] = _forwards(m, prompt_len, PROBE_TREE)
+    with torch.no_grad():
+        best, ms = fastest(cands, reps=reps, timer=timer)
+    del copies, cands
+    if use_cache:
+        path = cache_write(DTYPE_CACHE, key, {"dtype": best, "ms": ms})
+        where = f"; cached in {path}"
+    else:
+        where = ""
+    print(f"dtype auto: {best} (measured ms per 1-token + {PROBE_TREE}-token forward: {_fmt(ms)}{where})",
+          file=log)
+    return getattr(torch, best), ms
+
+
+def _fmt(ms: Mapping[str, float]) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
+
+
+class _TimedDraft(DraftModel):
+    """A draft adapter that records (frontier width, seconds) of every ``node_logits`` call
+    and passes everything else to the adapter it wraps."""
+
+    def __init__(self, inner, timer: Timer) -> None:
+        self._inner, self._timer = inner, timer
+        self.calls: list[tuple[int, float]] = []
+        self.vocab_size = inner.vocab_size
+        self.device = getattr(inner, "device", None)
+
+    def start(self, prompt_ids):
+        self._inner.start(prompt_ids)
+
+    def commit(self, tree, path_nodes, emitted, features):
+        self._inner.commit(tree, path_nodes, emitted, features)
+
+    def check_vocab_map(self, target_vocab_size):
+        self._inner.check_vocab_map(target_vocab_size)
+
+    def take_prompt_features(self, target):
+        self._inner.take_prompt_features(target)
+
+    def close(self):
+        self._inner.close()
+
+    def node_logits(self, tree, nodes):
+        t0 = self._timer()
+        out = self._inner.node_logits(tree, nodes)
+        self.calls.append((len(nodes), self._timer() - t0))
+        return out
+
+
+def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=None,
+                    ctx: tuple[int, int] = (64, 512), sizes: Sequence[int] = VERIFY_SIZES,
+                    reps: int = 3, steps: int = 24, model_id: str | None = None,
+                    draft_id: str = "", use_cache: bool = True, timer: Timer = time.perf_counter,
+                    log=sys.stderr) -> Timings:
+    """The cost model's latencies for ``model`` (+ ``draft``) on this machine (cached).
+
+    * ``c_v(n, ctx)``: a verify forward of ``n`` tokens (``sizes``) at two context lengths;
+    * ``c_d(w)``, ``c_o``: a short real decode of ``steps`` tokens with the fixed tree
+      ``tree`` (median draft-call time per frontier width; median bookkeeping per step);
+    * ``c_o'``: the same for a plain autoregressive decode.
+
+    Takes a few seconds the first time on a CPU; the cache makes later loads instant.
+    """
+    from rheoplan.config import SamplingConfig
+    from rheoplan.decode import plan_and_decode
+    from rheoplan.models import as_draft, as_target
+
+    sampling = sampling or SamplingConfig()
+    dev = next(model.parameters()).device
+    dt = str(next(model.parameters()).dtype).removeprefix("torch.")
+    mid = model_id or model_identity(model)
+    key = cache_key("timings", mid, dev, dtype=dt, draft=draft_id,
+                    tree=f"{tree.depth}x{tree.frontier}x{tree.slots}")
+    if use_cache and _read_cache():
+        rec = cache_read(TIMINGS_CACHE, key)
+        if rec is not None:
+            try:
+                tm = Timings.from_dict(rec)
+                print(f"cost model: cached latencies ({_describe(tm)})", file=log)
+                return tm
+            except (ValueError, TypeError):
+                pass  # a stale record: measure again
+    vocab = int(model.config.vocab_size)
+    lo_hi = []
+    tgt = as_target(model)
+    try:
+        with torch.no_grad():
+            for c in ctx:
+                prompt = [(7 * i + 3) % vocab for i in range(c + 1)]
+                tgt.start(prompt)
+                row = []
+                for n in sizes:
+                    lin = chain_linear(prompt[-1], c, n)
+                    path = list(range(min(n, tree.depth + 1)))
+                    row.append(median_ms(lambda: tgt.forward_tree(lin).prefetch(path), reps=reps, timer=timer))
+                lo_hi.append(tuple(row))
+    finally:
+        if hasattr(tgt, "close"):
+            tgt.close()
+    inner = as_draft(draft)
+    timed = _TimedDraft(inner, timer)
+    ids = list(prompt_ids)
+    try:
+        res = plan_and_decode(model, timed, ids, max_new_tokens=steps, sampling=sampling, tree=tree, seed=0)
+    finally:
+        if inner is not draft:
+            inner.close()
+    widths: dict[int, list[float]] = {}
+    for w, s in timed.calls[1:]:  # the first call also runs the prompt through the head
+        widths.setdefault(w, []).append(1e3 * s)
+    if not widths:
+        widths = {w: [1e3 * s] for w, s in timed.calls}
+    ar = plan_and_decode(model, None, ids, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
+    tm = Timings(tuple(sizes), lo_hi[0], lo_hi[1], ctx[0], ctx[1],
+                 tuple(sorted(widths)), tuple(statistics.median(widths[w]) for w in sorted(widths)),
+                 _overhead_ms(res), _overhead_ms(ar))
+    if use_cache:
+        cache_write(TIMINGS_CACHE, key, tm.to_dict())
+    print(f"cost model: measured latencies ({_describe(tm)})", file=log)
+    return tm
+
+
+def _overhead_ms(res) -> float:
+    """Median per-step bookkeeping of a decode: the step's wall time less its draft calls
+    and verify forward (plan, walk, commit, the loop itself); the first step is left out
+    (it runs the prompt through the draft)."""
+    steps = res.steps[1:] or res.steps
+    return 1e3 * statistics.median([max(0.0, s.t_step - s.t_draft - s.t_verify_forward) for s in steps])
+
+
+def _describe(tm: Timings) -> str:
+    v = ", ".join(f"{n}:{ms:.1f}" for n, ms in zip(tm.sizes, tm.verify_lo))
+    d = ", ".join(f"{w}:{ms:.1f}" for w, ms in zip(tm.draft_widths, tm.draft_ms))
+    return (f"verify ms by tokens at ctx {tm.ctx_lo} [{v}], draft ms by width [{d}], "
+            f"overhead {tm.overhead_ms:.1f} ms/step (AR {tm.ar_overhead_ms:.1f})")

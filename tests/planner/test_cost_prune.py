@@ -1,0 +1,213 @@
+"""Passes ``cost_prune`` and ``cost_expand``: the decision rule, and exactness under the
+oracle with a fixed calibration (plus a mutation control that peeks at the target)."""
+
+from __future__ import annotations
+
+import itertools
+from functools import partial
+
+import pytest
+import torch
+
+from rheoplan import SamplingConfig, TreeConfig, plan_tree
+from rheoplan.costmodel import Calibration, CostPlan, Timings, choose_n, node_acceptance
+from rheoplan.distributions import target_probs
+from rheoplan.ir_text import from_text
+from rheoplan.ir import rank_key_order
+from rheoplan.models.functional import FunctionalLM, hashed_context_lm
+from rheoplan.pipeline import FnPass, PassContext
+from rheoplan.planner.cost_depth import another_depth_pays
+from rheoplan.planner.cost_prune import cost_prune_tree, decide
+from rheoplan.planner.default import cost_pipeline
+from rheoplan.testing import enumerate_trees, exact_law, target_law, total_variation
+
+TOL = 1e-9
+
+BEFORE = """\
+draft_tree B=1 capacity=5 max_expanded=2 support=2 cur_depth=2 rheostat=2 slots=2
+tree 0 prefix_len=3 n_nodes=5 n_expanded=2
+  %0 = ROOT depth=0 token=9 q=1 w=1 score=0 kept expanded row=0
+  %1 = DET parent=%0 depth=1 slot=0 token=1 q=0.95 w=0.95 score=-0.051293295
+  %2 = DET parent=%0 depth=1 slot=1 token=2 q=0.05 w=0.05 score=-2.9957323
+  %3 = DET parent=%1 depth=2 slot=0 token=3 q=0.85 w=0.85 score=-0.21381973
+  %4 = DET parent=%1 depth=2 slot=1 token=4 q=0.15 w=0.15 score=-1.9487104
+  row 0 node=%0 n=2 z=0 Y=? q~(Y)=0 y_node=-
+    support 1:0.95 2:0.05
+  row 1 node=%1 n=2 z=0 Y=? q~(Y)=0 y_node=-
+    support 3:0.85 4:0.15
+"""
+
+
+def timings(slope: float, overhead: float = 0.0, draft: float = 0.0) -> Timings:
+    """c_v(n) = 10 + slope * (n - 1) at every context length."""
+    return Timings((1, 64), (10.0, 10.0 + 63 * slope), (10.0, 10.0 + 63 * slope), 0, 1000,
+                   (1,), (draft,), overhead, overhead)
+
+
+def kept_with(slope: float, cal: Calibration = None) -> list[int]:
+    plan = CostPlan.from_calibration(timings(slope), cal or Calibration())
+    ctx = PassContext(tree_cfg=TreeConfig(depth=2, frontier=1, slots=2, budget=4, rheostat=2, support=2),
+                      sampling=SamplingConfig())
+    t = cost_prune_tree(from_text(BEFORE), ctx, plan)
+    return [v for v in range(5) if t.kept[0, v]]
+
+
+def test_choose_n_worked_example():
+    assert choose_n([0.9, 0.1], 0.0, lambda n: 10.0 * n, 0.0) == (0, 1.0, 10.0)
+    n, e, c = choose_n([0.9, 0.8], 0.0, lambda n: 10.0 + n, 0.0)
+    assert (n, round(e, 6), c) == (2, 2.7, 13.0)
+    # a draft call's cost counts for every N, including N = 0
+    assert choose_n([], 5.0, lambda n: 10.0, 1.0) == (0, 1.0, 16.0)
+
+
+def test_cost_prune_keeps_fewer_nodes_when_verify_tokens_cost_more():
+    # prior acceptance = bucket midpoint: %1 0.95, %3 0.95*0.85, %4 0.95*0.15, %2 0.05
+    assert kept_with(0.0) == [0, 1, 2, 3, 4]  # a flat c_v: every node pays
+    assert kept_with(2.0) == [0, 1, 3]  # the two likely nodes pay, the others do not
+    assert kept_with(20.0) == [0]  # nothing pays: a plain autoregressive step
+
+
+def test_online_calibration_changes_the_decision():
+    cal = Calibration()
+    # the q=0.95 bucket was never accepted in earlier steps
+    cal.trials[0][9] = 50.0
+    assert kept_with(2.0, cal) == [0]
+
+
+def test_kept_set_is_a_prefix_of_the_ranking_and_closed_under_ancestors():
+    for seed, slope in itertools.product(range(6), (0.0, 0.5, 2.0)):
+        drf = hashed_context_lm(6, seed=seed, sharpness=2.0)
+        cfg = TreeConfig(depth=3, frontier=2, slots=3, budget=10, rheostat=1, support=6)
+        plan = CostPlan.from_calibration(timings(slope), Calibration())
+        from rheoplan.testing.oracle import functional_draft_fn
+
+        t = plan_tree(functional_draft_fn(drf, (0, 1)), [1], tree=cfg, sampling=SamplingConfig(),
+                      prefix_len=[1], seed=seed, passes=cost_pipeline(plan))
+        n = int(t.n_nodes[0])
+        ids = torch.arange(1, n)
+        order = ids[rank_key_order(t.score[0, ids], ids)].tolist()
+        kept = [v for v in order if t.kept[0, v]]
+        assert kept == order[:len(kept)]
+        for v in kept:
+            assert bool(t.kept[0, int(t.parent[0, v])])
+        d = decide(plan, t, cfg.budget)
+        assert d.chosen[0] == len(kept)
+        a = node_acceptance(plan, t)
+        for v in range(1, n):  # acceptance never grows down a path
+            assert a[v] <= a[int(t.parent[0, v])] + 1e-12
+
+
+def test_depth_gate_stops_when_another_draft_call_cannot_pay():
+    t = from_text(BEFORE)
+    cheap = CostPlan.from_calibration(timings(0.0, draft=0.1), Calibration())
+    dear = CostPlan.from_calibration(timings(0.0, draft=1e4), Calibration())
+    assert another_depth_pays(cheap, t, frontier=1, budget=8)
+    assert not another_depth_pays(dear, t, frontier=1, budget=8)
+    root = from_text(BEFORE).replace(cur_depth=0)
+    assert another_depth_pays(dear, root, 1, 8)  # depth 1 follows the drafting schedule only
+    skip = CostPlan(cheap.timings, cheap.acceptance, cheap.continuation, skip_draft=True)
+    assert not another_depth_pays(skip, root, 1, 8)
+
+
+# -- exactness: the oracle with a fixed calibration --------------------------------------------
+
+
+def skewed_calibration() -> Calibration:
+    """A calibration unlike the prior, so decisions differ from a plain budget cut."""
+    cal = Calibration()
+    for b in range(10):
+        cal.trials[0][b], cal.accepts[0][b] = 10.0, 10.0 * min(1.0, 0.2 + b / 10)
+        cal.trials[1][b], cal.accepts[1][b] = 10.0, 10.0 * (0.6 if b % 2 else 0.1)
+    cal.cont_trials[1], cal.cont_accepts[1] = 10.0, 3.0
+    return cal
+
+
+@pytest.fixture(scope="module")
+def models4():
+    return hashed_context_lm(4, seed=31, sharpness=1.5), hashed_context_lm(4, seed=32, sharpness=1.5)
+
+
+def _shapes(drf, cfg, s, passes):
+    """(depth, kept count) of every enumerated tree realisation: the test is not vacuous."""
+    return {(int(t.cur_depth), int(t.kept[0].sum()) - 1)
+            for _, t in enumerate_trees(drf, (0, 1), cfg, s, passes=passes)}
+
+
+@pytest.mark.parametrize("verifier,m", [("ot", 1), ("rheo", 1), ("ot", 0), ("onehot", 3)])
+@pytest.mark.parametrize("slope,draft", [(0.6, 0.5), (3.0, 0.5), (0.6, 8.0)])
+def test_oracle_exact_with_cost_pipeline(models4, verifier, m, slope, draft):
+    tgt, drf = models4
+    s = SamplingConfig(temperature=1.0)
+    cfg = TreeConfig(depth=3, frontier=1, slots=3, budget=6, rheostat=m, support=4, verifier=verifier)
+    plan = CostPlan.from_calibration(timings(slope, overhead=1.0, draft=draft), skewed_calibration())
+    law = exact_law(tgt, drf, (0, 1), 2, tree=cfg, sampling=s, cost_plan=plan)
+    assert abs(sum(law.values()) - 1.0) < 1e-12
+    assert total_variation(law, target_law(tgt, (0, 1), 2, s)) <= TOL
+
+
+def test_oracle_cost_pipeline_trees_vary(models4):
+    """The settings above really prune to different sizes and stop at different depths."""
+    _, drf = models4
+    s = SamplingConfig(temperature=1.0)
+    cfg = TreeConfig(depth=3, frontier=1, slots=3, budget=6, rheostat=1, support=4)
+    shapes = set()
+    for slope, draft in [(0.6, 0.5), (3.0, 0.5), (0.6, 8.0)]:
+        plan = CostPlan.from_calibration(timings(slope, overhead=1.0, draft=draft), skewed_calibration())
+        shapes |= _shapes(drf, cfg, s, cost_pipeline(plan))
+    assert len({n for _, n in shapes}) >= 3 and len({d for d, _ in shapes}) >= 2, shapes
+
+
+def test_oracle_cost_pipeline_greedy(models4):
+    tgt, drf = models4
+    s = SamplingConfig(temperature=0.0)
+    cfg = TreeConfig(depth=3, frontier=2, slots=2, budget=6, rheostat=1, support=4)
+    plan = CostPlan.from_calibration(timings(0.6, overhead=1.0, draft=0.5), skewed_calibration())
+    law = exact_law(tgt, drf, (2,), 3, tree=cfg, sampling=s, passes=cost_pipeline(plan))
+    assert total_variation(law, target_law(tgt, (2,), 3, s)) <= TOL
+
+
+# -- mutation control: a variant that peeks at the target's output for this step ----------------
+
+
+def markov_lm(seed: int, V: int = 4, sharp: float = 2.0) -> FunctionalLM:
+    """Logits depend on the last token only, so a pass can evaluate the target from the tree."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(V, V, generator=g, dtype=torch.float64) * sharp
+    return FunctionalLM(lambda paths: torch.stack([table[p[-1]] for p in paths]), V)
+
+
+def peeking_prune(tree, ctx, plan, target):
+    """LOSSY on purpose: estimates a node's acceptance from the target's probability of its
+    token (this step's target output) instead of the calibration."""
+    t = tree
+    n = int(t.n_nodes[0])
+    acc = [1.0] + [0.0] * (n - 1)
+    for v in range(1, n):
+        par = int(t.parent[0, v])
+        p = target_probs(target([(int(t.token[0, par]),)])[0], ctx.sampling)
+        acc[v] = float(p[int(t.token[0, v])]) * acc[par]
+    ids = torch.arange(1, n)
+    order = ids[rank_key_order(t.score[0, ids], ids)].tolist()[: ctx.tree_cfg.budget]
+    tm = plan.timings
+    N, _, _ = choose_n([acc[v] for v in order], 0.0, lambda k: tm.verify(k, 0), tm.overhead_ms)
+    out = t.clone()
+    out.kept.zero_()
+    out.kept[0, order[:N]] = True
+    out.kept[0, 0] = True
+    return out
+
+
+def test_oracle_catches_a_pass_that_peeks_at_the_target():
+    """Pruning only moves where the walk stops, so a peek biases the law only through a
+    node whose kept-ness depends on the target's view of its own sampled child; the bias
+    is small here (about 2e-5 in total variation) but 10^4 times the oracle's tolerance."""
+    tgt, drf = markov_lm(7, sharp=3.0), markov_lm(6, sharp=2.0)
+    s = SamplingConfig(temperature=1.0)
+    cfg = TreeConfig(depth=2, frontier=1, slots=3, budget=6, rheostat=1, support=4, verifier="ot")
+    plan = CostPlan.from_calibration(timings(0.3), Calibration())
+    honest = cost_pipeline(plan)
+    peek = [p if p.name != "prune" else FnPass("prune", partial(peeking_prune, plan=plan, target=tgt))
+            for p in honest]
+    ref = target_law(tgt, (0, 1), 2, s)
+    assert total_variation(exact_law(tgt, drf, (0, 1), 2, tree=cfg, sampling=s, passes=honest), ref) <= TOL
+    assert total_variation(exact_law(tgt, drf, (0, 1), 2, tree=cfg, sampling=s, passes=peek), ref) > 1e4 * TOL

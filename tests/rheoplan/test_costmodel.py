@@ -1,0 +1,114 @@
+"""The cost model's quantities: latency interpolation, online calibration, the schedule, the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rheoplan import SamplingConfig, TreeConfig, plan_tree
+from rheoplan.costmodel import (Calibration, DraftSchedule, Timings, cache_key, cache_read, cache_write,
+                                node_class, weight_bucket)
+from rheoplan.ir import NodeKind
+from rheoplan.models.functional import hashed_context_lm
+from rheoplan.testing.oracle import functional_draft_fn
+
+
+def tm(**kw) -> Timings:
+    d = dict(sizes=(1, 4, 16), verify_lo=(10.0, 16.0, 40.0), verify_hi=(20.0, 30.0, 80.0), ctx_lo=100,
+             ctx_hi=300, draft_widths=(1, 3), draft_ms=(2.0, 3.0), overhead_ms=1.5, ar_overhead_ms=0.5)
+    d.update(kw)
+    return Timings(**d)
+
+
+def test_verify_latency_is_piecewise_linear_in_tokens_and_linear_in_context():
+    t = tm()
+    assert t.verify(1, 100) == 10.0 and t.verify(4, 300) == 30.0
+    assert t.verify(2, 100) == pytest.approx(12.0)  # between 1 and 4 tokens
+    assert t.verify(1, 200) == pytest.approx(15.0)  # halfway between the two contexts
+    assert t.verify(28, 100) == pytest.approx(64.0)  # extrapolated past 16 tokens
+    assert t.draft(2) == pytest.approx(2.5) and t.ar_step(100) == 10.5
+    assert Timings.from_dict(t.to_dict()) == t
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(sizes=(4, 1, 16)), "increasing"), (dict(verify_lo=(1.0, 2.0)), "equal length"),
+    (dict(ctx_hi=100), "ctx_hi"), (dict(draft_ms=(-1.0, 2.0)), ">= 0"),
+    (dict(overhead_ms=float("nan")), "finite"),
+])
+def test_timings_reject_bad_input(bad, match):
+    with pytest.raises(ValueError, match=match):
+        tm(**bad)
+
+
+def test_buckets_and_classes():
+    assert [weight_bucket(w) for w in (0.0, 0.05, 0.35, 0.999, 1.0)] == [0, 0, 3, 9, 9]
+    assert node_class(int(NodeKind.SAMPLED)) == 1
+    assert node_class(int(NodeKind.DET)) == node_class(int(NodeKind.PAD)) == 0
+
+
+def test_prior_is_the_bucket_midpoint_and_counts_move_it():
+    cal = Calibration()
+    assert cal.acceptance()[0][3] == pytest.approx(0.35)
+    cal.trials[0][3], cal.accepts[0][3] = 8.0, 8.0
+    assert cal.acceptance()[0][3] == pytest.approx((8 + 0.7) / 10)
+
+
+def test_update_counts_the_kept_children_of_the_accepted_path():
+    drf = hashed_context_lm(6, seed=3, sharpness=2.0)
+    cfg = TreeConfig(depth=2, frontier=1, slots=2, budget=4, rheostat=1, support=6)
+    t = plan_tree(functional_draft_fn(drf, (0, 1)), [1], tree=cfg, sampling=SamplingConfig(), prefix_len=[1])
+    lin = t.linear
+    first, nk = int(lin.first_child[0, 0]), int(lin.n_children[0, 0])
+    child = first  # the walk accepted the root's first kept child, then stopped
+    cal = Calibration()
+    cal.update(t, [0, child])
+    n_trials = nk + int(lin.n_children[0, child])
+    assert sum(map(sum, cal.trials)) == n_trials and sum(map(sum, cal.accepts)) == 1
+    v = int(lin.node[0, child])
+    c, b = node_class(int(t.kind[0, v])), weight_bucket(float(t.weight[0, v]))
+    assert cal.accepts[c][b] == 1
+    assert cal.cont_trials[0] == 1 and cal.cont_accepts[0] == 1
+    assert cal.cont_trials[1] == (1 if int(lin.n_children[0, child]) else 0) and cal.cont_accepts[1] == 0
+
+
+def test_calibration_file_round_trip_and_errors(tmp_path):
+    cal = Calibration()
+    cal.trials[1][2], cal.accepts[1][2] = 5.0, 2.0
+    f = tmp_path / "cal.json"
+    cal.save(f)
+    assert Calibration.load(f) == cal
+    with pytest.raises(ValueError, match="no such file"):
+        Calibration.load(tmp_path / "missing.json")
+    f.write_text('{"trials": [[1]], "accepts": [[0]]}')
+    with pytest.raises(ValueError, match="2 lists of 10"):
+        Calibration.load(f)
+    bad = cal.to_dict()
+    bad["accepts"][0][0] = 3.0
+    with pytest.raises(ValueError, match="accepts <= trials"):
+        Calibration.from_dict(bad)
+
+
+def test_schedule_backs_off_and_resets():
+    s = DraftSchedule(max_backoff=4)
+    pattern = []
+    for pays in (False, False, False, False):
+        s.record(pays)
+        skipped = 0
+        while s.skip_next():
+            skipped += 1
+        pattern.append(skipped)
+    assert pattern == [1, 2, 4, 4]
+    s.record(True)
+    assert not s.skip_next()
+    s.record(False)
+    assert s.skip_next() and not s.skip_next()
+
+
+def test_cache_keeps_other_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("RHEOPLAN_CACHE_DIR", str(tmp_path))
+    k1, k2 = cache_key("x", "model-a"), cache_key("x", "model-b", dtype="bfloat16")
+    assert k1 != k2 and "torch " in k1 and "threads" in k1
+    cache_write("c.json", k1, {"v": 1})
+    cache_write("c.json", k2, {"v": 2})
+    assert cache_read("c.json", k1) == {"v": 1} and cache_read("c.json", k2) == {"v": 2}
+    assert cache_read("c.json", "nope") is None and cache_read("none.json", k1) is None

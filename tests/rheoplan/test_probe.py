@@ -1,0 +1,112 @@
+"""Measuring at load: the dtype pick and the cost model's latencies, with injected clocks."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from _decode_models import tiny_llama
+from rheoplan import probe
+from rheoplan.config import TreeConfig
+from rheoplan.costmodel import Timings
+
+
+class Clock:
+    """A fake clock: candidates advance it by what they are meant to cost."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, ms: float):
+        def fn():
+            self.now += ms / 1e3
+        return fn
+
+
+def test_fastest_picks_the_lowest_median_and_ties_go_first():
+    c = Clock()
+    best, ms = probe.fastest({"a": c.spend(3.0), "b": c.spend(2.0), "c": c.spend(2.0)}, reps=3, timer=c)
+    assert best == "b" and ms == pytest.approx({"a": 3.0, "b": 2.0, "c": 2.0})
+    with pytest.raises(ValueError, match="at least one candidate"):
+        probe.fastest({}, timer=c)
+
+
+def test_fastest_uses_the_median_not_one_lucky_call():
+    c = Clock()
+    costs = iter([9.0, 1.0, 9.0, 9.0, 9.0])  # warm-up, then one lucky 1 ms call among 9 ms ones
+
+    def noisy():
+        c.now += next(costs) / 1e3
+
+    best, ms = probe.fastest({"noisy": noisy, "steady": c.spend(5.0)}, reps=4, timer=c)
+    assert best == "steady" and ms["noisy"] == pytest.approx(9.0)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RHEOPLAN_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _fake_forwards(clock, cost_by_dtype, seen):
+    def fake(model, prompt_len, tree_tokens):
+        dt = next(model.parameters()).dtype
+        seen.append(dt)
+        return clock.spend(cost_by_dtype[dt])
+    return fake
+
+
+@pytest.mark.parametrize("costs,want", [
+    ({torch.float32: 5.0, torch.bfloat16: 3.0}, torch.bfloat16),
+    ({torch.float32: 5.0, torch.bfloat16: 8.0}, torch.float32),
+])
+def test_choose_dtype_measures_caches_and_reads_back(cache, monkeypatch, costs, want):
+    model = tiny_llama()
+    clock, seen = Clock(), []
+    monkeypatch.setattr(probe, "_forwards", _fake_forwards(clock, costs, seen))
+    log = io.StringIO()
+    dt, ms = probe.choose_dtype(model, model_id="tiny", timer=clock, log=log)
+    assert dt is want and set(seen) == {torch.float32, torch.bfloat16}
+    assert f"dtype auto: {str(want).removeprefix('torch.')}" in log.getvalue()
+    assert next(model.parameters()).dtype is torch.float32  # the caller's model is not cast
+    rec = json.loads((cache / probe.DTYPE_CACHE).read_text())
+    (key, val), = rec.items()
+    assert "tiny" in key and "torch " in key and val["dtype"] == str(want).removeprefix("torch.")
+    seen.clear()
+    dt2, _ = probe.choose_dtype(model, model_id="tiny", timer=clock, log=log)
+    assert dt2 is want and seen == []  # cached: nothing measured again
+    assert "(cached" in log.getvalue()
+    seen.clear()
+    probe.choose_dtype(model, model_id="another model", timer=clock, log=log)
+    assert seen  # the key names the model
+    seen.clear()
+    monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")
+    probe.choose_dtype(model, model_id="tiny", timer=clock, log=log)
+    assert seen  # asked to measure again
+
+
+def test_chain_linear_shapes():
+    for n in (1, 2, 5):
+        lin = probe.chain_linear(3, 10, n)
+        assert int(lin.n[0]) == n and lin.position[0, :n].tolist() == list(range(10, 10 + n))
+
+
+def test_measure_timings_on_a_tiny_model_and_cache(cache):
+    model, draft = tiny_llama(seed=1, vocab=16), tiny_llama(seed=2, vocab=16)
+    tree = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8)
+    log = io.StringIO()
+    tm = probe.measure_timings(model, draft, [1, 2, 3], tree=tree, ctx=(4, 12), sizes=(1, 2, 4),
+                               reps=1, steps=6, model_id="tiny", log=log)
+    assert isinstance(tm, Timings) and tm.sizes == (1, 2, 4) and (tm.ctx_lo, tm.ctx_hi) == (4, 12)
+    assert all(v > 0 for v in tm.verify_lo + tm.verify_hi + tm.draft_ms)
+    assert set(tm.draft_widths) <= {1, 2} and tm.overhead_ms >= 0 and tm.ar_overhead_ms >= 0
+    assert "measured" in log.getvalue()
+    again = probe.measure_timings(model, draft, [1, 2, 3], tree=tree, ctx=(4, 12), sizes=(1, 2, 4),
+                                  reps=1, steps=6, model_id="tiny", log=log)
+    assert again == tm and "cached" in log.getvalue()
