@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from rheoplan.pipeline import FnPass, Repeat
 from rheoplan.planner.assign import assign
+from rheoplan.planner.cost_depth import cost_expand
+from rheoplan.planner.cost_prune import cost_prune
 from rheoplan.planner.expand import expand
 from rheoplan.planner.linearize import linearize
 from rheoplan.planner.prune import prune
@@ -36,9 +38,6 @@ def cost_pipeline(plan, base=None, on_decision=None) -> list:
         >>> [p.name for p in cost_pipeline(CostPlan.from_calibration(tm, Calibration()))][-2:]
         ['prune', 'linearize']
     """
-    from rheoplan.planner.cost_depth import cost_expand
-    from rheoplan.planner.cost_prune import cost_prune
-
     def rewrite(p):
         if isinstance(p, Repeat):
             return Repeat(p.name, tuple(rewrite(q) for q in p.body), p.times)

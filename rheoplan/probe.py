@@ -26,8 +26,16 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write
+from rheoplan.decode import plan_and_decode
+from rheoplan.ir import empty_tree
+from rheoplan.models import as_draft, as_target
 from rheoplan.models.base import DraftModel
+from rheoplan.models.hf_target import HFTarget
+from rheoplan.pipeline import PassContext
+from rheoplan.plan import plan_tree
+from rheoplan.planner.linearize import linearize
 
 DTYPE_CACHE = "dtype.json"
 TIMINGS_CACHE = "timings.json"
@@ -112,8 +120,6 @@ def model_identity(model) -> str:
 
 def _forwards(model, prompt_len: int, tree_tokens: int) -> Callable[[], None]:
     """One 1-token step and one ``tree_tokens``-token verify forward after a cached prompt."""
-    from rheoplan.models.hf_target import HFTarget
-
     dev = next(model.parameters()).device
     tgt = HFTarget(model)
     prompt = [(7 * i + 3) % int(model.config.vocab_size) for i in range(prompt_len + 1)]
@@ -133,14 +139,7 @@ def _forwards(model, prompt_len: int, tree_tokens: int) -> Callable[[], None]:
 def chain_linear(root: int, prefix_len: int, n: int):
     """A linearised chain of ``n`` tokens (root included) after ``prefix_len`` cached ones:
     the shape of a verify forward for timing (its cost depends on the token count)."""
-    from rheoplan.config import SamplingConfig, TreeConfig
-    from rheoplan.plan import plan_tree
-
     if n == 1:
-        from rheoplan.ir import empty_tree
-        from rheoplan.pipeline import PassContext
-        from rheoplan.planner.linearize import linearize
-
         t = empty_tree(1, 1, 1, 1, torch.tensor([root]), torch.tensor([prefix_len]), 1, 1)
         cfg = TreeConfig(depth=1, frontier=1, slots=1, budget=1, rheostat=1, support=1)
         return linearize(t, PassContext(tree_cfg=cfg, sampling=SamplingConfig())).linear
@@ -239,10 +238,6 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
 
     Takes a few seconds the first time on a CPU; the cache makes later loads instant.
     """
-    from rheoplan.config import SamplingConfig
-    from rheoplan.decode import plan_and_decode
-    from rheoplan.models import as_draft, as_target
-
     sampling = sampling or SamplingConfig()
     dev = next(model.parameters()).device
     dt = str(next(model.parameters()).dtype).removeprefix("torch.")

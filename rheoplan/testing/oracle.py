@@ -37,7 +37,7 @@ from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.distributions import tail_law, target_probs
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.pipeline import PassContext, flatten
-from rheoplan.planner.default import DEFAULT_PIPELINE
+from rheoplan.planner.default import DEFAULT_PIPELINE, cost_pipeline
 from rheoplan.verify import kept_children, node_law, node_y
 
 Law = dict[tuple[int, ...], float]
@@ -297,8 +297,6 @@ def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
     tokens, depth <= 3, frontier <= 2.
     """
     if cost_plan is not None:
-        from rheoplan.planner.default import cost_pipeline
-
         passes = cost_pipeline(cost_plan, passes)
     return ExactOracle(target, draft, tree, sampling, coupling, passes, processors).law(prefix, n_tokens)
 
