@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import os
 
 import pytest
+import torch
+
+# Collecting imports every module, the Triton kernels included: as in tests/kernels/conftest.py,
+# without CUDA they must see TRITON_INTERPRET=1 before triton is first imported, whatever
+# test file runs first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from _package import PACKAGES, modules
 
