@@ -163,9 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(d)
     _add_tree(d)
 
-    t = sub.add_parser("train-draft", help="train an EAGLE-3 head for SmolLM2 on its own samples",
-                       description="Self-distil SmolLM2-135M-Instruct and train an EAGLE-3-style draft "
-                                   "head (see docs/train.md); all arguments go to the trainer.",
+    t = sub.add_parser("train-draft", help="train an EAGLE-3 head for SmolLM2 (or --target DIR) on its own samples",
+                       description="Self-distil SmolLM2-135M-Instruct (or any local causal LM, --target DIR) "
+                                   "and train an EAGLE-3-style draft head (see docs/train.md); all arguments "
+                                   "go to the trainer.",
                        add_help=False)
     t.add_argument("rest", nargs=argparse.REMAINDER, help="trainer arguments (try --help)")
 

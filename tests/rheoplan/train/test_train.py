@@ -14,7 +14,7 @@ V_DRAFT = 32
 @pytest.fixture(scope="module")
 def setup(tiny_target, tiny_rows):
     V = tiny_target.config.vocab_size
-    ids = tr.choose_draft_vocab(tr.token_mass(tiny_rows, V), V_DRAFT, always=[0])
+    ids = tr.choose_draft_vocab(tr.token_counts(tiny_rows, V), V_DRAFT, always=[0])
     shared = tr.common_prefix_len(tiny_rows)
     ex = [tr.make_example(r, shared_prefix=shared, prompt_weight=0.3) for r in tiny_rows]
     embed = tiny_target.get_input_embeddings().weight.detach()
@@ -29,6 +29,17 @@ def test_draft_vocab_is_the_most_probable_tokens():
     assert tr.choose_draft_vocab(mass, 3, always=[0]).tolist() == [0, 1, 5]
     with pytest.raises(ValueError, match="draft vocab size"):
         tr.choose_draft_vocab(mass, 7)
+
+
+def test_token_counts_skip_the_shared_prefix():
+    rows = [{"tokens": torch.tensor([7, 7, 1, 2, 2])}, {"tokens": torch.tensor([7, 7, 2])}]
+    assert tr.token_counts(rows, 8, skip_prefix=2).tolist() == [0, 1, 3, 0, 0, 0, 0, 0]
+
+
+def test_pack_groups_by_length_and_skips_empty_rows():
+    assert tr.pack([3, 3, 5, 0, 2], 6) == [[0, 1], [2], [4]]
+    chunks = tr.pack([1] * 10, 4, seed=1)
+    assert sorted(i for c in chunks for i in c) == list(range(10)) and all(len(c) <= 4 for c in chunks)
 
 
 def test_vocab_map_matches_the_checkpoint_convention(setup, tmp_path):
@@ -92,6 +103,26 @@ def test_a_few_steps_reduce_the_loss(setup):
     assert after["loss_step1"] < before["loss_step1"] - 0.2
     assert out["last"]["loss"] < out["history"][0]["loss"]
     assert 0 <= after["accept_lo_step1"] <= after["accept_hi_step1"] <= 1 + 1e-6
+
+
+def test_training_from_token_rows_equals_training_on_in_memory_examples(tiny_target, tiny_rows, setup):
+    """The on-demand source (target forwards per chunk, nothing stored) trains exactly like
+    examples whose features were computed up front."""
+    from rheoplan.train.features import RowExamples
+
+    tok_rows = [{"tokens": r["tokens"], "prompt_len": r["prompt_len"]} for r in tiny_rows]
+    shared = tr.common_prefix_len(tiny_rows)
+    src = RowExamples(tiny_target, tok_rows, topk=8, shared_prefix=shared, prompt_weight=0.3, batch_tokens=64)
+    cfg = tr.TrainConfig(epochs=1, lr=3e-3, chunk_tokens=96, autocast_bf16=False)
+    a = tr.init_head(setup["cfg"], setup["ids"], seed=4)
+    b = tr.init_head(setup["cfg"], setup["ids"], seed=4)
+    ra = tr.train_head(a, setup["embed"], setup["ex"], cfg, progress=False, max_steps=3, scale=setup["scale"])
+    rb = tr.train_head(b, setup["embed"], src, cfg, progress=False, max_steps=3, scale=setup["scale"])
+    assert [h["loss"] for h in rb["history"]] == pytest.approx([h["loss"] for h in ra["history"]], rel=1e-4)
+    ev = dict(steps=3, chunk_tokens=128, draft_ids=setup["ids"], t2d_index=setup["t2d"], scale=setup["scale"])
+    ea, eb = tr.evaluate(a, setup["embed"], setup["ex"], **ev), tr.evaluate(b, setup["embed"], src, **ev)
+    assert eb == pytest.approx(ea, rel=1e-4)
+    assert 0 <= ea["top1_step1"] <= ea["top3_step1"] <= 1 and "top3_step3" in ea
 
 
 def test_resume_continues_where_the_checkpoint_left(setup, tmp_path):

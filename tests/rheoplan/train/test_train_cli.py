@@ -1,10 +1,17 @@
-"""``rheoplan train-draft`` argument handling and the model card (no model loading)."""
+"""``rheoplan train-draft``: argument checks, the model card, and the whole pipeline on a
+tiny local model directory (``--target DIR``), killed and resumed."""
 
 from __future__ import annotations
 
-import pytest
+import json
+import os
 
+import pytest
+import torch
+
+from rheoplan.models.eagle3 import read_eagle3
 from rheoplan.train import cli
+from rheoplan.train import tokens as tk
 
 
 def test_help_lists_the_main_flags(capsys):
@@ -12,41 +19,77 @@ def test_help_lists_the_main_flags(capsys):
         cli.main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--work-dir", "--out", "--num-prompts", "--tokens-per-prompt", "--temperatures",
-                 "--draft-vocab", "--epochs", "--resume"):
+    for flag in ("--work-dir", "--tokens-dir", "--target", "--prompts", "--tokens-per-prompt", "--sample-dtype",
+                 "--train-dtype", "--draft-vocab", "--epochs", "--resume", "--max-shards"):
         assert flag in out
 
 
 @pytest.mark.parametrize("argv, msg", [
-    (["--stages", "sample,fly"], "--stages"),
+    (["--stages", "generate,fly"], "--stages"),
     (["--epochs", "0"], "--epochs"),
-    (["--temperatures", "0,-1"], "--temperatures"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--prompts", "-3"], "--prompts"),
+    (["--max-shards", "0"], "--max-shards"),
+    (["--prompt-weight", "2"], "--prompt-weight"),
+    (["--target", "/nonexistent/model"], "--target"),
+    (["--heldout-prompts", "/nonexistent.txt"], "--heldout-prompts"),
 ])
 def test_bad_arguments_are_rejected_before_any_work(argv, msg, tmp_path):
     a = cli.build_parser().parse_args(["--work-dir", str(tmp_path)] + argv)
     with pytest.raises(SystemExit, match=msg):
         cli._check_args(a)
-        cli._sampling_manifest(a)
 
 
-def test_work_dir_refuses_other_sampling_settings(tmp_path):
-    a = cli.build_parser().parse_args(["--work-dir", str(tmp_path)])
-    cli._check_manifest(str(tmp_path), cli._sampling_manifest(a))
-    cli._check_manifest(str(tmp_path), cli._sampling_manifest(a))  # same settings: fine
-    b = cli.build_parser().parse_args(["--work-dir", str(tmp_path), "--tokens-per-prompt", "7"])
-    with pytest.raises(SystemExit, match="other settings"):
-        cli._check_manifest(str(tmp_path), cli._sampling_manifest(b))
-
-
-def test_model_card_reports_measured_numbers():
-    ev = {"positions_step1": 100, "top1_step1": 0.5, "top1_step2": 0.4, "accept_lo_step1": 0.45,
-          "accept_hi_step1": 0.5, "accept_lo_step2": 0.3, "accept_hi_step2": 0.35}
-    head = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
-            "target_hidden_size": 48}
+def test_model_card_reads_sizes_from_the_report():
+    ev = {"positions_step1": 100, "top1_step1": 0.5, "top3_step1": 0.7, "accept_lo_step1": 0.45,
+          "accept_hi_step1": 0.5, "positions_step2": 90, "top1_step2": 0.4, "top3_step2": 0.6,
+          "accept_lo_step2": 0.3, "accept_hi_step2": 0.35}
     card = cli.model_card({"eval_heldout_exported_fp16": ev, "argv": ["--work-dir", "w"],
-                           "export": {"params": 9.8e6, "safetensors_bytes": 19 * 2**20, "head_config": head,
-                                      "target": {"layers": 10}}})
-    assert "layers 2, 5, 7 of `model`" in card  # read from the report, not SmolLM2's sizes
-    assert "one decoder layer (H=64, 4 heads / 2 kv heads, SwiGLU 96), fc 144 -> 64" in card
-    assert "| held-out (exported fp16 head) | 100 | 50.0% | 40.0% | 45.0%–50.0% | 30.0%–35.0% |" in card
+                           "data": {"dataset": {"target": {"name": "mymodel.gguf", "num_hidden_layers": 32}}},
+                           "export": {"params": 9.8e6, "safetensors_bytes": 19 * 2**20,
+                                      "head_config": {"hidden_size": 4096, "target_hidden_size": 4096,
+                                                      "num_attention_heads": 32, "num_key_value_heads": 8,
+                                                      "intermediate_size": 14336, "hidden_act": "silu"}}})
+    assert "| held-out (exported fp16 head) | 1 | 100 | 50.0% | 70.0% | 45.0%–50.0% |" in card
+    assert "| held-out (exported fp16 head) | 2 | 90 | 40.0% | 60.0% | 30.0%–35.0% |" in card
+    assert "H=4096, 32 heads / 8 kv heads" in card and "fc 12288 -> 4096" in card
+    assert "layers [2, 16, 29]" in card and "mymodel.gguf" in card and "576" not in card
     assert "rheoplan train-draft --work-dir w" in card
+
+
+def _prompt_files(tmp_path):
+    train, held = tmp_path / "train.txt", tmp_path / "held.txt"
+    train.write_text("chat\tHello there!\ncode\tWrite a loop.\nsummarisation\tSummarise this: "
+                     "The quick brown fox jumps over the lazy dog again and again, every single morning.\n")
+    held.write_text("chat\tWhy does ice float on water?\nmath\tWhat is 35% of 180?\n")
+    return ["--train-prompts", str(train), "--heldout-prompts", str(held)]
+
+
+@pytest.mark.slow
+def test_the_pipeline_runs_and_resumes_on_a_local_model(tiny_target_dir, tmp_path):
+    work, toks = str(tmp_path / "work"), str(tmp_path / "tokens")
+    base = ["--work-dir", work, "--tokens-dir", toks, "--target", tiny_target_dir, "--prompts", "40",
+            "--tokens-per-prompt", "12", "--heldout-tokens", "6", "--batch-size", "8", "--threads", "1",
+            "--no-progress", "--sample-dtype", "float32", "--train-dtype", "float32", "--draft-vocab", "40",
+            "--chunk-tokens", "128", "--epochs", "2", "--no-bf16", "--ckpt-every", "2"] + _prompt_files(tmp_path)
+    # generation killed after 3 shards, then resumed to the end
+    assert cli.main(base + ["--stages", "generate", "--max-shards", "3"]) == 0
+    assert len(tk.list_shards(toks, "train")) == 2 and len(tk.list_shards(toks, "heldout")) == 1
+    assert cli.main(base + ["--stages", "generate"]) == 0
+    st = tk.dataset_stats(toks)
+    assert st["train_r1"]["rows"] == 43 and st["train_fu"]["rows"] >= 1
+    assert json.load(open(os.path.join(toks, "dataset.json")))["target"]["vocab_size"] == 100
+    # a directory of shards refuses other sampling settings
+    with pytest.raises(SystemExit, match="other settings"):
+        cli.main([x if x != "12" else "13" for x in base] + ["--stages", "generate"])
+    # training stopped after 3 steps, resumed to 5
+    assert cli.main(base + ["--stages", "train", "--max-steps", "3"]) == 0
+    assert torch.load(os.path.join(work, "ckpt.pt"), weights_only=False)["step"] == 3
+    assert cli.main(base + ["--stages", "train,export", "--resume", "--max-steps", "5"]) == 0
+    rep = json.load(open(os.path.join(work, "export", "report.json")))
+    assert rep["train"]["started_at_step"] == 3 and rep["train"]["steps_done"] == 5
+    ev = rep["eval_heldout_exported_fp16"]
+    assert ev["positions_step1"] > 0 and 0 <= ev["top1_step1"] <= ev["top3_step1"] <= 1 and "top1_step3" in ev
+    card = open(os.path.join(work, "export", "MODEL_CARD.md")).read()
+    assert "H=32, 4 heads / 2 kv heads" in card and "| held-out (exported fp16 head) | 3 |" in card
+    assert read_eagle3(os.path.join(work, "export")).config.draft_vocab_size == 40

@@ -1,0 +1,55 @@
+"""Teacher-forced features and soft targets: a padded batch equals one forward per row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rheoplan.train import features as ft
+from rheoplan.train import train as tr
+
+
+def _rows():
+    return [{"tokens": torch.tensor(t), "prompt_len": p} for t, p in
+            [([1, 5, 6, 7, 9, 9, 3], 4), ([1, 2], 1), ([1, 8, 8, 4, 40, 41, 42, 43, 44, 45], 3)]]
+
+
+def test_padded_batch_matches_single_row_forwards(tiny_target):
+    idx = ft.capture_indices(tiny_target)
+    got = ft.teacher_forced(tiny_target, _rows(), topk=8)
+    for r in got:
+        with torch.no_grad():
+            out = tiny_target(r["tokens"][None], output_hidden_states=True)
+        f = torch.cat([out.hidden_states[i] for i in idx], -1)[0]
+        torch.testing.assert_close(r["feats"], f, atol=1e-5, rtol=1e-5)
+        lp = torch.log_softmax(out.logits[0].float(), -1)
+        torch.testing.assert_close(r["topk_logp"], lp.topk(8, -1).values, atol=1e-5, rtol=1e-5)
+        assert torch.equal(r["topk_ids"][:, 0], lp.argmax(-1))
+        assert r["feats"].shape == (r["tokens"].numel(), 3 * tiny_target.config.hidden_size)
+
+
+def test_row_examples_make_the_same_examples_as_in_memory_rows(tiny_target):
+    rows = _rows()
+    src = ft.RowExamples(tiny_target, rows, topk=8, shared_prefix=1, prompt_weight=0.3, batch_tokens=12)
+    assert src.lengths() == [6, 1, 9] and len(src) == 3
+    want = [tr.make_example(r, shared_prefix=1, prompt_weight=0.3)
+            for r in ft.teacher_forced(tiny_target, rows, topk=8)]
+    got = src.get([2, 0, 1])  # any order, split over several forwards (batch_tokens=12)
+    for g, w in zip(got, [want[2], want[0], want[1]]):
+        assert torch.equal(g.tokens, w.tokens) and torch.equal(g.weight, w.weight)
+        torch.testing.assert_close(g.feats, w.feats, atol=1e-5, rtol=1e-5)
+        assert torch.equal(g.topk_ids, w.topk_ids)
+
+
+def test_cached_row_examples_forward_each_row_once(tiny_target, monkeypatch):
+    src = ft.RowExamples(tiny_target, _rows(), topk=4, shared_prefix=1, prompt_weight=0.3, cache=True)
+    first = src.get([0, 1, 2])
+    calls = []
+    monkeypatch.setattr(ft, "teacher_forced", lambda *a, **k: calls.append(1))
+    again = src.get([0, 1, 2])
+    assert not calls and all(a is b for a, b in zip(first, again))
+
+
+def test_bad_topk_is_rejected(tiny_target):
+    with pytest.raises(ValueError, match="topk"):
+        ft.teacher_forced(tiny_target, _rows(), topk=0)

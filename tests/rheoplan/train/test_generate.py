@@ -1,0 +1,80 @@
+"""The sampling job: shard order, follow-ups built from earlier shards, resume after a kill."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+
+from rheoplan.train import generate as gen
+from rheoplan.train import prompts as pr
+from rheoplan.train import tokens as tk
+
+HELD = ["Why does ice float on water?", "What is 35% of 180?", "Name a planet."]
+
+
+def _jobs(tok, d, n=13, batch=3):
+    plan = pr.build_plan(seed=0, n_generated=n, heldout=HELD)
+    return plan, gen.plan_jobs(plan, HELD, tok, d, batch_size=batch, max_new_tokens=6, heldout_tokens=4,
+                               temperature=1.0, heldout_temperature=1.0, seed=0, heldout_batch_size=2)
+
+
+def _run(model, tok, jobs, d, **kw):
+    return gen.run_jobs(model, tok, jobs, d, seed=0, vocab_size=100, eos_id=2, dtype_name="float32",
+                        log=io.StringIO(), **kw)
+
+
+def test_job_order_heldout_first_then_follow_ups_after_every_group(tiny_tokenizer, tmp_path):
+    plan, jobs = _jobs(tiny_tokenizer, str(tmp_path))
+    names = [j.name for j in jobs]
+    assert names[:2] == ["heldout_00000", "heldout_00001"]  # 3 held-out prompts, 2 per shard
+    assert names[2:] == ["train_r1_00000", "train_r1_00001", "train_r1_00002", "train_r1_00003", "train_fu_00000",
+                         "train_r1_00004", "train_fu_00001"]  # 13 prompts, 3 per shard
+    ids = [pid for j in jobs if j.name.startswith("train_r1") for pid, _ in j.prompts()]
+    assert sorted(ids) == [p.id for p in plan]  # every planned prompt once
+    held = [pid for j in jobs if j.name.startswith("heldout") for pid, _ in j.prompts()]
+    assert held == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_run_writes_follow_ups_of_the_targets_own_answers(tiny_target, tiny_tokenizer, tmp_path):
+    d = str(tmp_path)
+    plan, jobs = _jobs(tiny_tokenizer, d, n=24, batch=4)
+    _run(tiny_target, tiny_tokenizer, jobs, d)
+    firsts = {r["prompt_id"]: r for n in tk.list_shards(d, "train_r1") for r in tk.read_shard(d, n)[1]}
+    fus = [r for n in tk.list_shards(d, "train_fu") for r in tk.read_shard(d, n)[1]]
+    assert len(firsts) == len(plan)
+    assert {r["prompt_id"] - pr.FOLLOWUP_BASE for r in fus} == {i for i in firsts if pr.has_follow_up(i)}
+    for r in fus:
+        parent = firsts[r["prompt_id"] - pr.FOLLOWUP_BASE]
+        text = tiny_tokenizer.decode(r["tokens"][:r["prompt_len"]].tolist())
+        answer = tiny_tokenizer.decode(parent["tokens"][parent["prompt_len"]:].tolist(), skip_special_tokens=True)
+        # user turn, the target's own answer, the follow-up turn, then the new answer
+        assert text.count("<|im_start|>user") == 2 and answer in text
+        assert text.endswith(pr.follow_up(parent["prompt_id"]) + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_a_killed_job_resumes_to_the_same_shards(tiny_target, tiny_tokenizer, tmp_path):
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    _run(tiny_target, tiny_tokenizer, _jobs(tiny_tokenizer, full)[1], full)
+    out = _run(tiny_target, tiny_tokenizer, _jobs(tiny_tokenizer, part)[1], part, max_shards=3)  # the "kill"
+    assert out["new_shards"] == 3 and len([f for f in os.listdir(part) if f.endswith(".json")]) == 3
+    log = io.StringIO()
+    gen.run_jobs(tiny_target, tiny_tokenizer, _jobs(tiny_tokenizer, part)[1], part, seed=0, vocab_size=100,
+                 eos_id=2, dtype_name="float32", log=log)
+    assert "3 present" in log.getvalue() and "tok/s" in log.getvalue() and "ETA" in log.getvalue()
+    assert sorted(os.listdir(full)) == sorted(os.listdir(part))
+    for f in os.listdir(full):
+        if f.endswith(".npy"):
+            assert np.array_equal(np.load(os.path.join(full, f)), np.load(os.path.join(part, f))), f
+
+
+def test_a_tokenizer_without_chat_template_is_rejected(tiny_tokenizer):
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(ValueError, match="chat template"):
+        gen.chat_ids(NoTemplate(), [{"role": "user", "content": "hi"}])
