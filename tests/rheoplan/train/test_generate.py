@@ -38,6 +38,7 @@ def test_job_order_heldout_first_then_follow_ups_after_every_group(tiny_tokenize
     assert held == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_run_writes_follow_ups_of_the_targets_own_answers(tiny_target, tiny_tokenizer, tmp_path):
     d = str(tmp_path)
     plan, jobs = _jobs(tiny_tokenizer, d, n=24, batch=4)
@@ -55,6 +56,7 @@ def test_run_writes_follow_ups_of_the_targets_own_answers(tiny_target, tiny_toke
         assert text.endswith(pr.follow_up(parent["prompt_id"]) + "<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_a_killed_job_resumes_to_the_same_shards(tiny_target, tiny_tokenizer, tmp_path):
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     _run(tiny_target, tiny_tokenizer, _jobs(tiny_tokenizer, full)[1], full)

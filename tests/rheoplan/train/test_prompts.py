@@ -21,6 +21,7 @@ def default_plan():
     return pr.build_plan(seed=0, n_generated=n, file_prompts=FILE, heldout=HELD)
 
 
+@pytest.mark.slow
 def test_no_planned_prompt_equals_or_nears_a_heldout_prompt(default_plan):
     for p in default_plan:
         for h in HELD:
@@ -46,6 +47,7 @@ def test_near_duplicate(a, b, near):
     assert pr.near_duplicate(a, b) is near
 
 
+@pytest.mark.slow
 def test_plan_is_large_diverse_and_deterministic(default_plan):
     assert len(default_plan) >= 7000
     gen = [pr._norm(p.text) for p in default_plan if p.source == "generated"]
@@ -61,6 +63,7 @@ def test_plan_is_large_diverse_and_deterministic(default_plan):
     assert pr.plan_digest(other) != pr.plan_digest(again)
 
 
+@pytest.mark.slow
 def test_about_one_in_four_first_turns_gets_a_follow_up(default_plan):
     share = sum(pr.has_follow_up(p.id) for p in default_plan) / len(default_plan)
     assert 0.2 < share < 0.3
