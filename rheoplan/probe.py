@@ -266,7 +266,7 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                     lin = chain_linear(prompt[-1], c, n)
                     path = list(range(min(n, tree.depth + 1)))
                     row.append(median_ms(lambda: tgt.forward_tree(lin).prefetch(path), reps=reps, timer=timer))
-                lo_hi.append(tuple(row))
+                lo_hi.append(monotone(row))
     finally:
         if hasattr(tgt, "close"):
             tgt.close()
@@ -291,6 +291,20 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
         cache_write(TIMINGS_CACHE, key, tm.to_dict())
     print(f"cost model: measured latencies ({_describe(tm)})", file=log)
     return tm
+
+
+def monotone(ms: Sequence[float]) -> tuple[float, ...]:
+    """Running maximum of latencies measured at increasing token counts: a forward over
+    more tokens never costs less, so a dip is measurement noise (another process, a cache
+    effect) and must not make the cost model prefer bigger trees.
+
+    Example: [40, 38, 55, 50] -> (40, 40, 55, 55).
+    """
+    out, top = [], float("-inf")
+    for v in ms:
+        top = max(top, float(v))
+        out.append(top)
+    return tuple(out)
 
 
 def _overhead_ms(res) -> float:
