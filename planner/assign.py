@@ -1,4 +1,4 @@
-"""Pass ``assign``: stochastic token assignment (RHEOSAMPLING.md §3-4).
+"""Pass ``assign``: stochastic token assignment (docs/method.md §3-4).
 
 For every expanded node whose sampled slot is still pending, draw ``Y ~ q~`` (the
 tail law over ranks ``m+1..S``, ``rheoplan.distributions.tail_law``) and fill the

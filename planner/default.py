@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from rheoplan.pipeline import Repeat
 from rheoplan.planner.assign import assign_pass
+from rheoplan.planner.cost_depth import cost_expand
+from rheoplan.planner.cost_prune import cost_prune
 from rheoplan.planner.expand import expand_pass
 from rheoplan.planner.linearize import linearize_pass
 from rheoplan.planner.prune import prune_pass
@@ -39,9 +41,6 @@ def cost_pipeline(plan, base=None, on_decision=None) -> list:
         >>> [p.name for p in cost_pipeline(CostPlan.from_calibration(tm, Calibration()))][-2:]
         ['prune', 'linearize']
     """
-    from rheoplan.planner.cost_depth import cost_expand
-    from rheoplan.planner.cost_prune import cost_prune
-
     def rewrite(p):
         if isinstance(p, Repeat):
             return Repeat(p.name, tuple(rewrite(q) for q in p.body), p.times)

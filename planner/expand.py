@@ -1,4 +1,4 @@
-"""Pass ``expand``: structure-distribution expansion (RHEOSAMPLING.md §3, §4 steps 1-2).
+"""Pass ``expand``: structure-distribution expansion (docs/method.md §3, §4 steps 1-2).
 
 Creates the next level: picks the frontier (the root at the first call, else the
 ``k`` best nodes of the deepest level), asks the draft for their distributions

@@ -1,5 +1,5 @@
 """Pass ``linearize``: order the kept nodes and emit what the verify forward and the
-verifier read (RHEOSAMPLING.md §4 step 4), as a ``LinearTree`` on ``tree.linear``.
+verifier read (docs/method.md §4 step 4), as a ``LinearTree`` on ``tree.linear``.
 
 Order: root at 0, then kept nodes by creation id. Ids are assigned depth by depth,
 so this is a depth-major BFS: parents precede children and each node's kept

@@ -1,4 +1,4 @@
-"""Pass ``prune``: global pruning (RHEOSAMPLING.md §4 step 3).
+"""Pass ``prune``: global pruning (docs/method.md §4 step 3).
 
 Keeps the root and the ``budget`` best drafted nodes by the global ranking (higher
 score, then shallower, then created earlier: ``rheoplan.ir.rank_key_order``). A

@@ -183,7 +183,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """Shape of one draft tree and how it is verified (RHEOSAMPLING.md §3-5).
+    """Shape of one draft tree and how it is verified (docs/method.md §3-5).
 
     Attributes:
         depth: D, number of drafted levels below the root.

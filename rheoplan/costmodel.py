@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -385,8 +386,6 @@ def machine_name(device: torch.device | str = "cpu") -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-
     return platform.processor() or platform.machine() or "unknown-cpu"
 
 

@@ -1,4 +1,4 @@
-"""Processed target and draft distributions (RHEOSAMPLING.md §2).
+"""Processed target and draft distributions (docs/method.md §2).
 
 The target law is transformers' sampling law (``generate``), defined here once: the
 verifier (``rheoplan.verify``) and the exact oracle (``rheoplan.testing``) both call

@@ -8,12 +8,14 @@ matplotlib's global backend or pyplot's figure list.
 from __future__ import annotations
 
 import json
+import warnings
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from rheoplan.ir import DraftTree, NodeKind
+from rheoplan import ir_text
 from rheoplan.ir_text import kind_name
 
 __all__ = ["to_dot", "to_networkx", "draw_png", "tree_layout"]
@@ -204,3 +206,14 @@ def draw_png(tree: DraftTree, path, tokenizer=None, b: int = 0, *, show_pruned: 
                  f"K={tree.slots} m={tree.rheostat}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+#: names that moved to ``rheoplan.ir_text``; still importable from here, with a warning
+_MOVED = ("to_text", "from_text", "to_json", "from_json", "fmt_float", "parse_float")
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        warnings.warn(f"rheoplan.dump.{name} moved to rheoplan.ir_text.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(ir_text, name)
+    raise AttributeError(f"module 'rheoplan.dump' has no attribute {name!r}")

@@ -5,7 +5,7 @@ here is mutated in place by a pass. Node ids are *creation order*: the root is 0
 then children in the order they were created (depth by depth; within a depth the
 parents in frontier order, best first; within a parent DET by rank, SAMPLED, PAD
 by rank). Creation order therefore is also the final tie-breaker of the ranking
-"higher score, then shallower, then created earlier" (RHEOSAMPLING.md §3): since
+"higher score, then shallower, then created earlier" (docs/method.md §3): since
 creation is depth-major, ``(-score, node_id)`` sorts exactly by that rule.
 
 Shapes: ``B`` trees, ``M`` node capacity, ``E`` expanded-node capacity, ``S``
@@ -197,7 +197,7 @@ def rank_key_order(score: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Order of ``ids`` by the global ranking: higher score first, then lower id.
 
     Lower id means shallower or created earlier (ids are depth-major), which is the
-    tie rule of RHEOSAMPLING.md §3. ``-inf`` scores sort last, ties among them by id.
+    tie rule of docs/method.md §3. ``-inf`` scores sort last, ties among them by id.
 
     Example: scores [-1, -0.5, -1] for ids [4, 5, 6] -> order [1, 0, 2] (ids 5, 4, 6).
     """

@@ -26,8 +26,16 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write
+from rheoplan.decode import plan_and_decode
+from rheoplan.ir import empty_tree
+from rheoplan.models import as_draft, as_target
 from rheoplan.models.base import DraftModel
+from rheoplan.models.hf_target import HFTarget
+from rheoplan.pipeline import PassContext
+from rheoplan.plan import plan_tree
+from rheoplan.planner.linearize import linearize
 
 DTYPE_CACHE = "dtype.json"
 TIMINGS_CACHE = "timings.json"
@@ -112,8 +120,6 @@ def model_identity(model) -> str:
 
 def _forwards(model, prompt_len: int, tree_tokens: int) -> Callable[[], None]:
     """One 1-token step and one ``tree_tokens``-token verify forward after a cached prompt."""
-    from rheoplan.models.hf_target import HFTarget
-
     dev = next(model.parameters()).device
     tgt = HFTarget(model)
     prompt = [(7 * i + 3) % int(model.config.vocab_size) for i in range(prompt_len + 1)]
@@ -133,14 +139,7 @@ def _forwards(model, prompt_len: int, tree_tokens: int) -> Callable[[], None]:
 def chain_linear(root: int, prefix_len: int, n: int):
     """A linearised chain of ``n`` tokens (root included) after ``prefix_len`` cached ones:
     the shape of a verify forward for timing (its cost depends on the token count)."""
-    from rheoplan.config import SamplingConfig, TreeConfig
-    from rheoplan.plan import plan_tree
-
     if n == 1:
-        from rheoplan.ir import empty_tree
-        from rheoplan.pipeline import PassContext
-        from rheoplan.planner.linearize import linearize
-
         t = empty_tree(1, 1, 1, 1, torch.tensor([root]), torch.tensor([prefix_len]), 1, 1)
         cfg = TreeConfig(depth=1, frontier=1, slots=1, budget=1, rheostat=1, support=1)
         return linearize(t, PassContext(tree_cfg=cfg, sampling=SamplingConfig())).linear
@@ -239,10 +238,6 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
 
     Takes a few seconds the first time on a CPU; the cache makes later loads instant.
     """
-    from rheoplan.config import SamplingConfig
-    from rheoplan.decode import plan_and_decode
-    from rheoplan.models import as_draft, as_target
-
     sampling = sampling or SamplingConfig()
     dev = next(model.parameters()).device
     dt = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -271,7 +266,7 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                     lin = chain_linear(prompt[-1], c, n)
                     path = list(range(min(n, tree.depth + 1)))
                     row.append(median_ms(lambda: tgt.forward_tree(lin).prefetch(path), reps=reps, timer=timer))
-                lo_hi.append(tuple(row))
+                lo_hi.append(monotone(row))
     finally:
         if hasattr(tgt, "close"):
             tgt.close()
@@ -296,6 +291,20 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
         cache_write(TIMINGS_CACHE, key, tm.to_dict())
     print(f"cost model: measured latencies ({_describe(tm)})", file=log)
     return tm
+
+
+def monotone(ms: Sequence[float]) -> tuple[float, ...]:
+    """Running maximum of latencies measured at increasing token counts: a forward over
+    more tokens never costs less, so a dip is measurement noise (another process, a cache
+    effect) and must not make the cost model prefer bigger trees.
+
+    Example: [40, 38, 55, 50] -> (40, 40, 55, 55).
+    """
+    out, top = [], float("-inf")
+    for v in ms:
+        top = max(top, float(v))
+        out.append(top)
+    return tuple(out)
 
 
 def _overhead_ms(res) -> float:

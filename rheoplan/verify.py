@@ -1,4 +1,4 @@
-"""Reference verification (RHEOSAMPLING.md §5): the couplings, the walk, acceptance.
+"""Reference verification (docs/method.md §5): the couplings, the walk, acceptance.
 
 Pure torch, probabilities in float64. This module is the ground truth the kernels are
 parity-tested against, and what the exact oracle (``rheoplan.testing``) enumerates.
@@ -65,7 +65,7 @@ def _speculative(p: torch.Tensor, law: torch.Tensor, e: int) -> tuple[float, tor
 
 
 def _ot_proposal(law: torch.Tensor, sup_token: torch.Tensor, K: int, y: int) -> tuple[int, torch.Tensor]:
-    """``E = e(Y)`` and its law ``e~`` for the 'ot' coupling (RHEOSAMPLING.md §5)."""
+    """``E = e(Y)`` and its law ``e~`` for the 'ot' coupling (docs/method.md §5)."""
     A = sup_token[: K - 1]
     rK = int(sup_token[K - 1])
     e = rK if bool((A == y).any()) else y
@@ -179,7 +179,7 @@ class WalkResult:
 def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], sampling: SamplingConfig,
          verifier: str, streams: Streams, step: int, key: int | None = None,
          history: Sequence[int] | None = None, processors: Sequence = ()) -> WalkResult:
-    """Verify tree ``b`` (RHEOSAMPLING.md §5), reading target logits only where the walk goes.
+    """Verify tree ``b`` (docs/method.md §5), reading target logits only where the walk goes.
 
     ``logits_at(i)`` returns the raw target logits ``[V]`` at linear node ``i``; they are
     processed with ``target_probs``; when the law depends on the context (repetition

@@ -1,4 +1,4 @@
-"""Planner bookkeeping kernels for B ragged trees (RHEOSAMPLING.md §3-4): frontier
+"""Planner bookkeeping kernels for B ragged trees (docs/method.md §3-4): frontier
 top-k per depth, global top-N pruning, linearisation (positions, parents, ancestor
 bit-words, first_child / n_children, root-to-leaf paths).
 

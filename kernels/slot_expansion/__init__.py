@@ -1,4 +1,4 @@
-"""Slot expansion of expanded draft nodes (RHEOSAMPLING.md §2-3): draft softmax, top-S
+"""Slot expansion of expanded draft nodes (docs/method.md §2-3): draft softmax, top-S
 ranked support, tail mass, tail law, Gumbel-max draw of the sampled token from injected
 noise, the proxy weight, and the K child slots (DET / SAMPLED / PAD) with their scores.
 

@@ -1,4 +1,4 @@
-"""Verification kernels (RHEOSAMPLING.md §5): the couplings 'onehot', 'rheo' and 'ot'
+"""Verification kernels (docs/method.md §5): the couplings 'onehot', 'rheo' and 'ot'
 with injected randomness (one accept uniform and Gumbel noise over the vocabulary per
 node), and a full-walk variant that verifies whole trees given the target law at every
 linear node (what the GPU runs after one verify forward).

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import sys
 import time
@@ -38,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rheoplan.config import SamplingConfig, TreeConfig
+from rheoplan.costmodel import machine_name
 from rheoplan.decode import plan_and_decode
 from rheoplan.loading import FIXED_TREE, auto_tree, encode_prompt, load_cost_model, load_default, model_dtype
 
@@ -148,11 +150,7 @@ def warm_static_generate(model, tok) -> tuple[float, str | None]:
 def machine_info() -> dict:
     """What the report says about the machine: CPU model, the SIMD/matrix flags that
     matter for these kernels, threads and library versions."""
-    import platform
-
-    import transformers
-
-    from rheoplan.costmodel import machine_name
+    import transformers  # only for its version; the benchmark needs it anyway
 
     flags: list[str] = []
     try:

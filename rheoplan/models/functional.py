@@ -3,7 +3,7 @@
 A ``FunctionalLM`` maps whole contexts (prompt + emitted + drafted path, up to and
 including the token whose next-token distribution is wanted) to logits. Because the
 function sees the whole path, context matters at every depth of a draft tree, which is
-what the exact oracle of RHEOSAMPLING.md §7 needs. ``FunctionalTarget`` and
+what the exact oracle of docs/method.md §7 needs. ``FunctionalTarget`` and
 ``FunctionalDraft`` adapt one to the ``TargetModel`` / ``DraftModel`` interfaces.
 
 Example:

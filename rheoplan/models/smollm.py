@@ -3,9 +3,12 @@
 The package ships the GGUF file but importing it fails (it expects the ``llm`` CLI), so
 the file is located through the import system without executing the package.
 
-Example (about 20 s, so not run as a doctest):
-    >>> model, tok = load_smollm2()          # doctest: +SKIP
-    >>> target = HFTarget(model)             # doctest: +SKIP
+Example (about 20 s: the docstring-example test runs it in the real-model group):
+    >>> from rheoplan.models import HFTarget
+    >>> model, tok = load_smollm2()
+    >>> target = HFTarget(model)
+    >>> target.vocab_size, tok.decode(tok("the sea")["input_ids"])
+    (49152, 'the sea')
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ of two inside; there is no silent fallback to another attention.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -101,8 +102,6 @@ def tree_attention_active(model: torch.nn.Module):
 def check_tree_attention_available(device: torch.device) -> None:
     """Raise a clear error unless the Triton kernel can run for tensors on ``device``:
     CUDA, or the CPU with ``TRITON_INTERPRET=1`` set before Triton was imported."""
-    import os
-
     if device.type == "cuda":
         return
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":

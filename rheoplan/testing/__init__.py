@@ -2,7 +2,7 @@
 
 * ``exact_law(target, draft, prefix, n_tokens, tree=, sampling=)``: the exact law of the
   first ``n_tokens`` tokens of the whole multi-step decode, by enumeration of every
-  draft draw and verifier outcome (RHEOSAMPLING.md §7.1).
+  draft draw and verifier outcome (docs/method.md §7.1).
 * ``target_law(target, prefix, n_tokens, sampling)``: what that law must equal.
 * ``total_variation(a, b)``: compare two laws (``{tokens: probability}``).
 * ``coupling_marginal_error(coupling, p, ...)``: one node; ``exact_law(..., coupling=)``

@@ -1,4 +1,4 @@
-"""The exact oracle (RHEOSAMPLING.md §7.1): the law of the first ``n`` emitted tokens
+"""The exact oracle (docs/method.md §7.1): the law of the first ``n`` emitted tokens
 of the whole multi-step decode, computed by enumeration.
 
 Every source of randomness is branched over with its exact probability:
@@ -38,7 +38,7 @@ from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.distributions import tail_law, target_probs
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.pipeline import PassContext, flatten, lower
-from rheoplan.planner.default import DEFAULT_PIPELINE
+from rheoplan.planner.default import DEFAULT_PIPELINE, cost_pipeline
 from rheoplan.verify import kept_children, node_law, node_y
 
 Law = dict[tuple[int, ...], float]
@@ -309,8 +309,6 @@ def exact_law(target, draft, prefix: Sequence[int], n_tokens: int, *,
     tokens, depth <= 3, frontier <= 2.
     """
     if cost_plan is not None:
-        from rheoplan.planner.default import cost_pipeline
-
         passes = cost_pipeline(cost_plan, passes)
     return ExactOracle(target, draft, tree, sampling, coupling, passes, processors, backend).law(prefix, n_tokens)
 

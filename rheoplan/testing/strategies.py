@@ -23,6 +23,7 @@ import torch
 from hypothesis import strategies as st
 
 from rheoplan.config import PROXIES, VERIFIERS, SamplingConfig, TreeConfig
+from rheoplan.costmodel import N_BUCKETS, N_CLASSES, Calibration, CostPlan, Timings
 from rheoplan.models.functional import STYLES, FunctionalLM, hashed_context_lm
 from rheoplan.mutation import mutation
 from rheoplan.testing.oracle import exact_law, target_law, total_variation
@@ -174,8 +175,6 @@ def cost_plans(draw):
     """A random frozen ``CostPlan``: verify latency from flat to steep in the token count,
     draft and overhead costs from negligible to dear, and a calibration with random counts
     (so decisions range from the full tree to a plain autoregressive step)."""
-    from rheoplan.costmodel import N_BUCKETS, N_CLASSES, Calibration, CostPlan, Timings
-
     base = draw(st.floats(1.0, 20.0))
     slope = draw(st.floats(0.0, 10.0))
     grow = draw(st.floats(0.0, 2.0))

@@ -67,7 +67,7 @@ def f32(x: float) -> float:
 
 
 def naive_eagle(draft: PathDraft, root: int, D: int, k: int, K: int, N: int, temperature: float):
-    """EAGLE-2's dynamic tree written from EAGLE_REFERENCE.md, independently of planner/:
+    """EAGLE-2's dynamic tree written from the EAGLE-2 paper's description, independently of planner/:
     explicit candidate lists, cumulative float32 log-probabilities, ties broken by
     (higher score, shallower, created earlier); every level's top-k expands K children."""
     nodes = [{"parent": -1, "depth": 0, "token": root, "score": 0.0, "path": (root,)}]

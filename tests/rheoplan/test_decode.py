@@ -2,7 +2,7 @@
 statistical losslessness, greedy parity with transformers, KV-cache integrity, EOS and
 truncation inside an accepted path, and the power of the statistical test (mutations).
 
-Statistics (RHEOSAMPLING.md §7.3): each case runs ``plan_and_decode`` once per seed
+Statistics (docs/method.md §7.3): each case runs ``plan_and_decode`` once per seed
 ``SEED0 + r`` for ``r < runs`` and compares the law of the first ``n`` emitted tokens
 with the exact law by Pearson chi-square (``rheoplan.testing.chi_square``, cells pooled
 to >= 5 expected). A case fails when p < ALPHA = 1e-3: a correct implementation fails
@@ -136,7 +136,7 @@ def test_hf_decode_loop_bf16_target_matches_exact_law(mutations, record_property
 # Power: the same test fails for deliberately lossy variants run through the real loop
 # --------------------------------------------------------------------------------------
 
-#: RHEOSAMPLING.md §7.4 (b): exact TV of raw_q_ratio on this case is 0.147 (test_mutation_controls).
+#: docs/method.md §7.4 (b): exact TV of raw_q_ratio on this case is 0.147 (test_mutation_controls).
 RAW_Q_CASE = (4, 0, 50, 1.5, 2, TreeConfig(depth=2, frontier=2, slots=3, budget=4, rheostat=1, support=4,
                                            verifier="rheo"), SamplingConfig(temperature=1.0))
 

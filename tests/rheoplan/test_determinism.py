@@ -1,4 +1,4 @@
-"""Reproducibility of ``plan_and_decode`` from one seed (RHEOSAMPLING.md §5, "Randomness"):
+"""Reproducibility of ``plan_and_decode`` from one seed (docs/method.md §5, "Randomness"):
 same seed -> same tokens (FunctionalLM and HF); different seeds differ; and the numba
 backend (what ``backend='auto'`` picks on the CPU) gives the same tokens as the reference
 passes. ``test_backends.py`` adds the Triton backend."""

@@ -55,3 +55,12 @@ def test_draw_png_leaves_matplotlib_global_state_alone(pruned_tree, tmp_path):
     draw_png(pruned_tree, tmp_path / "t.png")
     assert matplotlib.get_backend() == backend
     assert plt.get_fignums() == figures
+
+
+def test_moved_text_functions_still_import_with_a_warning():
+    from rheoplan import dump, ir_text
+
+    with pytest.warns(DeprecationWarning, match="rheoplan.ir_text.to_text"):
+        assert dump.to_text is ir_text.to_text
+    with pytest.raises(AttributeError):
+        dump.no_such_name

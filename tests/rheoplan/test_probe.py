@@ -110,3 +110,8 @@ def test_measure_timings_on_a_tiny_model_and_cache(cache):
     again = probe.measure_timings(model, draft, [1, 2, 3], tree=tree, ctx=(4, 12), sizes=(1, 2, 4),
                                   reps=1, steps=6, model_id="tiny", log=log)
     assert again == tm and "cached" in log.getvalue()
+
+
+def test_verify_latencies_never_drop_with_more_tokens():
+    assert probe.monotone([40.0, 38.0, 55.0, 50.0]) == (40.0, 40.0, 55.0, 55.0)
+    assert probe.monotone([1.0]) == (1.0,)

@@ -3,7 +3,7 @@ read strictly.
 
 Two layouts are read:
 
-* the reference layout (EAGLE_REFERENCE.md): a flat config (``vocab_size``,
+* the reference layout (that of the EAGLE authors' released EAGLE-3 checkpoints): a flat config (``vocab_size``,
   ``draft_vocab_size``, ``hidden_size``, ...; RoPE in transformers-4 or -5 style) and the
   keys ``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``.
   ``d2t``/``t2d`` may be present with equal vocabularies (the reference code saves them

@@ -65,9 +65,22 @@ class Eagle3Draft(DraftModel):
             ``start``); read on the first ``node_logits`` after ``start``, so target and draft
             may be started in either order. Without it, call ``set_prompt_features``.
 
-    Example:
-        >>> # target = HFTarget(model, capture_layers="eagle3")
-        >>> # draft = Eagle3Draft(head, model.get_input_embeddings(), features_from=target)
+    Example (a tiny random target and head; the shipped head loads with
+    ``load_eagle3_checkpoint``):
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from rheoplan import plan_and_decode, TreeConfig
+        >>> from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...                                      num_hidden_layers=4, num_attention_heads=4,
+        ...                                      num_key_value_heads=2)).eval()
+        >>> head = Eagle3Head(Eagle3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...                                num_attention_heads=4, num_key_value_heads=2))
+        >>> target = HFTarget(model, capture_layers="eagle3")
+        >>> draft = Eagle3Draft(head, model.get_input_embeddings(), features_from=target)
+        >>> r = plan_and_decode(target, draft, [1, 2, 3], max_new_tokens=6, seed=0,
+        ...                     tree=TreeConfig(depth=2, frontier=2, slots=2, budget=4, support=8))
+        >>> len(r.tokens)
+        6
     """
 
     def __init__(self, head: Eagle3Head, target_embed: Any = None,
@@ -318,9 +331,22 @@ def load_eagle3_checkpoint(path: str | os.PathLike, target: Any = None, *,
         dtype: the head's floating dtype.
         device: the head's device (default: the target's).
 
-    Example:
-        >>> # draft = load_eagle3_checkpoint("ckpt/", model)
-        >>> # plan_and_decode(model, draft, prompt_ids)
+    Example (a tiny random target and head, saved and loaded back):
+        >>> import tempfile
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from rheoplan import plan_and_decode, TreeConfig
+        >>> from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...                                      num_hidden_layers=4, num_attention_heads=4,
+        ...                                      num_key_value_heads=2)).eval()
+        >>> ckpt = tempfile.mkdtemp()
+        >>> save_eagle3(Eagle3Head(Eagle3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...                                     num_attention_heads=4, num_key_value_heads=2)), ckpt)
+        >>> draft = load_eagle3_checkpoint(ckpt, model)
+        >>> r = plan_and_decode(model, draft, [1, 2, 3], max_new_tokens=6, seed=0,
+        ...                     tree=TreeConfig(depth=2, frontier=2, slots=2, budget=4, support=8))
+        >>> len(r.tokens)
+        6
     """
     is_model = isinstance(target, nn.Module) and hasattr(target, "get_input_embeddings")
     embed = target.get_input_embeddings() if is_model else target

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft head as a torch module, its config, and the vocabulary-map rule.
 
-The head (EAGLE_REFERENCE.md, "EAGLE-3 draft head"): target features from three layers
+The head, as in the EAGLE authors' released EAGLE-3 code and checkpoints: target features from three layers
 (``3 * H_target``) are fused by ``fc`` to ``H``; one decoder layer (``midlayer``) takes
 ``[input_layernorm(token_embedding), hidden_norm(hidden)]`` (2H) into q/k/v, with the
 hidden as residual, then ``post_attention_layernorm`` and a SwiGLU MLP; logits are
@@ -131,7 +131,7 @@ def read_rope(d: dict) -> tuple[float, dict | None]:
 
 @dataclass
 class Eagle3Config:
-    """The config.json fields an EAGLE-3 head reads (EAGLE_REFERENCE.md).
+    """The config.json fields an EAGLE-3 head reads (those of the released EAGLE-3 checkpoints).
 
     ``draft_vocab_size`` and ``target_hidden_size`` default to ``vocab_size`` and
     ``hidden_size``. ``eagle_aux_hidden_state_layer_ids`` are the target layers whose inputs

@@ -1,4 +1,4 @@
-"""Power (RHEOSAMPLING.md §7.4): each deliberately lossy variant is DETECTED.
+"""Power (docs/method.md §7.4): each deliberately lossy variant is DETECTED.
 
 (a) sampled node scored by its true q + verifier skipping pruned sampled children, and
 (b) raw q(Y) instead of q~(Y) in the ratio and residual, by the exact oracle (TV far

@@ -1,4 +1,4 @@
-"""The exact oracle (RHEOSAMPLING.md §7.1-7.2): the whole multi-step decode's law of the
+"""The exact oracle (docs/method.md §7.1-7.2): the whole multi-step decode's law of the
 first tokens equals the target's, to 1e-9 in total variation, across verifiers, proxies,
 rheostat 0..K, temperatures, top-k/top-p, and random models and trees (hypothesis)."""
 

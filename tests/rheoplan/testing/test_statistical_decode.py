@@ -1,4 +1,4 @@
-"""Statistical end-to-end test of the real sampling path (RHEOSAMPLING.md §7.3-7.5):
+"""Statistical end-to-end test of the real sampling path (docs/method.md §7.3-7.5):
 planner with the Gumbel draft sampler + verify.walk with counter-based streams, over many
 independent runs, against the exact law by Pearson chi-square.
 
