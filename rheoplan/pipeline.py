@@ -26,6 +26,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from rheoplan.backends import check_backend
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.ir import DraftTree
 from rheoplan.ir_text import to_text
@@ -133,8 +134,6 @@ def lower(passes: Sequence, backend: str) -> list:
         >>> [p.fn.__module__ for p in lower(DEFAULT_PIPELINE, "numba")[1:]]
         ['rheoplan.kernels.plan.cpu_pass', 'rheoplan.kernels.plan.cpu_pass']
     """
-    from rheoplan.backends import check_backend
-
     if check_backend(backend) == "auto":
         raise ValueError("backend='auto' must be resolved first (rheoplan.backends.resolve_backend): "
                          "allowed here 'reference', 'numba', 'triton'")

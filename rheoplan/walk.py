@@ -24,8 +24,10 @@ import torch
 from rheoplan.config import SamplingConfig
 from rheoplan.distributions import BROKEN_TARGET, broken_rows, target_probs
 from rheoplan.ir import DraftTree
+from rheoplan.models.base import TreeLogits
 from rheoplan.mutation import active
 from rheoplan.rng import Purpose, Streams
+from rheoplan.verify import walk
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,6 @@ def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, st
     context_free = history is None and not processors
     if backend == "triton" and context_free and not active("raw_q_ratio") and _has_all_logits(fw):
         return _walk_device(tree, fw, sampling, verifier, streams, step)
-    from rheoplan.verify import walk
-
     # the reference walk reads the tree and draws its noise on the host (a device tree of the
     # 'triton' planner comes over in one copy); logits of a GPU target come over per node
     tree = tree.to("cpu")
@@ -88,8 +88,6 @@ def likely_path(tree: DraftTree, b: int = 0) -> list[int]:
 
 
 def _has_all_logits(fw) -> bool:
-    from rheoplan.models.base import TreeLogits
-
     impl = getattr(type(fw), "all_logits", None)
     return impl is not None and impl is not TreeLogits.all_logits
 
