@@ -333,7 +333,9 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             ``'auto'`` (Triton when the target is on a CUDA device, numba on the CPU),
             ``'reference'``, ``'numba'`` or ``'triton'`` (the planner, the noise and the walk
             on the target's device; a CUDA device or ``TRITON_INTERPRET=1``). Every backend
-            emits the same tokens for the same seed.
+            emits the same tokens for the same seed. With ``'triton'`` a transformers model
+            passed as ``target`` also runs its verify forward through the Triton tree-attention
+            kernel; an ``HFTarget`` you built keeps its own ``use_tree_attention`` setting.
 
     Example:
         >>> from rheoplan.models import hashed_context_lm
@@ -375,6 +377,10 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                                   f"vocab={tgt.vocab_size}) = {min(tree.support, tgt.vocab_size)}")
         _check_context(tgt, len(ids), max_new_tokens, tree.budget if drf is not None else None)
         backend = resolve_backend(backend, tgt.device)
+        if backend == "triton" and drf is not None and tgt is not target:
+            # The Triton backend's verify forward runs the tree-attention kernel too. Only on an
+            # adapter built here (closed below); an adapter passed in keeps the caller's choice.
+            tgt.use_tree_attention(True)
         if drf is not None:
             _warm_up(backend)
         state = DecodeState(target=tgt, draft=drf, prompt=ids, max_new_tokens=max_new_tokens,

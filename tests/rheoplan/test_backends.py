@@ -126,3 +126,29 @@ def test_broken_logits_triton(who):
     cfg = TreeConfig(depth=2, frontier=2, slots=2, budget=3, support=8)
     with pytest.raises(ValueError, match=rf"{who} logits contain NaN or \+inf.*{who} model's output is broken"):
         plan_and_decode(tgt, drf, [0, 1], max_new_tokens=3, tree=cfg, seed=0, backend="triton")
+
+
+@pytest.mark.interpreter
+def test_triton_backend_runs_the_tree_attention_kernel_on_a_transformers_target():
+    """A transformers model passed to ``backend='triton'`` verifies through the Triton tree
+    attention (one launch per layer and step); an ``HFTarget`` the caller built keeps its own
+    setting (here off), so the kernel never runs for it."""
+    from rheoplan.models import HFTarget
+    from rheoplan.testing.device import count_triton_launches
+
+    cfg = TreeConfig(depth=2, frontier=2, slots=K, budget=4, rheostat=1, support=16)
+    s = SamplingConfig(temperature=1.0)
+    runs = {}
+    for wrapped in (False, True):
+        tgt, drf = tiny_llama(43, vocab=16, layers=2, head_scale=2.0), tiny_llama(44, vocab=16, head_scale=2.0)
+        target = HFTarget(tgt) if wrapped else tgt
+        decode_mod._warm_up("triton")
+        with count_triton_launches() as n:
+            res = plan_and_decode(target, drf, [0, 1, 2], max_new_tokens=4, tree=cfg, sampling=s, seed=5,
+                                  backend="triton")
+        attn = sum(v for k, v in n.by_kernel.items() if "attention" in k)
+        runs[wrapped] = (res.tokens, attn, len(res.steps))
+    tokens, attn, steps = runs[False]
+    assert attn == 2 * steps  # two layers, one verify forward per step
+    assert runs[True][1] == 0
+    assert runs[True][0] == tokens  # same law, same seed: the kernel only changes float rounding here
