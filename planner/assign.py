@@ -59,12 +59,18 @@ def gumbel_sampler(streams: Streams, step: int) -> SamplerFn:
     return GumbelSampler(streams, step)
 
 
-def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
+def has_sampled_slots(tree: DraftTree, ctx: PassContext) -> bool:
+    """The input check every ``assign`` implementation shares: ``ctx.sampler`` must be set,
+    and with no sampled slot (``rheostat >= slots``, EAGLE's top-K) nothing is drawn."""
     if ctx.sampler is None:
         raise ValueError("assign needs ctx.sampler (e.g. gumbel_sampler(Streams(seed), step))")
-    K, m = tree.slots, tree.rheostat
-    if m >= K:  # no sampled slot: nothing is stochastic
+    return tree.rheostat < tree.slots
+
+
+def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
+    if not has_sampled_slots(tree, ctx):
         return tree
+    K, m = tree.slots, tree.rheostat
     t = tree.clone()
     for b in range(t.batch):
         for row in range(int(t.n_expanded[b])):

@@ -22,6 +22,7 @@ from rheoplan.kernels.noise import numba_uniform
 from rheoplan.kernels.plan.cpu import frontier_rows
 from rheoplan.kernels.slot_expansion.cpu import rank_support_rows
 from rheoplan.pipeline import PassContext
+from rheoplan.planner.assign import has_sampled_slots
 from rheoplan.planner.expand import add_log_weight, check_can_expand, check_draft_logits, proxy_weights
 
 _DET, _SAMPLED, _PAD = int(NodeKind.DET), int(NodeKind.SAMPLED), int(NodeKind.PAD)
@@ -229,11 +230,9 @@ def draw_rows(sampler, sup_q: torch.Tensor, trees: torch.Tensor, nodes: torch.Te
 
 def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
     """``planner.assign.assign`` with batched noise, draws and slot writes."""
-    if ctx.sampler is None:
-        raise ValueError("assign needs ctx.sampler (e.g. gumbel_sampler(Streams(seed), step))")
-    K, m = tree.slots, tree.rheostat
-    if m >= K:
+    if not has_sampled_slots(tree, ctx):
         return tree
+    K, m = tree.slots, tree.rheostat
     cap = tree.batch * tree.exp_node.shape[1]
     bi, ri, nodes, n_tail = (np.empty(cap, dtype=np.int64) for _ in range(4))
     R = _pending_rows(tree.n_expanded.numpy(), tree.y_token.numpy(), tree.exp_node.numpy(),

@@ -27,6 +27,7 @@ from rheoplan.kernels.philox_triton import streams_uniform
 from rheoplan.kernels.plan.triton import frontier_topk
 from rheoplan.kernels.slot_expansion.triton import slot_expansion
 from rheoplan.pipeline import PassContext
+from rheoplan.planner.assign import has_sampled_slots
 from rheoplan.planner.expand import (add_log_weight, check_can_expand, check_draft_logits, frontier_width,
                                      proxy_weights)
 
@@ -100,11 +101,9 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
 
 def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
     """``planner.assign.assign`` on the device, masked to the pending rows."""
-    if ctx.sampler is None:
-        raise ValueError("assign needs ctx.sampler (e.g. gumbel_sampler(Streams(seed), step))")
-    K, m = tree.slots, tree.rheostat
-    if m >= K:
+    if not has_sampled_slots(tree, ctx):
         return tree
+    K, m = tree.slots, tree.rheostat
     B, E, _ = tree.sup_q.shape
     S = tree.sup_width  # every row has S valid support entries (one vocabulary per plan)
     dev = tree.sup_q.device
