@@ -35,6 +35,17 @@ PREFIX = [0, 1]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def _assert_chi_square(res, mutations, record_property) -> None:
+    """A lossless run passes the chi-square at ALPHA (and never emits an impossible
+    sequence); a mutated (lossy) run must be caught at p < 1e-6."""
+    record_property("pvalue", res.pvalue)
+    if mutations:
+        assert res.pvalue < 1e-6, res
+    else:
+        assert res.unexpected == 0, res
+        assert res.pvalue >= ALPHA, res
+
+
 def _sample(target, draft, n, runs, *, tree, sampling, mutations=frozenset(), prefix=PREFIX):
     """``runs`` decodes (seeds SEED0 + r), with the lossy switches ``mutations`` on."""
     with mutation(*mutations):
@@ -124,12 +135,7 @@ def test_hf_decode_loop_bf16_target_matches_exact_law(mutations, record_property
     target = tiny_llama(0, layers=2, dtype=torch.bfloat16)
     law = target_law(hf_as_functional(target), PREFIX, n, s)
     res = chi_square(law, _sample(target, tiny_llama(1), n, runs, tree=cfg, sampling=s, mutations=mutations))
-    record_property("pvalue", res.pvalue)
-    if mutations:
-        assert res.pvalue < 1e-6, res
-    else:
-        assert res.unexpected == 0, res
-        assert res.pvalue >= ALPHA, res
+    _assert_chi_square(res, mutations, record_property)
 
 
 # --------------------------------------------------------------------------------------
@@ -394,12 +400,7 @@ def test_cost_model_decode_loop_matches_target_law(slope, mutations, record_prop
             drafted |= {st.drafted for st in res.steps}
     assert len(sizes) >= 2  # the cost model really chose different trees
     res = chi_square(law, samples)
-    record_property("pvalue", res.pvalue)
-    if mutations:
-        assert res.pvalue < 1e-6, res
-    else:
-        assert res.unexpected == 0, res
-        assert res.pvalue >= ALPHA, res
+    _assert_chi_square(res, mutations, record_property)
 
 
 @pytest.mark.parametrize("slope", [0.0, 0.5, 50.0])

@@ -40,13 +40,19 @@ def test_coupling_rows(verifier, V, S, m, K):
     assert torch.equal(ref, got)
 
 
-def _walk_args(verifier):
-    V = 12
+def _walk_tree(V=12):
+    """The tree the walk tests verify (same seed every call) and the generator, advanced
+    past the draft's bank so callers draw their target logits from it."""
     cfg, sampling = TreeConfig(depth=3, frontier=2, slots=4, budget=8, support=8), SamplingConfig()
     gen = torch.Generator().manual_seed(3)
     bank = torch.randn(64, V, generator=gen)
     draft = lambda t, nodes: bank[(nodes.clamp(min=0) * 7 + t.cur_depth) % 64].expand(nodes.shape[0], -1, -1)
-    tree = plan_tree(draft, [1, 2, 3], tree=cfg, sampling=sampling, seed=5)
+    return plan_tree(draft, [1, 2, 3], tree=cfg, sampling=sampling, seed=5), sampling, gen
+
+
+def _walk_args(verifier):
+    V = 12
+    tree, sampling, gen = _walk_tree(V)
     lin = tree.linear
     B, L = lin.token.shape
     # peaked target logits at each linear node: the walk goes deep
@@ -151,12 +157,7 @@ def test_triton_walk_in_kernel_noise(device, verifier):
 
 def plan_tree_node_ids(args):
     """Creation ids of the linear nodes of the tree _walk_args planned (LinearTree.node)."""
-    V = 12
-    cfg, sampling = TreeConfig(depth=3, frontier=2, slots=4, budget=8, support=8), SamplingConfig()
-    gen = torch.Generator().manual_seed(3)
-    bank = torch.randn(64, V, generator=gen)
-    draft = lambda t, nodes: bank[(nodes.clamp(min=0) * 7 + t.cur_depth) % 64].expand(nodes.shape[0], -1, -1)
-    tree = plan_tree(draft, [1, 2, 3], tree=cfg, sampling=sampling, seed=5)
+    tree = _walk_tree()[0]
     assert torch.equal(tree.linear.token, args[3])
     return tree.linear.node
 
