@@ -189,18 +189,21 @@ def run_jobs(model: torch.nn.Module, tokenizer, jobs: Sequence[Job], directory: 
         del queue[:n]
         return out
 
+    sampler: dict = {}
+
     def progress(extra: str) -> None:
         el = max(time.time() - t_run, 1e-9)
-        rate = run_tok / el
+        rate = sampler.get("drawn", 0) / el  # every sampled token, rows still running included
         per_row = done_tok / max(done_rows, 1)  # what is left, from the mean tokens per row so far
         rows_left = sum(x.expected_rows for x in jobs if not tk.shard_done(directory, x.name))
         eta = rows_left * per_row / max(rate, 1e-9)
         print(f"[generate] {time.strftime('%H:%M:%S')} {extra} | total {done_tok} sampled tokens, {done_rows} rows | "
-              f"run {rate:.1f} tok/s | about {rows_left * per_row / 1e6:.2f} M tokens left, ETA {eta / 3600:.1f} h",
+              f"run {rate:.1f} tok/s ({sampler.get('live', 0)} live rows, cache {sampler.get('width', 0)} columns) | "
+              f"about {rows_left * per_row / 1e6:.2f} M tokens left, ETA {eta / 3600:.1f} h",
               file=log, flush=True)
         last_line[0] = time.time()
 
-    for req, row in tk.sample_refill(model, feed, live_rows=live_rows, eos_id=eos_id):
+    for req, row in tk.sample_refill(model, feed, live_rows=live_rows, eos_id=eos_id, stats=sampler):
         name, r = req.key
         o = open_jobs[name]
         row["prompt_id"] = o["items"][r][0]

@@ -16,7 +16,8 @@ Shard format (one pair of files per shard, in a tokens directory):
   ``prompt_ids`` per row (ids in the prompt plan, ``rheoplan.train.prompts``),
   ``stopped`` per row (True: the row ended with EOS, which is *not* stored), ``temperature``,
   ``seed`` (of this shard's sampler), ``max_new_tokens``, ``dtype`` (of the sampling target),
-  ``wall_s``.
+  ``wall_s`` (sampler time spent on this shard's rows); shards of the refill sampler also
+  ``rng: "row"``, ``row_seeds`` (each row's own stream) and ``live_rows``.
 
 Writes are atomic (temporary file + ``os.replace``; the ``.json`` is written last, so a
 shard exists exactly when its ``.json`` does) and a job skips shards already present, so
@@ -174,7 +175,7 @@ def _draw(logits: torch.Tensor, rows: list[dict]) -> list[int]:
 
 @torch.no_grad()
 def sample_refill(model: torch.nn.Module, feed, *, live_rows: int, eos_id: int, pad_id: int | None = None,
-                  refill_min: int | None = None, prefill_tokens: int = 8192):
+                  refill_min: int | None = None, prefill_tokens: int = 8192, stats: dict | None = None):
     """Sample rows from a transformers causal LM with continuous refill; yields
     ``(request, row)`` as rows finish (in finishing order).
 
@@ -193,6 +194,9 @@ def sample_refill(model: torch.nn.Module, feed, *, live_rows: int, eos_id: int, 
     float rounding. ``row``: ``tokens`` (prompt then sampled tokens, EOS excluded),
     ``prompt_len``, ``stopped`` (sampled EOS), ``wall_s`` (this row's share of the
     forwards it took part in: each forward's time split evenly over its rows).
+
+    ``stats`` (optional dict) is kept up to date for progress lines: ``drawn`` (tokens
+    sampled so far, rows still running included), ``live`` (rows), ``width`` (cache columns).
     """
     if live_rows < 1:
         raise ValueError(f"live_rows={live_rows}: allowed >= 1")
@@ -209,12 +213,15 @@ def sample_refill(model: torch.nn.Module, feed, *, live_rows: int, eos_id: int, 
     pad = eos_id if pad_id is None else pad_id
     batch = _Batch()
     nxt: list[int] = []  # per slot: the token sampled last, fed by the next forward
+    stats = {} if stats is None else stats
+    stats.update(drawn=0, live=0, width=0)
 
     def finished(r: dict, t: int) -> bool:
         if t == eos_id:
             r["stopped"] = True
             return True
         r["gen"].append(t)
+        stats["drawn"] += 1
         return len(r["gen"]) >= r["req"].max_new_tokens
 
     def emit(r: dict):
@@ -261,6 +268,7 @@ def sample_refill(model: torch.nn.Module, feed, *, live_rows: int, eos_id: int, 
                     cache.batch_select_indices(idx)
                     batch.join(cache, attn[idx], pos[idx, -1], [rows[i] for i in keep])
                     nxt += [toks[i] for i in keep]
+        stats.update(live=len(batch), width=int(batch.attn.shape[1]))
         for r in done:
             yield emit(r)
         if len(batch) == 0:
