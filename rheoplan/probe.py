@@ -29,7 +29,7 @@ from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write, remeasure_requested
 from rheoplan.decode import plan_and_decode
 from rheoplan.ir import empty_tree
-from rheoplan.models import as_draft, as_target
+from rheoplan.models import as_draft, as_target, hashed_context_lm
 from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache, output_head
 from rheoplan.models.base import DraftModel
 from rheoplan.models.hf_target import HFTarget
@@ -300,8 +300,6 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
 def batched_decode_unavailable() -> str | None:
     """None when ``plan_and_decode`` decodes a list of prompts into one result per row
     (batched decoding), else why not (tried on a tiny functional model, no real work)."""
-    from rheoplan.models import hashed_context_lm
-
     lm = hashed_context_lm(vocab_size=4, seed=0)
     try:
         out = plan_and_decode(lm, lm, [[0, 1], [1, 2, 3]], max_new_tokens=2, seed=0,
