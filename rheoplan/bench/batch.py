@@ -271,6 +271,9 @@ def plot(rows: list[dict], path: Path) -> Path:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
         ax.set_xscale("log", base=2)
+        sizes = sorted({r["batch_size"] for r in rows})
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.minorticks_off()
         ax.set_xlabel("batch size")
         ax.set_ylabel("tokens/s")
         ax.set_title(f"{d}, T={t}", fontsize=9)
