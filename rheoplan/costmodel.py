@@ -406,13 +406,6 @@ class CostModel:
     timings: Timings
     calibration: Calibration | None = None
 
-    def timings_for(self, batch_size: int) -> Timings:
-        """The latencies a step of a batched decode with ``batch_size`` live rows plans with
-        (the hook a per-batch-size cost model fills in). The cost passes already see every
-        row's tree and price the batch's total verify tokens; this default returns the
-        measured (batch-1) ``timings`` for every batch size."""
-        return self.timings
-
     def fresh_calibration(self) -> Calibration:
         """A decode's own calibration: a copy of the prior (or an empty one)."""
         return Calibration.from_dict(self.calibration.to_dict()) if self.calibration else Calibration()

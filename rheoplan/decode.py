@@ -360,8 +360,8 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
         row's stream id (default ``b``). So a row's tokens do not depend on the other rows:
         ``plan_and_decode(t, d, [p], seed=s, stream_ids=[i])`` gives the tokens of row ``i``
         of a batch with seed ``s`` (same backend, float32 models; a single sequence is
-        stream id 0, so it equals row 0). ``cost_model`` plans each step's trees with
-        ``cost_model.timings_for(batch_size=live rows)``. Backends 'reference' and
+        stream id 0, so it equals row 0). With ``cost_model`` the cost passes decide
+        each step's trees for the whole batch of live rows (``Timings.verify_batch``). Backends 'reference' and
         'numba' ('auto' picks 'numba', whatever the device); 'triton' walks one tree per
         call and is refused for the batch form.
 
@@ -778,15 +778,16 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
     if s.draft is None or (s.cost is not None and s.schedule.skip_next()):
         st.drafted = False
         if s.cost is not None:
-            tm = s.cost.timings_for(batch_size=len(live))
-            st.predicted_tokens, st.predicted_ms = 1.0, tm.ar_step(max(prefix))
+            st.predicted_tokens = 1.0
+            st.predicted_ms = s.cost.timings.ar_step_batch(len(live), max(prefix))
         # trees with no drafted node (autoregressive steps), linearised like ``_root_only``
         t = empty_tree(len(live), 1, 1, 1, torch.tensor(roots), torch.tensor(prefix), s.tree.slots, s.tree.slots)
         return linearize(t, PassContext(tree_cfg=s.tree.with_(budget=1), sampling=SamplingConfig()))
     drf = s.draft
     passes = s.passes
     if s.cost is not None:
-        plan = CostPlan.from_calibration(s.cost.timings_for(batch_size=len(live)), s.calibration)
+        # the cost passes price the whole batch (tree.batch = live rows: Timings.verify_batch)
+        plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
 
         def seen(d, _st=st):
             _st.predicted_tokens, _st.predicted_ms = d.expected, d.predicted_ms

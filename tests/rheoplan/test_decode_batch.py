@@ -156,22 +156,26 @@ def test_callback_gets_row_and_tokens():
     assert len(rs[0].steps) <= len(rs[1].steps)
 
 
-def test_cost_model_hook_receives_the_live_batch_size():
+def test_cost_model_prices_the_live_batch(monkeypatch):
+    """The cost passes see every live row's tree: the batched verify cost is asked with the
+    number of live rows, which falls as rows finish."""
     from rheoplan.costmodel import CostModel, Timings
 
     sizes = []
+    real = Timings.verify_batch
 
-    class Recording(CostModel):
-        def timings_for(self, batch_size):
-            sizes.append(batch_size)
-            return self.timings
+    def recording(self, batch, row_tokens, ctx):
+        sizes.append(batch)
+        return real(self, batch, row_tokens, ctx)
 
+    monkeypatch.setattr(Timings, "verify_batch", recording)
     tm = Timings((1, 64), (1.0, 60.0), (1.2, 70.0), 0, 1000, (1, 64), (0.1, 0.5), 0.05, 0.05)
     tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
     rs = plan_and_decode(tgt, drf, [[0, 1], [2], [3]], max_new_tokens=[2, 12, 6], seed=3, tree=TREE,
-                         cost_model=Recording(tm))
+                         cost_model=CostModel(tm))
     assert [len(r.tokens) for r in rs] == [2, 12, 6]
-    assert sizes[0] == 3 and sizes[-1] == 1 and sorted(sizes, reverse=True) == sizes
+    assert sizes and sizes[0] == 3 and min(sizes) == 1 and sorted(sizes, reverse=True) == sizes
+    assert all(st.predicted_tokens is not None for r in rs for st in r.steps)
 
 
 # --------------------------------------------------------------------------------------
