@@ -295,6 +295,7 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                     callback=None, logits_processors=None,
                     cost_model: CostModel | None = None, backend: str = "auto",
                     attention_mask=None, stream_ids: Sequence[int] | None = None,
+                    max_batch_size: int | None = None,
                     ) -> DecodeResult | list[DecodeResult]:
     """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``, losslessly.
 
@@ -339,6 +340,9 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
         attention_mask: with a padded ``[B, n]`` tensor ``prompt_ids``: 1 at the tokens of
             each row, 0 at its padding (left or right, as transformers tokenizers make it).
         stream_ids: batched decoding only: the stream id of each row (default ``0 .. B-1``).
+        max_batch_size: batched decoding only: at most this many rows decode at once; the
+            other prompts wait and join, in order, as rows finish (continuous batching).
+            Default: every prompt at once.
         backend: which implementation plans and verifies (``rheoplan.backends``):
             ``'auto'`` (Triton when the target is on a CUDA device, numba on the CPU),
             ``'reference'``, ``'numba'`` or ``'triton'`` (the planner, the noise and the walk
@@ -383,6 +387,11 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
         if stream_ids is not None:
             raise ValueError("stream_ids is set but prompt_ids is one sequence: allowed stream_ids "
                              "only for a batch (pass [prompt] to decode one row with its own stream id)")
+        if max_batch_size is not None:
+            raise ValueError("max_batch_size is set but prompt_ids is one sequence: allowed "
+                             "max_batch_size only for a batch (a list of prompts)")
+    elif max_batch_size is not None:
+        _check_int("max_batch_size", max_batch_size, 1)
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling={sampling!r} is a {type(sampling).__name__}: allowed a SamplingConfig")
     if not isinstance(tree, TreeConfig):
@@ -427,14 +436,16 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                                  "or 'numba' for batched decoding")
             # 'auto' plans a batch with numba on the host (the Triton walk takes one tree)
             backend = "numba" if backend == "auto" else backend
-            _check_memory(tgt, prompts, limits, budget)
+            max_batch = len(prompts) if max_batch_size is None else min(max_batch_size, len(prompts))
+            _check_memory(tgt, prompts, limits, budget, max_batch)
             if drf is not None:
                 _warm_up(backend)
             state = BatchState(target=tgt, draft=drf, prompts=prompts, limits=limits, keys=keys,
                                sampling=sampling, tree=tree, seed=seed, eos=frozenset(eos), passes=passes,
                                backend=backend, dump_ir=None if dump_ir is None else Path(dump_ir),
                                dump_steps=dump_steps, progress=progress, callback=callback,
-                               processors=processors, cost=cost_model if drf is not None else None)
+                               processors=processors, cost=cost_model if drf is not None else None,
+                               max_batch=max_batch)
             return _decode_rows(state)
         _check_context(tgt, len(ids), max_new_tokens, budget)
         backend = resolve_backend(backend, tgt.device)
@@ -697,20 +708,23 @@ def _free_memory(device) -> int | None:
     return None
 
 
-def _check_memory(tgt: TargetModel, prompts: list[list[int]], limits: list[int], budget: int | None) -> None:
+def _check_memory(tgt: TargetModel, prompts: list[list[int]], limits: list[int], budget: int | None,
+                  max_batch: int) -> None:
     """Refuse a batch whose estimated memory (``TargetModel.memory_estimate``: KV cache of
     the padded batch with room for holes, one verify forward's activations) exceeds what
     the target's device has free, before any model work."""
     tree_len = 1 + (budget or 0)
     # widest row: prompt + new tokens + one tree; holes may double it before a compaction
     width = 2 * max(len(p) + n for p, n in zip(prompts, limits)) + tree_len
-    need = tgt.memory_estimate(len(prompts), width, tree_len)
+    need = tgt.memory_estimate(max_batch, width, tree_len)
     if need is None:
         return
     free = _free_memory(tgt.device)
     if free is not None and need > free:
-        per_row = max(1, need // len(prompts))
-        raise ValueError(f"prompt_ids has {len(prompts)} rows: the batch needs about {need / 2**30:.2f} GiB "
+        per_row = max(1, need // max_batch)
+        what = (f"prompt_ids has {len(prompts)} rows" if max_batch == len(prompts) else
+                f"max_batch_size={max_batch}")
+        raise ValueError(f"{what}: the batch needs about {need / 2**30:.2f} GiB "
                          f"(KV cache + activations, estimated from the model config) but "
                          f"{free / 2**30:.2f} GiB are free on {tgt.device or 'cpu'}: allowed at most "
                          f"{free // per_row} rows at these prompt lengths and max_new_tokens")
@@ -724,6 +738,7 @@ class _Row:
     prompt: list[int]
     limit: int  #: max_new_tokens of this row
     key: int  #: stream id
+    step: int = 0  #: this row's own steps so far (the ``step`` word of its counters)
     root: int = field(init=False)
     prefix_len: int = field(init=False)
     result: DecodeResult = field(default_factory=lambda: DecodeResult(tokens=[]))
@@ -759,13 +774,16 @@ class BatchState:
     cost: CostModel | None = None
     calibration: Calibration | None = None
     schedule: DraftSchedule = field(default_factory=DraftSchedule)
+    max_batch: int | None = None  #: rows decoding at once (None: all); the others wait
     streams: Streams = field(init=False)
     rows: list[_Row] = field(init=False)  #: every row, in the caller's order
-    step: int = 0
+    step: int = 0  #: batch steps so far (names dumped IR; each row counts its own steps)
 
     def __post_init__(self) -> None:
         self.streams = Streams(self.seed)
         self.rows = [_Row(i, p, n, k) for i, (p, n, k) in enumerate(zip(self.prompts, self.limits, self.keys))]
+        if self.max_batch is None:
+            self.max_batch = len(self.rows)
         if self.cost is not None and self.calibration is None:
             self.calibration = self.cost.fresh_calibration()
 
@@ -775,6 +793,7 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
     roots = [r.root for r in live]
     prefix = [r.prefix_len for r in live]
     keys = [r.key for r in live]
+    steps = [r.step for r in live]
     if s.draft is None or (s.cost is not None and s.schedule.skip_next()):
         st.drafted = False
         if s.cost is not None:
@@ -815,18 +834,24 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
     if s.dump_ir is not None and (s.dump_steps is None or s.step in s.dump_steps):
         instruments.append(DumpIR(s.dump_ir))
     return plan_tree(draft_fn, roots, tree=s.tree, sampling=s.sampling, prefix_len=prefix, seed=s.seed,
-                     step=s.step, passes=passes, instruments=instruments, backend=s.backend, stream_keys=keys)
+                     step=steps, passes=passes, instruments=instruments, backend=s.backend, stream_keys=keys)
+
+
+def _start_rows(s: BatchState, rows: list[_Row]) -> None:
+    """Start a batch of ``rows`` on both models (prefill; the draft takes the prompt features)."""
+    s.target.start_rows([r.prompt for r in rows])
+    if s.draft is not None:
+        s.draft.start_rows([r.prompt for r in rows])
+        s.draft.take_prompt_features_rows(s.target)
 
 
 def _decode_rows(s: BatchState) -> list[DecodeResult]:
     tgt, drf = s.target, s.draft
     bar = tqdm(total=sum(s.limits), unit="tok", desc="decode") if s.progress else None
     t_start = time.perf_counter()
-    live = list(s.rows)
-    tgt.start_rows([r.prompt for r in live])
-    if drf is not None:
-        drf.start_rows([r.prompt for r in live])
-        drf.take_prompt_features_rows(tgt)
+    live = list(s.rows[:s.max_batch])
+    waiting = list(s.rows[s.max_batch:])  # join in order as rows finish
+    _start_rows(s, live)
     while live:
         st0 = StepStats(0, 0, 0, 0, 0)
         t0 = time.perf_counter()
@@ -838,7 +863,7 @@ def _decode_rows(s: BatchState) -> list[DecodeResult]:
         walks, stops, stats = [], [], []
         for b, row in enumerate(live):
             ctx = row.prompt + row.result.tokens if (s.sampling.needs_context or s.processors) else None
-            res = verify_tree(t, fws[b], s.sampling, s.tree.verifier, s.streams, s.step, s.backend,
+            res = verify_tree(t, fws[b], s.sampling, s.tree.verifier, s.streams, row.step, s.backend,
                               history=ctx, processors=s.processors, b=b, key=row.key)
             emitted = list(res.emitted)[: row.remaining]
             stop = None
@@ -887,8 +912,20 @@ def _decode_rows(s: BatchState) -> list[DecodeResult]:
             else:
                 row.root = walks[b].emitted[-1]
                 row.prefix_len += len(walks[b].path)
+                row.step += 1
         live = [live[b] for b in going]
         s.step += 1
+        if waiting and len(live) < s.max_batch:
+            # continuous batching: waiting prompts take the free rows, after the live ones
+            new, waiting = waiting[:s.max_batch - len(live)], waiting[s.max_batch - len(live):]
+            if live:
+                tgt.add_rows([r.prompt for r in new])
+                if drf is not None:
+                    drf.add_rows([r.prompt for r in new])
+                    drf.take_prompt_features_rows(tgt, list(range(len(live), len(live) + len(new))))
+            else:
+                _start_rows(s, new)
+            live += new
     if bar is not None:
         bar.close()
     return [r.result for r in s.rows]

@@ -25,10 +25,12 @@ Batched decoding (``plan_and_decode`` with several prompts) talks to the ``*_row
 methods instead: ``start_rows(prompts)``, per depth ``draft.node_logits_rows(tree,
 nodes)`` (one call for every row; ``tree`` holds B trees, row ``b`` is tree ``b``),
 ``target.forward_trees(linear)`` (one verify forward for all rows, one ``TreeLogits`` per
-row back), ``commit_rows`` and ``keep_rows(rows)`` (rows that finished leave the batch).
+row back), ``commit_rows``, ``keep_rows(rows)`` (rows that finished leave the batch) and
+``add_rows(prompts)`` (waiting prompts join it).
 Their defaults run a shallow copy of the adapter per row through the batch-1 methods
 (B calls, correct for any adapter whose ``start`` resets all its state); ``HFTarget``,
-``HFDraft`` and ``FunctionalDraft`` override them with one call for the whole batch.
+``HFDraft``, ``Eagle3Draft`` and ``FunctionalDraft`` override them with one call for the
+whole batch.
 """
 
 from __future__ import annotations
@@ -121,6 +123,15 @@ class TargetModel(ABC):
         have = self._rows_started("keep_rows")
         self._row_adapters = [have[r] for r in rows]
 
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        """Rows joining the batch between steps (continuous batching), after the current ones."""
+        have = self._rows_started("add_rows")
+        new = [copy.copy(self) for _ in prompts]
+        for row, ids in zip(new, prompts):
+            row._row_adapters = None
+            row.start(ids)
+        self._row_adapters = have + new
+
     def prompt_features_rows_for(self, model: Any) -> list[torch.Tensor | None]:
         """``prompt_features_for(model)`` of every row (default: each row adapter's)."""
         return [r.prompt_features_for(model) for r in self._rows_started("prompt_features_rows_for")]
@@ -189,15 +200,16 @@ class DraftModel(ABC):
             row._row_adapters = None
             row.start(ids)
 
-    def take_prompt_features_rows(self, target: TargetModel) -> None:
-        """``take_prompt_features`` for every row, from the batched ``target``. Default: each
-        row copy takes its row's features; nothing for an adapter with its own ``start_rows``."""
-        rows = getattr(self, "_row_adapters", None)
-        if rows is None:
+    def take_prompt_features_rows(self, target: TargetModel, rows: list[int] | None = None) -> None:
+        """``take_prompt_features`` for rows ``rows`` (default: every row), from the batched
+        ``target``. Default: each row copy takes its row's features; nothing for an adapter
+        with its own ``start_rows``."""
+        have = getattr(self, "_row_adapters", None)
+        if have is None:
             return
         feats = target.prompt_features_rows_for(getattr(self, "features_from", None))
-        for row, f in zip(rows, feats):
-            row.take_prompt_features(_Features(f))
+        for b in range(len(have)) if rows is None else rows:
+            have[b].take_prompt_features(_Features(feats[b]))
 
     def node_logits_rows(self, tree: DraftTree, nodes: list[list[int]]) -> list[torch.Tensor]:
         """Draft logits ``[len(nodes[b]), V]`` at nodes ``nodes[b]`` of tree ``b``, for every
@@ -220,6 +232,15 @@ class DraftModel(ABC):
         """Keep only rows ``rows`` (in that order); the others leave the batch."""
         have = self._rows_started("keep_rows")
         self._row_adapters = [have[r] for r in rows]
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        """Rows joining the batch between steps (continuous batching), after the current ones."""
+        have = self._rows_started("add_rows")
+        new = [copy.copy(self) for _ in prompts]
+        for row, ids in zip(new, prompts):
+            row._row_adapters = None
+            row.start(ids)
+        self._row_adapters = have + new
 
     def _rows_started(self, what: str) -> list["DraftModel"]:
         rows = getattr(self, "_row_adapters", None)

@@ -141,6 +141,18 @@ class HFDraft(DraftModel):
         self._r_slot: list[dict[int, int]] = [{} for _ in ids]  #: node -> cache column, this step
         self._r_logits: list[dict[int, torch.Tensor]] = [{} for _ in ids]
 
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        """Rows joining the batch (between steps), appended after the current rows; their
+        prompts run lazily with their first roots."""
+        rc = self._row_started("add_rows")
+        ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
+        rc.extend(RowCache(self.model, len(ids), self.device))
+        self._r_cached += [0] * len(ids)
+        self._r_pending += [p[:-1] for p in ids]
+        self._r_root += [p[-1] for p in ids]
+        self._r_slot += [{} for _ in ids]
+        self._r_logits += [{} for _ in ids]
+
     def _row_started(self, what: str) -> RowCache:
         rows = getattr(self, "_rows", None)
         if rows is None:

@@ -284,25 +284,42 @@ class HFTarget(TargetModel):
 
     # -- batched decoding: one forward for every row (rheoplan.models.row_cache) ------------
 
-    @torch.no_grad()
     def start_rows(self, prompts: list[list[int]]) -> None:
         """Prefill every row's prompt but its last token in one forward (left padding:
         the shorter prompts' first columns are holes)."""
         ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
-        B = len(ids)
         self.cache = None  # the batch-1 state is not used in batch mode
         self._tree = None
-        self._rows = RowCache(self.model, B, self.device)
-        self._row_prefix = [len(p) - 1 for p in ids]
         self._row_tree: LinearTree | None = None
         self._row_tree_start = 0  #: the cache column where the last verified trees start
-        n = max(self._row_prefix)
-        self._row_prompt_features = None
+        self._rows, self._row_prefix, self._row_prompt_features = self._prefill_rows(ids)
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        """Rows joining the batch (after ``commit_rows`` / ``keep_rows``): their prompts are
+        prefilled in one forward of their own, then appended after the current rows."""
+        if getattr(self, "_rows", None) is None:
+            raise RuntimeError("add_rows() called before start_rows()")
+        if self._row_tree is not None:
+            raise RuntimeError("add_rows() called between forward_trees() and commit_rows()")
+        ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
+        rc, prefix, feats = self._prefill_rows(ids)
+        self._rows.extend(rc)
+        self._row_prefix += prefix
+        if self._row_prompt_features is not None and feats is not None:
+            self._row_prompt_features += feats
+
+    @torch.no_grad()
+    def _prefill_rows(self, ids: list[list[int]]):
+        B = len(ids)
+        rc = RowCache(self.model, B, self.device)
+        prefix = [len(p) - 1 for p in ids]
+        n = max(prefix)
+        feats = None
         if n == 0:
             if self._capture is not None:
                 width = len(self.capture_layers) * self.base.config.hidden_size
-                self._row_prompt_features = [torch.zeros(0, width, device=self.device) for _ in ids]
-            return
+                feats = [torch.zeros(0, width, device=self.device) for _ in ids]
+            return rc, prefix, feats
         tok = torch.zeros(B, n, dtype=torch.int64)
         pos = torch.zeros(B, n, dtype=torch.int64)
         real = torch.zeros(B, n, dtype=torch.bool)
@@ -314,11 +331,12 @@ class HFTarget(TargetModel):
         causal = torch.ones(n, n, dtype=torch.bool).tril()
         # a padding query sees only itself (a fully masked row would be NaN in some kernels)
         block = (causal[None] & real[:, None, :]) | (torch.eye(n, dtype=torch.bool)[None] & ~real[:, :, None])
-        self._rows.forward(self.base, tok, pos, block)
-        self._rows.keep([list(range(n - k, n)) for k in self._row_prefix])
+        rc.forward(self.base, tok, pos, block)
+        rc.keep([list(range(n - k, n)) for k in prefix])
         if self._capture is not None:
             f = self._capture.take_rows()
-            self._row_prompt_features = [f[b, n - k:] for b, k in enumerate(self._row_prefix)]
+            feats = [f[b, n - k:] for b, k in enumerate(prefix)]
+        return rc, prefix, feats
 
     def prompt_features_rows_for(self, model) -> list[torch.Tensor | None]:
         """Per row, what ``prompt_features_for`` gives in batch 1."""

@@ -121,6 +121,28 @@ class RowCache:
             setattr(holder, v, vals.gather(2, idx))
         self.valid = torch.arange(n, device=self.device)[None, :] < lengths[:, None]
 
+    def extend(self, other: "RowCache") -> None:
+        """Append ``other``'s rows after this cache's (rows joining a running batch): the
+        narrower cache gets hole columns on the right, then the two are stacked."""
+        W = max(self.width, other.width)
+        for (h1, k, v), (h2, _, _) in zip(_layer_tensors(self.cache), _layer_tensors(other.cache)):
+            a, b = _kv(h1, k, v), _kv(h2, k, v)
+            if a is None and b is None:
+                continue
+            ref = a if a is not None else b
+            a = a if a is not None else _zeros(ref, self.batch)
+            b = b if b is not None else _zeros(ref, other.batch)
+            keys = torch.cat([_pad(a[0], W), _pad(b[0], W)], dim=0)
+            vals = torch.cat([_pad(a[1], W), _pad(b[1], W)], dim=0)
+            setattr(h1, k, keys)
+            setattr(h1, v, vals)
+            if hasattr(h1, "is_initialized"):
+                h1.is_initialized = True
+                h1.device = keys.device
+        pad = lambda m: torch.cat([m, torch.zeros(m.shape[0], W - m.shape[1], dtype=torch.bool,  # noqa: E731
+                                                 device=self.device)], dim=1)
+        self.valid = torch.cat([pad(self.valid), pad(other.valid.to(self.device))], dim=0)
+
     def select(self, rows: list[int]) -> None:
         """Keep only rows ``rows`` (in that order), then ``maybe_compact``."""
         idx = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
@@ -132,3 +154,23 @@ class RowCache:
             setattr(holder, v, getattr(holder, v).index_select(0, idx.to(keys.device)))
         self.valid = self.valid.index_select(0, idx)
         self.maybe_compact()
+
+
+def _kv(holder, k: str, v: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    keys = getattr(holder, k, None)
+    if keys is None or keys.numel() == 0:
+        return None
+    return keys, getattr(holder, v)
+
+
+def _zeros(ref: tuple[torch.Tensor, torch.Tensor], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Width-0 keys and values of ``batch`` rows shaped like ``ref``'s."""
+    k, v = ref
+    return (k.new_zeros(batch, k.shape[1], 0, k.shape[3]), v.new_zeros(batch, v.shape[1], 0, v.shape[3]))
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x [B, H, S, D]`` with hole columns (zeros) appended up to ``width``."""
+    if x.shape[2] == width:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], x.shape[1], width - x.shape[2], x.shape[3])], dim=2)

@@ -7,6 +7,8 @@
   with the rows' joint law the product of their laws; a tiny transformers Llama at batch 4
   with different prompt lengths and EOS in some rows), and the mutation controls
   ``batch_shift_rows`` / ``batch_keep_first_rows`` (``rheoplan.mutation``) are caught;
+* continuous batching (``max_batch_size``): rows joining a running batch still equal their
+  batch of one;
 * bad input: a clear error naming the parameter and the row, before any model work.
 
 Chi-square verdicts as in test_decode.py (ALPHA per case; Bonferroni over the rows).
@@ -130,6 +132,58 @@ def test_sampled_rows_equal_batch_of_one_hf(llamas, draft_kind):
     kw = dict(sampling=SamplingConfig(), tree=TREE_HF, seed=11, eos_token_id=5)
     rs = plan_and_decode(target, drf, PROMPTS, max_new_tokens=LIMITS, **kw)
     assert [r.tokens for r in rs] == _rows_alone(target, drf, PROMPTS, LIMITS, **kw)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_continuous_batching_rows_equal_batch_of_one_functional(backend):
+    """max_batch_size=2 over 6 prompts: waiting prompts join as rows finish (at different
+    steps of the others' decodes); each row still draws from its own stream, counting its
+    own steps, so it equals its batch of one."""
+    tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
+    prompts, limits = [[0, 1], [2, 3, 4], [5], [1, 1], [3], [4, 4, 4]], [5, 12, 3, 7, 2, 9]
+    kw = dict(seed=3, tree=TREE, backend=backend, eos_token_id=4)
+    seen: list[int] = []
+    rs = plan_and_decode(tgt, drf, prompts, max_new_tokens=limits, max_batch_size=2,
+                         callback=lambda row, toks: seen.append(row), **kw)
+    assert [r.tokens for r in rs] == _rows_alone(tgt, drf, prompts, limits, **kw)
+    assert seen.index(5) > seen.index(1)  # the last prompt waited
+
+
+@pytest.mark.parametrize("draft_kind", ["llama", "eagle3"])
+def test_continuous_batching_rows_equal_batch_of_one_hf(llamas, draft_kind):
+    """Rows joining a running batch (prefilled on their own, appended to the batched caches)."""
+    target, draft = llamas
+    drf = draft if draft_kind == "llama" else _eagle3(target)
+    prompts, limits = PROMPTS + [[4], [5, 6, 7]], LIMITS + [3, 8]
+    kw = dict(sampling=SamplingConfig(), tree=TREE_HF, seed=11, eos_token_id=5)
+    rs = plan_and_decode(target, drf, prompts, max_new_tokens=limits, max_batch_size=3, **kw)
+    assert [r.tokens for r in rs] == _rows_alone(target, drf, prompts, limits, **kw)
+    greedy = plan_and_decode(target, drf, prompts, max_new_tokens=limits, max_batch_size=2, sampling=GREEDY,
+                             tree=TREE_HF, seed=0)
+    assert [r.tokens for r in greedy] == [greedy_reference(target, p, n) for p, n in zip(prompts, limits)]
+
+
+def test_batched_eagle3_equals_its_batch_1_code_row_by_row(llamas):
+    """``Eagle3Draft``'s batched methods (one flat head call per depth for every row) give the
+    tokens of the default row-by-row methods, which run its batch-1 code on a copy per row."""
+    from rheoplan.models.base import DraftModel
+    from rheoplan.models.eagle3 import Eagle3Draft
+
+    class RowCopies(Eagle3Draft):
+        start_rows, add_rows, keep_rows = DraftModel.start_rows, DraftModel.add_rows, DraftModel.keep_rows
+        commit_rows, node_logits_rows = DraftModel.commit_rows, DraftModel.node_logits_rows
+        take_prompt_features_rows = DraftModel.take_prompt_features_rows
+
+    target, _ = llamas
+    batched = _eagle3(target)
+    copies = RowCopies(batched.head, target.get_input_embeddings(), features_from=target)
+    prompts, limits = PROMPTS + [[4], [5, 6, 7]], [30, 40, 12, 25, 5, 16]
+    for max_batch in (None, 2):
+        kw = dict(max_new_tokens=limits, seed=4, tree=TREE_HF, max_batch_size=max_batch)
+        a = plan_and_decode(target, batched, prompts, **kw)
+        b = plan_and_decode(target, copies, prompts, **kw)
+        assert [r.tokens for r in a] == [r.tokens for r in b]
+        assert [r.mean_accepted_length for r in a] == [r.mean_accepted_length for r in b]
 
 
 def test_padded_tensor_with_attention_mask_equals_lists(llamas):
@@ -291,6 +345,8 @@ def test_batch_shift_rows_breaks_greedy_parity(llamas):
     ([0, 1], {"stream_ids": [3]}, ValueError, r"stream_ids .*one sequence"),
     ([[0, 1], [2, "a"]], {}, TypeError, r"row 1"),
     ([[0, 1], [2]], {"backend": "triton"}, ValueError, r"backend='triton'"),
+    ([[0, 1], [2]], {"max_batch_size": 0}, ValueError, r"max_batch_size=0 is out of range"),
+    ([0, 1], {"max_batch_size": 2}, ValueError, r"max_batch_size .*one sequence"),
 ])
 def test_bad_batch_input_is_refused_before_any_model_work(prompts, kw, err, match):
     calls = []
@@ -313,6 +369,9 @@ def test_batch_larger_than_memory_is_refused_before_any_model_work(llamas, monke
         monkeypatch.setattr(decode, "_free_memory", lambda device: 64 * 1024)  # 64 KiB free
         with pytest.raises(ValueError, match=r"prompt_ids has 4 rows: the batch needs about .* GiB"):
             plan_and_decode(target, draft, PROMPTS, max_new_tokens=8, tree=TREE_HF, seed=0)
+        assert calls == []
+        with pytest.raises(ValueError, match=r"max_batch_size=2: the batch needs about"):
+            plan_and_decode(target, draft, PROMPTS, max_new_tokens=8, tree=TREE_HF, seed=0, max_batch_size=2)
         assert calls == []
         monkeypatch.setattr(decode, "_free_memory", lambda device: 1 << 40)
         plan_and_decode(target, None, PROMPTS, max_new_tokens=1, seed=0)
