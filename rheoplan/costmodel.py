@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import time
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -202,6 +203,128 @@ class Timings:
         if "batch_verify" in known:
             known["batch_verify"] = tuple(tuple(r) for r in known["batch_verify"])
         return cls(**known)
+
+
+# -- the verify walk's output projections ----------------------------------------------------
+
+#: rows measured for ``ProjectionTimings`` (one output projection of k final hidden states)
+PROJECTION_SIZES = (1, 2, 4, 8, 16, 32, 64)
+PROJECTION_CACHE = "projection.json"
+
+
+@dataclass(frozen=True)
+class ProjectionTimings:
+    """``c_p(k)``: one output projection (lm_head) of ``k`` rows, in ms, measured on this
+    machine (``measure_projection``). It decides how the CPU walk gets its logits
+    (``project_all``): the projection is memory-bound on a CPU (each call reads the whole
+    lm_head), so projecting every row of a tree at once costs little more than one row.
+
+    Example (bfloat16 SmolLM2 on a 2-core EPYC: one row 4.3 ms, nine rows 5.5 ms):
+        >>> pt = ProjectionTimings((1, 8, 16), (4.3, 5.4, 6.6))
+        >>> pt.project_all(9, 5)   # 5.55 <= c_p(5) + c_p(1) = 5.0 + 4.3
+        True
+        >>> pt.project_all(5, 5)   # the likely path is the whole tree: same rows either way
+        False
+    """
+
+    sizes: tuple[int, ...]  #: rows k measured, increasing, from 1
+    ms: tuple[float, ...]  #: c_p(k)
+
+    def __post_init__(self) -> None:
+        if not self.sizes or len(self.sizes) != len(self.ms):
+            raise ValueError("ProjectionTimings: sizes and ms must be non-empty and of equal length")
+        if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"ProjectionTimings: sizes={self.sizes} must be increasing ints >= 1")
+        if any(not (v >= 0 and math.isfinite(v)) for v in self.ms):
+            raise ValueError("ProjectionTimings: every latency must be finite and >= 0 ms")
+
+    def cost(self, k: int) -> float:
+        """``c_p(k)`` in ms, interpolated between the measured sizes."""
+        return max(_interp(self.sizes, self.ms, k), 1e-6)
+
+    def project_all(self, n: int, path_len: int) -> bool:
+        """Whether the walk over a tree of ``n`` linear nodes should project all ``n`` rows in
+        one call rather than the likely path's ``path_len`` rows (``rheoplan.walk.likely_path``)
+        and then, node by node, the ones it visits off that path.
+
+        The lazy side is costed at ``c_p(path_len) + c_p(1)``: the path in one batch plus one
+        single-row projection, the least it pays whenever the walk leaves the likely path
+        (most tree steps at the acceptance rates measured in docs/results.md). With
+        ``n <= path_len`` both project the same rows, and the lazy call is kept.
+        """
+        if n <= path_len:
+            return False
+        return self.cost(n) <= self.cost(path_len) + self.cost(1)
+
+    def to_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "ms": list(self.ms)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ProjectionTimings":
+        return cls(tuple(int(k) for k in d["sizes"]), tuple(float(v) for v in d["ms"]))
+
+
+def measure_projection(project: Callable[[torch.Tensor], object], width: int, *,
+                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                       sizes: Sequence[int] = PROJECTION_SIZES, reps: int = 3,
+                       timer: Callable[[], float] = time.perf_counter) -> ProjectionTimings:
+    """Time ``project(hidden [k, width])`` for every ``k`` in ``sizes`` (median of ``reps``
+    after one warm-up, sizes timed round-robin so a machine slowing down slows all alike)."""
+    if reps < 1:
+        raise ValueError(f"reps={reps} is out of range: allowed >= 1")
+    dev = torch.device(device)
+    rows = {k: torch.randn(k, width, generator=torch.Generator().manual_seed(k)).to(dev, dtype) for k in sizes}
+
+    def run(k: int) -> None:
+        project(rows[k])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    samples: dict[int, list[float]] = {k: [] for k in sizes}
+    with torch.no_grad():
+        for k in sizes:
+            run(k)
+        for _ in range(reps):
+            for k in sizes:
+                t0 = timer()
+                run(k)
+                samples[k].append(1e3 * (timer() - t0))
+    ms = [sorted(v)[len(v) // 2] for v in (samples[k] for k in sizes)]
+    for i in range(1, len(ms)):  # more rows never cost less: a dip is noise
+        ms[i] = max(ms[i], ms[i - 1])
+    return ProjectionTimings(tuple(sizes), tuple(ms))
+
+
+#: process-wide memo of ``projection_timings``: measured once per process and shape
+_PROJECTION: dict[str, ProjectionTimings] = {}
+
+
+def projection_timings(project: Callable[[torch.Tensor], object], vocab: int, width: int, *,
+                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> ProjectionTimings:
+    """``measure_projection`` for a ``[vocab, width]`` output projection, once per process
+    and cached on disk (``cache_dir()/projection.json``, per machine, torch version,
+    threads, shape, dtype); ``RHEOPLAN_REMEASURE=1`` measures again. About a tenth of a
+    second for SmolLM2's 49152 x 576 head, the first time on a machine."""
+    key = cache_key("projection", f"lm_head {vocab}x{width}", device, dtype=str(dtype).removeprefix("torch."))
+    pt = _PROJECTION.get(key)
+    if pt is not None:
+        return pt
+    rec = cache_read(PROJECTION_CACHE, key) if not remeasure_requested() else None
+    if rec is not None:
+        try:
+            pt = ProjectionTimings.from_dict(rec)
+        except (KeyError, TypeError, ValueError):
+            pt = None  # a stale record: measure again
+    if pt is None:
+        pt = measure_projection(project, width, device=device, dtype=dtype)
+        cache_write(PROJECTION_CACHE, key, pt.to_dict())
+    _PROJECTION[key] = pt
+    return pt
+
+
+def remeasure_requested() -> bool:
+    """``RHEOPLAN_REMEASURE`` is set (not '' or '0'): measure again, overwrite the caches."""
+    return os.environ.get("RHEOPLAN_REMEASURE", "") not in ("", "0")
 
 
 # -- calibration ---------------------------------------------------------------------------

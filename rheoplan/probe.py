@@ -18,7 +18,6 @@ Example (needs a model, so not run as a doctest):
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write
+from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write, remeasure_requested
 from rheoplan.decode import plan_and_decode
 from rheoplan.ir import empty_tree
 from rheoplan.models import as_draft, as_target
@@ -54,7 +53,7 @@ Timer = Callable[[], float]
 
 def _read_cache() -> bool:
     """False when ``RHEOPLAN_REMEASURE`` is set: measure again (and overwrite the cache)."""
-    return os.environ.get("RHEOPLAN_REMEASURE", "") in ("", "0")
+    return not remeasure_requested()
 
 
 def median_ms(fn: Callable[[], object], *, reps: int, warmup: int = 1,
@@ -206,6 +205,7 @@ class _TimedDraft(DraftModel):
         self.calls: list[tuple[int, float]] = []
         self.vocab_size = inner.vocab_size
         self.device = getattr(inner, "device", None)
+        self.vocab_ids = getattr(inner, "vocab_ids", None)
 
     def start(self, prompt_ids):
         self._inner.start(prompt_ids)
@@ -223,8 +223,14 @@ class _TimedDraft(DraftModel):
         self._inner.close()
 
     def node_logits(self, tree, nodes):
+        return self._timed(self._inner.node_logits, tree, nodes)
+
+    def vocab_logits(self, tree, nodes):
+        return self._timed(self._inner.vocab_logits, tree, nodes)
+
+    def _timed(self, call, tree, nodes):
         t0 = self._timer()
-        out = self._inner.node_logits(tree, nodes)
+        out = call(tree, nodes)
         self.calls.append((len(nodes), self._timer() - t0))
         return out
 
