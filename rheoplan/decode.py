@@ -1,4 +1,7 @@
-"""``plan_and_decode``: the decode loop draft -> plan -> verify -> commit (batch 1).
+"""``plan_and_decode``: the decode loop draft -> plan -> verify -> commit.
+
+A single prompt runs ``_decode`` (batch 1); a list of prompts runs ``_decode_rows``, the same
+step for every live row at once (one planner call, one target forward; docs/batch.md).
 
 One step:
 
