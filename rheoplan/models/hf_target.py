@@ -25,7 +25,7 @@ import torch
 
 from rheoplan.costmodel import ProjectionTimings, projection_timings
 from rheoplan.ir import LinearTree
-from rheoplan.models.base import TargetModel, TreeLogits, check_prompt_ids
+from rheoplan.models.base import TargetModel, TreeLogits, _linear_rows, check_prompt_ids
 from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
     run_base, commit_cache,
@@ -417,8 +417,6 @@ class HFTarget(TargetModel):
             raise RuntimeError("commit_rows() called before forward_trees()")
         if len(paths) != self._rows.batch:
             raise ValueError(f"paths holds {len(paths)} paths for {self._rows.batch} rows")
-        from rheoplan.models.base import _linear_rows
-
         s0 = self._row_tree_start
         cols = []
         for b, p in enumerate(paths):
