@@ -21,7 +21,7 @@ from rheoplan.bench import planner as bench_planner
 from rheoplan.backends import BACKENDS, resolve_backend
 from rheoplan.config import PROXIES, VERIFIERS, SamplingConfig, TreeConfig
 from rheoplan.costmodel import CostPlan
-from rheoplan.decode import plan_and_decode
+from rheoplan.decode import draft_answer, plan_and_decode
 from rheoplan.loading import (AUTO_BUDGET, AUTO_DEPTH, AUTO_OPTIONS, DEFAULTS, METHODS, add_dtype, auto_tree,
                               encode_prompt, int_or_auto, load_cost_model, load_default, parse_draft_spec)
 from rheoplan.models import as_draft
@@ -287,7 +287,7 @@ def cmd_dump(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     instruments = [DumpIR(out / "passes", tokenizer=tok)] if args.passes else []
-    t = plan_tree(lambda tr, nodes: drf.node_logits(tr, nodes[0][nodes[0] >= 0].tolist()).unsqueeze(0),
+    t = plan_tree(lambda tr, nodes: draft_answer(drf, tr, nodes[0][nodes[0] >= 0].tolist()),
                   [ids[-1]], tree=tree, sampling=sampling, prefix_len=[len(ids) - 1], seed=args.seed,
                   instruments=instruments, passes=passes, backend=backend).to("cpu")
     text = ir_text.to_text(t, tokenizer=tok)

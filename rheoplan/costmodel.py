@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import time
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -104,6 +105,15 @@ class Timings:
     #: ``batch_verify[i][j]``: one verify forward of ``batch_sizes[i]`` rows x
     #: ``batch_row_sizes[j]`` tokens over ``ctx_lo`` cached tokens per row (ms)
     batch_verify: tuple[tuple[float, ...], ...] = ()
+    #: measured by a short batched decode per ``batch_sizes`` entry (empty: modelled from the
+    #: batch-1 numbers): one batched draft call (all rows, ``batch_draft_width`` frontier
+    #: nodes per row on average), ...
+    batch_draft_ms: tuple[float, ...] = ()
+    batch_draft_width: float = 1.0
+    #: ... the loop's bookkeeping per tree step of the whole batch, ...
+    batch_overhead_ms: tuple[float, ...] = ()
+    #: ... and per plain autoregressive step of the whole batch
+    batch_ar_overhead_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.sizes or len(self.sizes) != len(self.verify_lo) or len(self.sizes) != len(self.verify_hi):
@@ -126,8 +136,14 @@ class Timings:
                     len(r) != len(self.batch_row_sizes) for r in self.batch_verify):
                 raise ValueError(f"Timings: batch_verify must be {len(self.batch_sizes)} rows (batch_sizes) of "
                                  f"{len(self.batch_row_sizes)} latencies (batch_row_sizes)")
+        steps = (self.batch_draft_ms, self.batch_overhead_ms, self.batch_ar_overhead_ms)
+        if any(steps) and (not self.batch_sizes or any(len(x) != len(self.batch_sizes) for x in steps)):
+            raise ValueError(f"Timings: batch_draft_ms, batch_overhead_ms and batch_ar_overhead_ms must hold one "
+                             f"latency per batch size ({len(self.batch_sizes)}), all three or none")
+        if not (self.batch_draft_width >= 1 and math.isfinite(self.batch_draft_width)):
+            raise ValueError(f"Timings: batch_draft_width={self.batch_draft_width} must be >= 1")
         vals = list(self.verify_lo) + list(self.verify_hi) + list(self.draft_ms) + [self.overhead_ms, self.ar_overhead_ms]
-        vals += [v for r in self.batch_verify for v in r]
+        vals += [v for r in self.batch_verify for v in r] + [v for x in steps for v in x]
         if any(not (v >= 0 and math.isfinite(v)) for v in vals):
             raise ValueError("Timings: every latency must be finite and >= 0 ms")
 
@@ -172,19 +188,38 @@ class Timings:
         return max(v, 1e-3)
 
     def draft_batch(self, batch: int, row_width: int) -> float:
-        """One draft call over ``batch`` rows of ``row_width`` frontier nodes each (ms):
-        modelled as one call over ``batch * row_width`` frontier rows, ``c_d(B * w)``
-        (the batched draft runs every row's frontier through one call per depth)."""
-        return self.draft(batch * row_width)
+        """One draft call over ``batch`` rows of ``row_width`` frontier nodes each (ms).
+
+        Measured (``batch_draft_ms``): the call at ``B`` rows, interpolated in ``B``, plus the
+        batch-1 curve's slope from the measured mean width to ``row_width`` (both at ``B``
+        rows). Not measured: one call over ``B * w`` frontier rows, ``c_d(B * w)`` (the
+        batched draft runs every row's frontier through one call per depth)."""
+        if batch == 1 or not self.batch_draft_ms:
+            return self.draft(batch * row_width)
+        v = _interp(self.batch_sizes, self.batch_draft_ms, batch)
+        v += self.draft(batch * row_width) - self.draft(batch * self.batch_draft_width)
+        return max(v, 1e-3)
 
     def overhead_batch(self, batch: int) -> float:
-        """``c_o`` of a tree step with ``batch`` rows (ms): each row is planned, walked and
-        committed, so ``batch * c_o`` (an upper bound when the loop vectorises some of it)."""
+        """``c_o`` of a tree step with ``batch`` rows (ms): measured (``batch_overhead_ms``,
+        interpolated in ``B``), else ``batch * c_o`` (each row planned, walked and committed
+        on its own: an upper bound where the loop vectorises some of it)."""
+        if batch == 1:
+            return self.overhead_ms
+        if self.batch_overhead_ms:
+            return max(_interp(self.batch_sizes, self.batch_overhead_ms, batch), 0.0)
         return batch * self.overhead_ms
 
     def ar_step_batch(self, batch: int, ctx: int) -> float:
-        """A plain autoregressive step of ``batch`` rows (ms): ``c_v(B, 1) + B * c_o'``."""
-        return self.verify_batch(batch, 1, ctx) + batch * self.ar_overhead_ms
+        """A plain autoregressive step of ``batch`` rows (ms): ``c_v(B, 1)`` plus the
+        measured bookkeeping (``batch_ar_overhead_ms``), else ``B * c_o'``."""
+        if batch == 1:
+            return self.ar_step(ctx)
+        if self.batch_ar_overhead_ms:
+            oh = max(_interp(self.batch_sizes, self.batch_ar_overhead_ms, batch), 0.0)
+        else:
+            oh = batch * self.ar_overhead_ms
+        return self.verify_batch(batch, 1, ctx) + oh
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -192,16 +227,139 @@ class Timings:
     @classmethod
     def from_dict(cls, d: dict) -> "Timings":
         known = {f: d[f] for f in cls.__dataclass_fields__ if f in d}
-        optional = {"batch_sizes", "batch_row_sizes", "batch_verify"}  # absent in batch-1 records
+        optional = {f for f in cls.__dataclass_fields__ if f.startswith("batch_")}  # absent in batch-1 records
         missing = sorted(set(cls.__dataclass_fields__) - set(known) - optional)
         if missing:
             raise ValueError(f"Timings: missing fields {missing}")
-        for k in ("sizes", "verify_lo", "verify_hi", "draft_widths", "draft_ms", "batch_sizes", "batch_row_sizes"):
+        for k in ("sizes", "verify_lo", "verify_hi", "draft_widths", "draft_ms", "batch_sizes", "batch_row_sizes",
+                  "batch_draft_ms", "batch_overhead_ms", "batch_ar_overhead_ms"):
             if k in known:
                 known[k] = tuple(known[k])
         if "batch_verify" in known:
             known["batch_verify"] = tuple(tuple(r) for r in known["batch_verify"])
         return cls(**known)
+
+
+# -- the verify walk's output projections ----------------------------------------------------
+
+#: rows measured for ``ProjectionTimings`` (one output projection of k final hidden states)
+PROJECTION_SIZES = (1, 2, 4, 8, 16, 32, 64)
+PROJECTION_CACHE = "projection.json"
+
+
+@dataclass(frozen=True)
+class ProjectionTimings:
+    """``c_p(k)``: one output projection (lm_head) of ``k`` rows, in ms, measured on this
+    machine (``measure_projection``). It decides how the CPU walk gets its logits
+    (``project_all``): the projection is memory-bound on a CPU (each call reads the whole
+    lm_head), so projecting every row of a tree at once costs little more than one row.
+
+    Example (bfloat16 SmolLM2 on a 2-core EPYC: one row 4.3 ms, nine rows 5.5 ms):
+        >>> pt = ProjectionTimings((1, 8, 16), (4.3, 5.4, 6.6))
+        >>> pt.project_all(9, 5)   # 5.55 <= c_p(5) + c_p(1) = 5.0 + 4.3
+        True
+        >>> pt.project_all(5, 5)   # the likely path is the whole tree: same rows either way
+        False
+    """
+
+    sizes: tuple[int, ...]  #: rows k measured, increasing, from 1
+    ms: tuple[float, ...]  #: c_p(k)
+
+    def __post_init__(self) -> None:
+        if not self.sizes or len(self.sizes) != len(self.ms):
+            raise ValueError("ProjectionTimings: sizes and ms must be non-empty and of equal length")
+        if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"ProjectionTimings: sizes={self.sizes} must be increasing ints >= 1")
+        if any(not (v >= 0 and math.isfinite(v)) for v in self.ms):
+            raise ValueError("ProjectionTimings: every latency must be finite and >= 0 ms")
+
+    def cost(self, k: int) -> float:
+        """``c_p(k)`` in ms, interpolated between the measured sizes."""
+        return max(_interp(self.sizes, self.ms, k), 1e-6)
+
+    def project_all(self, n: int, path_len: int) -> bool:
+        """Whether the walk over a tree of ``n`` linear nodes should project all ``n`` rows in
+        one call rather than the likely path's ``path_len`` rows (``rheoplan.walk.likely_path``)
+        and then, node by node, the ones it visits off that path.
+
+        The lazy side is costed at ``c_p(path_len) + c_p(1)``: the path in one batch plus one
+        single-row projection, the least it pays whenever the walk leaves the likely path
+        (most tree steps at the acceptance rates measured in docs/results.md). With
+        ``n <= path_len`` both project the same rows, and the lazy call is kept.
+        """
+        if n <= path_len:
+            return False
+        return self.cost(n) <= self.cost(path_len) + self.cost(1)
+
+    def to_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "ms": list(self.ms)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ProjectionTimings":
+        return cls(tuple(int(k) for k in d["sizes"]), tuple(float(v) for v in d["ms"]))
+
+
+def measure_projection(project: Callable[[torch.Tensor], object], width: int, *,
+                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                       sizes: Sequence[int] = PROJECTION_SIZES, reps: int = 3,
+                       timer: Callable[[], float] = time.perf_counter) -> ProjectionTimings:
+    """Time ``project(hidden [k, width])`` for every ``k`` in ``sizes`` (median of ``reps``
+    after one warm-up, sizes timed round-robin so a machine slowing down slows all alike)."""
+    if reps < 1:
+        raise ValueError(f"reps={reps} is out of range: allowed >= 1")
+    dev = torch.device(device)
+    rows = {k: torch.randn(k, width, generator=torch.Generator().manual_seed(k)).to(dev, dtype) for k in sizes}
+
+    def run(k: int) -> None:
+        project(rows[k])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    samples: dict[int, list[float]] = {k: [] for k in sizes}
+    with torch.no_grad():
+        for k in sizes:
+            run(k)
+        for _ in range(reps):
+            for k in sizes:
+                t0 = timer()
+                run(k)
+                samples[k].append(1e3 * (timer() - t0))
+    ms = [sorted(v)[len(v) // 2] for v in (samples[k] for k in sizes)]
+    for i in range(1, len(ms)):  # more rows never cost less: a dip is noise
+        ms[i] = max(ms[i], ms[i - 1])
+    return ProjectionTimings(tuple(sizes), tuple(ms))
+
+
+#: process-wide memo of ``projection_timings``: measured once per process and shape
+_PROJECTION: dict[str, ProjectionTimings] = {}
+
+
+def projection_timings(project: Callable[[torch.Tensor], object], vocab: int, width: int, *,
+                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> ProjectionTimings:
+    """``measure_projection`` for a ``[vocab, width]`` output projection, once per process
+    and cached on disk (``cache_dir()/projection.json``, per machine, torch version,
+    threads, shape, dtype); ``RHEOPLAN_REMEASURE=1`` measures again. About a tenth of a
+    second for SmolLM2's 49152 x 576 head, the first time on a machine."""
+    key = cache_key("projection", f"lm_head {vocab}x{width}", device, dtype=str(dtype).removeprefix("torch."))
+    pt = _PROJECTION.get(key)
+    if pt is not None:
+        return pt
+    rec = cache_read(PROJECTION_CACHE, key) if not remeasure_requested() else None
+    if rec is not None:
+        try:
+            pt = ProjectionTimings.from_dict(rec)
+        except (KeyError, TypeError, ValueError):
+            pt = None  # a stale record: measure again
+    if pt is None:
+        pt = measure_projection(project, width, device=device, dtype=dtype)
+        cache_write(PROJECTION_CACHE, key, pt.to_dict())
+    _PROJECTION[key] = pt
+    return pt
+
+
+def remeasure_requested() -> bool:
+    """``RHEOPLAN_REMEASURE`` is set (not '' or '0'): measure again, overwrite the caches."""
+    return os.environ.get("RHEOPLAN_REMEASURE", "") not in ("", "0")
 
 
 # -- calibration ---------------------------------------------------------------------------

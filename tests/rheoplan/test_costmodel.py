@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
-from rheoplan.costmodel import (Calibration, CostModel, DraftSchedule, Timings, cache_key, cache_read, cache_write,
-                                node_class, weight_bucket)
+from rheoplan.costmodel import (Calibration, CostModel, DraftSchedule, ProjectionTimings, Timings, cache_key,
+                                cache_read, cache_write, measure_projection, node_class, projection_timings,
+                                weight_bucket)
 from rheoplan.ir import NodeKind
 from rheoplan.models.functional import hashed_context_lm
 from rheoplan.testing.oracle import functional_draft_fn
@@ -193,3 +194,77 @@ def test_plan_for_batch_reads_the_prior_calibration_and_checks_its_input():
         args = dict(batch=2, ctx=64, max_depth=3) | kw
         with pytest.raises(ValueError, match=match):
             m.plan_for_batch(args.pop("batch"), **args)
+
+
+def test_measured_batch_draft_and_bookkeeping_replace_the_model():
+    modelled = grid_tm()
+    assert modelled.overhead_batch(4) == 4 * modelled.overhead_ms  # per row, not measured
+    t = grid_tm(batch_draft_ms=(2.0, 5.0), batch_draft_width=2.0, batch_overhead_ms=(1.5, 3.0),
+                batch_ar_overhead_ms=(0.5, 1.0))
+    assert t.overhead_batch(4) == 3.0 and t.overhead_batch(2) == pytest.approx(2.0)
+    assert t.overhead_batch(1) == t.overhead_ms and t.draft_batch(1, 2) == t.draft(2)
+    # at 4 rows: the measured call (mean width 2) plus the batch-1 slope from 4 x 2 to 4 x 1 frontier rows
+    # (c_d(w) = 2 + 0.5 (w - 1): c_d(4) = 3.5, c_d(8) = 5.5)
+    assert t.draft_batch(4, 2) == pytest.approx(5.0) and t.draft_batch(4, 1) == pytest.approx(5.0 + 3.5 - 5.5)
+    assert t.ar_step_batch(4, 100) == pytest.approx(14.0 + 1.0)
+    assert Timings.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match="one latency per batch size"):
+        grid_tm(batch_draft_ms=(1.0,), batch_overhead_ms=(1.0,), batch_ar_overhead_ms=(1.0,))
+    with pytest.raises(ValueError, match="batch_draft_width"):
+        grid_tm(batch_draft_width=0.5)
+
+
+# -- the walk's output projections -----------------------------------------------------------
+
+
+def test_projection_choice_all_rows_when_cheaper():
+    # bfloat16 SmolLM2 here: one row 4.3 ms, 8 rows 5.4 ms -> every row at once pays
+    flat = ProjectionTimings((1, 8, 16), (4.3, 5.4, 6.6))
+    assert flat.project_all(9, 5)
+    assert not flat.project_all(5, 5) and not flat.project_all(1, 1)  # same rows either way
+    # a projection whose cost grows with the rows (e.g. compute-bound): the lazy walk pays
+    steep = ProjectionTimings((1, 8, 64), (1.0, 8.0, 64.0))
+    assert not steep.project_all(9, 5)  # 9 > 5 + 1
+    assert steep.project_all(6, 5)  # 6 <= 5 + 1
+    assert ProjectionTimings.from_dict(flat.to_dict()) == flat
+    with pytest.raises(ValueError, match="increasing"):
+        ProjectionTimings((4, 1), (1.0, 2.0))
+    with pytest.raises(ValueError, match="finite"):
+        ProjectionTimings((1,), (float("nan"),))
+
+
+def test_measure_projection_times_every_size_and_is_monotone():
+    clock, calls = [0.0], []
+    cost = {1: 4.0, 2: 3.0, 4: 5.0}  # ms; the dip at 2 rows is noise
+
+    def project(h):
+        calls.append(h.shape)
+        clock[0] += cost[h.shape[0]] / 1e3
+
+    pt = measure_projection(project, 8, sizes=(1, 2, 4), reps=3, timer=lambda: clock[0])
+    assert pt.sizes == (1, 2, 4) and pt.ms == pytest.approx((4.0, 4.0, 5.0))
+    assert len(calls) == 3 * 4 and {tuple(s) for s in calls} == {(1, 8), (2, 8), (4, 8)}
+    with pytest.raises(ValueError, match="reps"):
+        measure_projection(project, 8, reps=0)
+
+
+def test_projection_timings_are_cached_per_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("RHEOPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("rheoplan.costmodel._PROJECTION", {})
+    calls = []
+    head = torch.nn.Linear(8, 13, bias=False)
+
+    def project(h):
+        calls.append(h.shape[0])
+        return head(h)
+
+    pt = projection_timings(project, 13, 8)
+    n = len(calls)
+    assert n > 0 and pt.sizes[0] == 1
+    assert projection_timings(project, 13, 8) is pt and len(calls) == n  # memo
+    monkeypatch.setattr("rheoplan.costmodel._PROJECTION", {})
+    assert projection_timings(project, 13, 8) == pt and len(calls) == n  # read from the disk cache
+    monkeypatch.setattr("rheoplan.costmodel._PROJECTION", {})
+    monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")
+    projection_timings(project, 13, 8)
+    assert len(calls) == 2 * n  # measured again

@@ -27,11 +27,13 @@ only sees differences, so this matches EAGLE's own numbering up to a constant.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from rheoplan.distributions import SubsetLogits
 from rheoplan.ir import DraftTree
 from rheoplan.models._hf_common import base_model
 from rheoplan.models.base import DraftModel, TargetModel, check_draft_call, check_emitted, check_prompt_ids
@@ -50,6 +52,20 @@ def _embedding_weight(target_embed: Any) -> torch.Tensor:
         raise TypeError("target_embed must be an nn.Embedding or a [vocab, H] tensor, got "
                         f"{type(target_embed).__name__}")
     return w.detach()
+
+
+@dataclass
+class _Row:
+    """One row of a batched ``Eagle3Draft`` (what ``_reset`` holds for batch 1)."""
+
+    prompt: list[int]
+    committed: int  #: tokens committed before the root
+    root: int
+    pending_tokens: list[int]
+    pending_feats: list[torch.Tensor] | None = None  #: None = prompt features not read yet
+    slot: dict[int, int] = field(default_factory=dict)  #: tree node -> flat kv column (root: -1)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Eagle3Draft(DraftModel):
@@ -101,6 +117,14 @@ class Eagle3Draft(DraftModel):
                              "must be the target's embedding width")
         self.features_from = features_from
         self.vocab_size = cfg.vocab_size
+        # The draft vocabulary ordered by target id: the planner works on these columns
+        # (``vocab_logits``) and maps the chosen ones to target ids; a head whose d2t is not
+        # increasing gets its columns reordered once per call (``_order``).
+        ids = head.target_ids()
+        order = torch.argsort(ids)
+        self._order = None if torch.equal(order, torch.arange(len(ids), device=order.device)) else order
+        #: target ids of the draft vocabulary, increasing (None: the full target vocabulary)
+        self.vocab_ids = ids[order] if cfg.draft_vocab_size < cfg.vocab_size else None
         self._param = next(head.parameters())
         self.device = self._param.device
         self._reset()
@@ -171,9 +195,19 @@ class Eagle3Draft(DraftModel):
         self._pending_feats: list[torch.Tensor] | None = None  #: None = prompt features not read yet
         self.root: int | None = None
         self._prompt: list[int] = []
-        self._slot: dict[int, int] = {}  #: tree node -> kv index (root: -1, it is committed)
-        self._hidden: dict[int, torch.Tensor] = {}  #: node -> output hidden [H]
-        self._logits: dict[int, torch.Tensor] = {}
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        """Forget the step's tree nodes (their kv entries are cropped by ``commit``)."""
+        self._root_done = False
+        self._forwarded: set[int] = set()  #: node ids forwarded this step (host-path calls)
+        self._n_tree = 0  #: tree entries in the kv cache after the prefix
+        self._device_step = False  #: node ids came as a tensor this step (the device planner)
+        # per node id (the tree's creation ids): output hidden, draft-vocabulary logits and
+        # which tree kv entries it sees (its ancestors below the root, and itself)
+        self._hid: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
+        self._anc: torch.Tensor | None = None
 
     def start(self, prompt_ids: list[int]) -> None:
         ids = check_prompt_ids(prompt_ids, self.vocab_size)
@@ -206,25 +240,72 @@ class Eagle3Draft(DraftModel):
             self.set_prompt_features(feats)
 
     @torch.no_grad()
-    def node_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+    def node_logits(self, tree: DraftTree, nodes) -> torch.Tensor:
+        """Draft logits ``[len(nodes), vocab]`` over the target vocabulary (``-inf`` outside
+        the draft vocabulary); ``vocab_logits`` gives the same rows over the draft
+        vocabulary only, which is what the decode loop asks for."""
+        rows = self.vocab_logits(tree, nodes)
+        if self.vocab_ids is None:
+            return rows
+        return SubsetLogits(rows, self.vocab_ids).dense(self.vocab_size)
+
+    @torch.no_grad()
+    def vocab_logits(self, tree: DraftTree, nodes) -> torch.Tensor:
+        """Draft logits ``[len(nodes), len(vocab_ids)]`` (float32) at target ids
+        ``vocab_ids``: the head's own vocabulary, ordered by target id, with no scatter to
+        the target's vocabulary.
+
+        ``nodes`` as a list of ints is checked against the draft's state (root token,
+        prefix, parents forwarded before children; repeats are served from this step's
+        results). As a tensor (what the device planner passes: one depth's frontier of new,
+        distinct nodes) nothing is read back to the host: the first call of a step is the
+        root's, every later one forwards all of its nodes.
+        """
+        if isinstance(nodes, torch.Tensor):
+            return self._tensor_call(tree, nodes)
         nodes = check_draft_call(tree, nodes, self.root, self._committed)
-        new = [v for v in dict.fromkeys(nodes) if v not in self._logits]
+        new = [v for v in dict.fromkeys(nodes) if v not in self._forwarded]
         if 0 in new:
             if new != [0]:
                 raise ValueError(f"nodes={nodes}: the root must be forwarded alone (its children "
                                  "consume its output hidden)")
-            self._forward_root()
+            self._forward_root(tree)
         elif new:
-            self._forward_nodes(tree, new)
-        return torch.stack([self._logits[v] for v in nodes])
+            for v in new:
+                p = int(tree.parent[0, v])
+                if p not in self._forwarded:
+                    raise ValueError(f"node {v}'s parent {p} was not forwarded in an earlier call of "
+                                     "this step; parents must be passed before their children")
+            self._forward_nodes(tree, torch.tensor(new, dtype=torch.int64))
+        self._forwarded.update(new)
+        return self._rows[torch.tensor(nodes, dtype=torch.int64, device=self._rows.device)]
 
-    def _run(self, tokens: list[int], hidden: torch.Tensor, positions: list[int],
+    def _tensor_call(self, tree: DraftTree, nodes: torch.Tensor) -> torch.Tensor:
+        if self.root is None:
+            raise RuntimeError("node_logits() called before start()")
+        if nodes.dim() != 1 or nodes.numel() < 1 or nodes.dtype.is_floating_point:
+            raise ValueError(f"nodes has shape {tuple(nodes.shape)} and dtype {nodes.dtype}: allowed a "
+                             "non-empty 1-D integer tensor of node ids")
+        self._device_step = True
+        if not self._root_done:
+            if nodes.numel() != 1:
+                raise ValueError(f"nodes has {nodes.numel()} entries in the step's first call: the root "
+                                 "must be forwarded alone first (its children consume its output hidden)")
+            self._forward_root(tree)
+        else:
+            self._forward_nodes(tree, nodes)
+        return self._rows[nodes.to(self._rows.device)]
+
+    def _project(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's logits ``[n, draft_vocab]`` in float32, columns ordered by target id."""
+        d = self.head.draft_logits(out).to(torch.float32)
+        return d if self._order is None else d[:, self._order]
+
+    def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              allowed: torch.Tensor) -> torch.Tensor:
         dev = self._param.device
-        tok = torch.tensor(tokens, dtype=torch.int64, device=self.embed.device)
-        emb = self.embed[tok].to(dev, self._param.dtype)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        out, self._kv = self.head(emb, hidden, pos, self._kv, allowed.to(dev))
+        emb = self.embed[tokens.to(self.embed.device)].to(dev, self._param.dtype)
+        out, self._kv = self.head(emb, hidden, positions.to(dev), self._kv, allowed.to(dev))
         return out
 
     def _ensure_prompt_features(self) -> None:
@@ -247,54 +328,62 @@ class Eagle3Draft(DraftModel):
         finally:
             probe.close()
 
-    def _forward_root(self) -> None:
+    def _forward_root(self, tree: DraftTree) -> None:
         self._ensure_prompt_features()
+        dev = self._param.device
         P = len(self._pending_tokens)
         S = self._prefix
         allowed = torch.cat([torch.ones(P, S, dtype=torch.bool),
                              torch.ones(P, P, dtype=torch.bool).tril()], dim=1)
-        positions = [self._committed - P + 1 + k for k in range(P)]
-        feats = torch.stack([self.head.fuse(f) for f in self._pending_feats])
-        out = self._run(self._pending_tokens, feats, positions, allowed)
+        positions = torch.arange(self._committed - P + 1, self._committed + 1, dtype=torch.int64)
+        feats = self.head.fuse(torch.stack(self._pending_feats))
+        out = self._run(torch.tensor(self._pending_tokens, dtype=torch.int64), feats, positions, allowed)
         self._prefix += P
         self._pending_tokens, self._pending_feats = [], []
-        self._hidden[0] = out[-1]
-        self._slot[0] = -1
-        self._logits[0] = self.head.target_logits(out[-1:])[0]
+        # this step's node tables, sized by the tree's capacity (a shape: no host read)
+        cap = tree.parent.shape[1]
+        self._hid = out.new_zeros(cap, out.shape[-1])
+        self._rows = torch.zeros(cap, self.head.config.draft_vocab_size, dtype=torch.float32, device=dev)
+        self._anc = torch.zeros(cap, cap, dtype=torch.bool, device=dev)  # the root sees no tree entry
+        self._hid[0] = out[-1]
+        self._rows[0] = self._project(out[-1:])[0]
+        self._root_done = True
 
-    def _forward_nodes(self, tree: DraftTree, new: list[int]) -> None:
-        for v in new:
-            p = int(tree.parent[0, v])
-            if p not in self._hidden:
-                raise ValueError(f"node {v}'s parent {p} was not forwarded in an earlier call of "
-                                 "this step; parents must be passed before their children")
-        S = self._kv[0].shape[1]
-        q = len(new)
-        allowed = torch.zeros(q, S + q, dtype=torch.bool)
-        allowed[:, :self._prefix] = True
-        parents_hidden, tokens, positions = [], [], []
-        for r, v in enumerate(new):
-            p = int(tree.parent[0, v])
-            a = p
-            while a > 0:
-                allowed[r, self._slot[a]] = True
-                a = int(tree.parent[0, a])
-            allowed[r, S + r] = True
-            parents_hidden.append(self._hidden[p])
-            tokens.append(int(tree.token[0, v]))
-            positions.append(self._committed + int(tree.depth[0, v]))
-        out = self._run(tokens, torch.stack(parents_hidden), positions, allowed)
-        logits = self.head.target_logits(out)
-        for r, v in enumerate(new):
-            self._slot[v] = S + r
-            self._hidden[v] = out[r]
-            self._logits[v] = logits[r]
+    def _forward_nodes(self, tree: DraftTree, new: torch.Tensor) -> None:
+        """Forward nodes ``new`` (ids, their parents forwarded already) as one batch: each
+        sees the committed pairs, its ancestors' tree entries below the root, and itself."""
+        dev = self._param.device
+        new = new.to(tree.parent.device)
+        par = tree.parent[0, new].to(dev)
+        tokens = tree.token[0, new]
+        positions = tree.depth[0, new].to(dev) + self._committed
+        new = new.to(dev)
+        q, T, S = new.shape[0], self._n_tree, self._kv[0].shape[1]
+        ar = torch.arange(q, device=dev)
+        sees = self._anc[par]  # [q, cap]: the parents' tree entries
+        sees[ar, T + ar] = True  # and each node's own entry
+        allowed = torch.cat([torch.ones(q, self._prefix, dtype=torch.bool, device=dev),
+                             sees[:, :T + q]], dim=1)  # [q, S + q]: S = prefix + T
+        out = self._run(tokens, self._hid[par], positions, allowed)
+        self._anc[new] = sees
+        self._hid[new] = out
+        self._rows[new] = self._project(out)
+        self._n_tree += q
+        assert self._kv[0].shape[1] == S + q
 
     def commit(self, tree: DraftTree, path_nodes: list[int], emitted: list[int],
                features: list[torch.Tensor | None]) -> None:
         if self.root is None:
             raise RuntimeError("commit() called before start()")
-        path_nodes = check_emitted(tree, path_nodes, emitted)
+        if self._device_step:
+            # a step planned on the device: check what the host knows, and read nothing back
+            # (the path and tokens are the walk's own, transferred once by the decode loop)
+            path_nodes = [int(v) for v in path_nodes]
+            if not path_nodes or path_nodes[0] != 0 or len(emitted) != len(path_nodes):
+                raise ValueError(f"path_nodes={path_nodes} must start with the root (node 0) and match "
+                                 f"emitted ({len(emitted)} tokens: accepted drafted tokens, then the bonus)")
+        else:
+            path_nodes = check_emitted(tree, path_nodes, emitted)
         if len(features) != len(path_nodes) or any(f is None for f in features):
             raise ValueError(f"features must hold one target feature tensor per path node "
                              f"({len(path_nodes)}), got {len(features)} entries "
@@ -310,7 +399,192 @@ class Eagle3Draft(DraftModel):
         self._pending_feats = self._pending_feats + [f.to(dev, dt) for f in features]
         self._committed += len(path_nodes)
         self.root = int(emitted[-1])
-        self._slot, self._hidden, self._logits = {}, {}, {}
+        self._reset_step()
+
+    # -- batched decoding: every row's pairs in one head call per depth -------------------
+    # The head is a one-sequence module, so the batch is flattened: one k/v cache
+    # [kv_heads, S, head_dim] holds every row's committed pairs, ``_owner [S]`` says whose each
+    # column is (-1: a hole, e.g. this step's tree entries, dropped at commit as in batch 1),
+    # and the queries of all rows go through one call with a block mask (a row sees its own
+    # committed columns, its ancestors and itself). Holes are compacted away when they are
+    # more than half of the columns.
+
+    def start_rows(self, prompts: list[list[int]]) -> None:
+        ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
+        self._reset()
+        self._bkv = None
+        self._owner = torch.zeros(0, dtype=torch.int64)
+        self._brows = [self._new_row(p) for p in ids]
+
+    def _new_row(self, ids: list[int]) -> _Row:
+        return _Row(ids, len(ids) - 1, ids[-1], ids[1:] if len(ids) > 1 else ids[:1])
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        rows = self._brows_started("add_rows")
+        rows += [self._new_row(check_prompt_ids(p, self.vocab_size)) for p in prompts]
+
+    def _brows_started(self, what: str) -> list[_Row]:
+        rows = getattr(self, "_brows", None)
+        if rows is None:
+            raise RuntimeError(f"{what}() called before start_rows()")
+        return rows
+
+    def take_prompt_features_rows(self, target: TargetModel, rows: list[int] | None = None) -> None:
+        have = self._brows_started("take_prompt_features_rows")
+        src = self.features_from
+        model = src.model if isinstance(src, HFTarget) else src
+        feats = target.prompt_features_rows_for(model)
+        for b in range(len(have)) if rows is None else rows:
+            if feats[b] is not None:
+                have[b].pending_feats = self._prompt_feats(have[b].prompt, feats[b])
+
+    def _prompt_feats(self, prompt: list[int], features: torch.Tensor) -> list[torch.Tensor]:
+        n = len(prompt)
+        if features.dim() != 2 or features.shape[0] != n - 1:
+            raise ValueError(f"features has shape {tuple(features.shape)}, expected "
+                             f"({n - 1}, 3*target_hidden_size) for a {n}-token prompt")
+        if n == 1:
+            width = 3 * self.head.config.target_hidden_size
+            return [torch.zeros(width, device=self._param.device, dtype=self._param.dtype)]
+        return list(features.to(self._param.device, self._param.dtype))
+
+    def _ensure_row_features(self, row: _Row) -> None:
+        if row.pending_feats is not None:
+            return
+        src = self.features_from
+        if src is None or isinstance(src, HFTarget) or hasattr(src, "prompt_features"):
+            raise RuntimeError("a batched Eagle3Draft reads each row's prompt features from the "
+                               "batched target (plan_and_decode does this) or from the target model "
+                               "(features_from=model): pass features_from=<the target model>")
+        n_layers = len(getattr(getattr(src, "base_model", src), "layers", ()))
+        probe = HFTarget(src, capture_layers=self.capture_layers(n_layers))
+        try:
+            probe.start(row.prompt)
+            row.pending_feats = self._prompt_feats(row.prompt, probe.prompt_features())
+        finally:
+            probe.close()
+
+    @torch.no_grad()
+    def node_logits_rows(self, tree: DraftTree, nodes: list[list[int]]) -> list[torch.Tensor]:
+        rows = self._brows_started("node_logits_rows")
+        if tree.batch != len(rows) or len(nodes) != len(rows):
+            raise ValueError(f"tree holds {tree.batch} trees and nodes {len(nodes)} rows for {len(rows)} rows")
+        dev = self._param.device
+        S = 0 if self._bkv is None else self._bkv[0].shape[1]
+        owner = self._owner
+        toks, hids, poss, items = [], [], [], []  # items: (row, node or None, own column)
+        vis: list[list[int]] = []  # per query: visible columns (< S: cache, >= S: this call)
+        for b, (row, nb) in enumerate(zip(rows, nodes)):
+            if int(tree.token[b, 0]) != row.root:
+                raise ValueError(f"row {b}: tree root token {int(tree.token[b, 0])} differs from the "
+                                 f"draft's root {row.root}; was commit_rows() called after the last step?")
+            if int(tree.prefix_len[b]) != row.committed:
+                raise ValueError(f"row {b}: tree.prefix_len={int(tree.prefix_len[b])} but the draft has "
+                                 f"{row.committed} committed tokens before the root")
+            nb = [int(v) for v in nb]
+            bad = [v for v in nb if not 0 <= v < int(tree.n_nodes[b])]
+            if bad:
+                raise ValueError(f"row {b}: nodes {bad} are outside the tree's created nodes")
+            new = [v for v in dict.fromkeys(nb) if v not in row.logits]
+            if not new:
+                continue
+            mine = (owner == b).nonzero().flatten().tolist()
+            if 0 in new:
+                if new != [0]:
+                    raise ValueError(f"row {b}: nodes={nb}: the root must be forwarded alone (its "
+                                     "children consume its output hidden)")
+                self._ensure_row_features(row)
+                P = len(row.pending_tokens)
+                first = S + len(items)
+                for k, (tok, f) in enumerate(zip(row.pending_tokens, row.pending_feats)):
+                    toks.append(tok)
+                    hids.append(self.head.fuse(f))
+                    poss.append(row.committed - P + 1 + k)
+                    vis.append(mine + list(range(first, first + k + 1)))
+                    items.append((b, 0 if k == P - 1 else None, first + k))
+                continue
+            for v in new:
+                p = int(tree.parent[b, v])
+                if p not in row.hidden:
+                    raise ValueError(f"row {b}: node {v}'s parent {p} was not forwarded in an earlier "
+                                     "call of this step; parents must be passed before their children")
+                cols = list(mine)
+                a = p
+                while a > 0:
+                    cols.append(row.slot[a])
+                    a = int(tree.parent[b, a])
+                cols.append(S + len(items))
+                toks.append(int(tree.token[b, v]))
+                hids.append(row.hidden[p])
+                poss.append(row.committed + int(tree.depth[b, v]))
+                vis.append(cols)
+                items.append((b, v, S + len(items)))
+        if items:
+            Q = len(items)
+            allowed = torch.zeros(Q, S + Q, dtype=torch.bool)
+            for i, cols in enumerate(vis):
+                allowed[i, cols] = True
+            tok = torch.tensor(toks, dtype=torch.int64, device=self.embed.device)
+            emb = self.embed[tok].to(dev, self._param.dtype)
+            hidden = torch.stack(hids).to(dev, self._param.dtype)
+            pos = torch.tensor(poss, dtype=torch.int64, device=dev)
+            out, self._bkv = self.head(emb, hidden, pos, self._bkv, allowed.to(dev))
+            new_owner = torch.full((Q,), -1, dtype=torch.int64)
+            want = [i for i, (_, v, _) in enumerate(items) if v is not None]
+            logits = self.head.target_logits(out[want]) if want else None
+            for r, i in enumerate(want):
+                b, v, col = items[i]
+                row = rows[b]
+                row.hidden[v] = out[i]
+                row.logits[v] = logits[r]
+                row.slot[v] = -1 if v == 0 else col
+            for i, (b, v, col) in enumerate(items):
+                if v is None or v == 0:  # a pending pair: committed at once (batch 1: _prefix)
+                    new_owner[i] = b
+            for b in {b for b, v, _ in items if v == 0}:  # rows whose pending pairs ran
+                rows[b].pending_tokens, rows[b].pending_feats = [], []
+            self._owner = torch.cat([owner, new_owner])
+        return [torch.stack([rows[b].logits[int(v)] for v in nodes[b]]) if len(nodes[b]) else
+                torch.zeros(0, self.vocab_size, device=dev) for b in range(len(rows))]
+
+    def commit_rows(self, tree: DraftTree, path_nodes: list[list[int]], emitted: list[list[int]],
+                    features: list[list[torch.Tensor | None]]) -> None:
+        rows = self._brows_started("commit_rows")
+        dev, dt = self._param.device, self._param.dtype
+        for b, row in enumerate(rows):
+            nodes = check_emitted(tree.rows([b]), path_nodes[b], emitted[b])
+            feats = features[b]
+            if len(feats) != len(nodes) or any(f is None for f in feats):
+                raise ValueError(f"row {b}: features must hold one target feature tensor per path node "
+                                 f"({len(nodes)}), got {len(feats)} entries; build the target with "
+                                 "capture_layers='eagle3'")
+            self._ensure_row_features(row)  # a step that never ran the draft still owes them
+            row.pending_tokens = row.pending_tokens + [int(t) for t in emitted[b]]
+            row.pending_feats = row.pending_feats + [f.to(dev, dt) for f in feats]
+            row.committed += len(nodes)
+            row.root = int(emitted[b][-1])
+            row.slot, row.hidden, row.logits = {}, {}, {}
+        self._maybe_compact()
+
+    def keep_rows(self, rows: list[int]) -> None:
+        have = self._brows_started("keep_rows")
+        remap = torch.full((len(have) + 1,), -1, dtype=torch.int64)
+        for new, old in enumerate(rows):
+            remap[old] = new
+        self._owner = torch.where(self._owner >= 0, remap[self._owner.clamp(min=0)], -1)
+        self._brows = [have[r] for r in rows]
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Drop hole columns when they are at least 64 and more than half of the cache."""
+        if self._bkv is None:
+            return
+        keep = (self._owner >= 0).nonzero().flatten()
+        S = self._owner.numel()
+        if S - keep.numel() >= max(64, keep.numel()):
+            idx = keep.to(self._bkv[0].device)
+            self._bkv = (self._bkv[0].index_select(1, idx), self._bkv[1].index_select(1, idx))
+            self._owner = self._owner[keep]
 
 
 def load_eagle3_checkpoint(path: str | os.PathLike, target: Any = None, *,
