@@ -93,11 +93,16 @@ def test_triton_step_syncs_and_launches(verifier, m, T):
     assert syncs.count == 2 * n, syncs.where
     k = launches.by_kernel
     # per depth: frontier top-k, slot expansion (expand), Philox noise (assign: none when m = K)
-    # then prune top-k, linearize, and the walk (its noise drawn inside it)
+    # then prune top-k, linearize, and the walk's kernels (its noise drawn inside them)
     draws = D if cfg.effective_rheostat(s) < cfg.slots else 0  # greedy: m = K, nothing drawn
     assert k["topk_kernel"] == n * (D + 1)
     assert k["slot_expansion_kernel"] == n * D
     assert k["linearize_kernel"] == n
+    # the walk: every node's draw in parallel (the mass pass only where a proposal is tested),
+    # then the walk over the per-node table
+    tests = verifier != "onehot" and cfg.effective_rheostat(s) < cfg.slots
+    assert k["node_mass_kernel"] == (n if tests else 0)
+    assert k["node_draw_kernel"] == n
     assert k["walk_kernel"] == n
     assert k["streams_uniform_kernel"] == n * draws  # the walk draws its noise in-kernel
     assert launches.total == sum(k.values())
