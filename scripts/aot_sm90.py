@@ -101,14 +101,15 @@ def cases():
                dict(W=(L + 63) // 64, D=8, BLOCK_M=min(1024, 4 * bl), BLOCK_L=bl,
                     COL_TILE=min(bl, max(1, min(64, 4096 // bl)))), 8 if bl >= 256 else 4)
     vptr = {"p_ptr": "*fp32", "q_ptr": "*fp32", "u_ptr": "*fp64", "g_ptr": "*fp32", "mass_ptr": "*fp64",
-            "best_ptr": "*fp64"}
+            "best_ptr": "*fp64", "law_ptr": "*fp64"}
+    yield ("verify support_law ot", verify.support_law_kernel, vptr, {}, dict(M=1, K=10, CODE=2, S_BLOCK=128), 4)
     for p_type in ("*fp32", "*fp64"):
         yield (f"verify node_mass ot p {p_type[1:]}", verify.node_mass_kernel, dict(vptr, p_ptr=p_type), {},
-               dict(M=1, K=10, CODE=2, S_BLOCK=128, BLOCK=1024), 4)
+               dict(M=1, K=10, CODE=2, S_BLOCK=128, BLOCK=1024, DENSE=False), 4)
     for noise in (False, True):
         yield (f"verify node_draw ot noise_in_kernel={noise}", verify.node_draw_kernel, vptr,
                {"seed_arg": "i64", "step_arg": "i32"},
-               dict(M=1, K=10, CODE=2, S_BLOCK=128, BLOCK=1024, NB_BLOCK=8, NOISE=noise, PA=2, PR=3), 4)
+               dict(M=1, K=10, CODE=2, S_BLOCK=128, BLOCK=1024, NB_BLOCK=8, NOISE=noise, PA=2, PR=3, DENSE=False), 4)
     yield ("verify walk (table)", verify.walk_kernel, vptr, {}, dict(C_BLOCK=16, NB_BLOCK=8), 4)
     yield ("philox streams (gumbel)", philox_triton.streams_uniform_kernel, {"out_ptr": "*fp64"},
            {"seed": "i64", "step": "i32", "purpose": "i32", "n": "i32"}, dict(GUMBEL=True, BLOCK=256), 4)

@@ -51,55 +51,77 @@ _NO_TOKEN_K = tl.constexpr(_NO_TOKEN)
 
 
 @triton.jit
-def _proposal(tok_ptr, q_ptr, n, y, M: tl.constexpr, K: tl.constexpr, CODE: tl.constexpr,
-              S_BLOCK: tl.constexpr):
-    """The proposal at one expanded node (``rheoplan.verify._coupling_parts``): the tail
-    mass ``z`` of q~, the mass ``extra`` 'ot' moves onto rank K, the proposal token ``e``
-    and its law ``le``. The law itself is recomputed token by token by ``_law_at``."""
+def _row_law(tok_ptr, q_ptr, n, M: tl.constexpr, K: tl.constexpr, CODE: tl.constexpr, S_BLOCK: tl.constexpr):
+    """The proposal law of one expanded node over its support ranks (``[S_BLOCK]``, float64):
+    q~ on ranks ``m+1..n`` (``rheoplan.distributions.tail_law``), and for 'ot' the law of
+    ``E = e(Y)``: ``e~`` moves q~(A) onto rank K (``rheoplan.verify._ot_proposal``)."""
     si = tl.arange(0, S_BLOCK)
     ins = si < n
-    stok = tl.load(tok_ptr + si, mask=ins, other=-1)
     sq = tl.load(q_ptr + si, mask=ins, other=0.0).to(tl.float64)
     tail = ins & (si >= M)
     z = tl.sum(tl.where(tail, sq, 0.0), axis=0)
     law = tl.where(tail, tl.where(z > 0, sq / z, 1.0 / (n - M).to(tl.float64)), 0.0)
-    e = y
-    extra = tl.full((), 0.0, tl.float64)
-    if CODE == 2:  # ot: E = e(Y); e~ moves q~(A) onto r_K
+    if CODE == 2:
         A = si < K - 1
-        rK = tl.sum(tl.where(si == K - 1, stok, 0), axis=0)
-        y_in_A = tl.sum((A & (stok == y)).to(tl.int32), axis=0) > 0
-        e = tl.where(y_in_A, rK, y)
         extra = tl.sum(tl.where(A, law, 0.0), axis=0)
         law = tl.where(A, 0.0, law)
         law = tl.where(si == K - 1, law + extra, law)
-    le = tl.sum(tl.where(ins & (stok == e), law, 0.0), axis=0)
-    return z, extra, e, le
-
-
-@triton.jit
-def _law_at(q_ptr, r, n, z, extra, M: tl.constexpr, K: tl.constexpr, CODE: tl.constexpr):
-    """The proposal law of the support token of rank ``r``: the same operations as
-    ``_proposal``'s vector, so the same bits."""
-    sq = tl.load(q_ptr + r).to(tl.float64)
-    law = tl.where((r >= M) & (r < n), tl.where(z > 0, sq / z, 1.0 / (n - M).to(tl.float64)), 0.0)
-    if CODE == 2:
-        law = tl.where(r < K - 1, 0.0, tl.where(r == K - 1, law + extra, law))
     return law
 
 
 @triton.jit
-def _block_law(t, start, ss, sst_ptr, perm_ptr, q_ptr, n, z, extra, M: tl.constexpr, K: tl.constexpr,
-               CODE: tl.constexpr, BLOCK: tl.constexpr):
+def support_law_kernel(tok_ptr, q_ptr, n_ptr, perm_ptr, law_ptr, S, M: tl.constexpr, K: tl.constexpr,
+                       CODE: tl.constexpr, S_BLOCK: tl.constexpr):
+    """``law [R, S]``: row r's proposal law in its sorted-token order (``law[r, j]`` belongs
+    to support rank ``perm[r, j]``), once per expansion row for every node and chunk that
+    reads it. Written in rank order, then permuted in place (barriers between)."""
+    r = tl.program_id(0).to(tl.int64)
+    si = tl.arange(0, S_BLOCK)
+    law = _row_law(tok_ptr + r * S, q_ptr + r * S, tl.load(n_ptr + r), M, K, CODE, S_BLOCK)
+    tl.store(law_ptr + r * S + si, law, mask=si < S)
+    tl.debug_barrier()
+    perm = tl.load(perm_ptr + r * S + si, mask=si < S, other=0)
+    sorted_law = tl.load(law_ptr + r * S + perm, mask=si < S, other=0.0)
+    tl.debug_barrier()
+    tl.store(law_ptr + r * S + si, sorted_law, mask=si < S)
+
+
+@triton.jit
+def _proposal(tok_ptr, ss, ls, y, K: tl.constexpr, CODE: tl.constexpr, S_BLOCK: tl.constexpr):
+    """The proposal token ``e`` of one expanded node (``Y``; for 'ot' ``e(Y)``: rank K's token
+    when ``Y`` is among the first K - 1) and its law ``le``, from the sorted support ``ss``
+    and its law ``ls``."""
+    e = y
+    if CODE == 2:
+        si = tl.arange(0, S_BLOCK)
+        stok = tl.load(tok_ptr + si, mask=si < K, other=-1)
+        A = si < K - 1
+        rK = tl.sum(tl.where(si == K - 1, stok, 0), axis=0)
+        y_in_A = tl.sum((A & (stok == y)).to(tl.int32), axis=0) > 0
+        e = tl.where(y_in_A, rK, y)
+    le = tl.sum(tl.where(ss == e, ls, 0.0), axis=0)
+    return e, le
+
+
+@triton.jit
+def _block_law(t, start, ss, sst_ptr, law_ptr, BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
+               DENSE: tl.constexpr):
     """The proposal law on the block ``t = start + arange(BLOCK)`` of the vocabulary.
     ``ss`` is the row's sorted support (``_NO_TOKEN`` past its end), so the tokens inside
-    the block are ``ss[lo:hi]``."""
-    lo = tl.sum((ss < start).to(tl.int32), axis=0)
-    hi = tl.sum((ss < start + BLOCK).to(tl.int32), axis=0)
-    law = tl.zeros([BLOCK], tl.float64)
-    for j in range(lo, hi):
-        tok = tl.load(sst_ptr + j)
-        law = tl.where(t == tok, _law_at(q_ptr, tl.load(perm_ptr + j), n, z, extra, M, K, CODE), law)
+    the block are ``ss[lo:hi]``, their law ``law_ptr[lo:hi]`` (``support_law_kernel``):
+    placed one token at a time (a run is a few tokens; all runs of a node are <= S).
+    DENSE: one ``[BLOCK, S_BLOCK]`` comparison instead, the same values; for the
+    interpreter, where each loop step costs a Python round trip (on a GPU that tile would
+    not fit in registers)."""
+    if DENSE:
+        ls = tl.load(law_ptr + tl.arange(0, S_BLOCK), mask=ss < _NO_TOKEN_K, other=0.0)
+        law = tl.sum(tl.where(t[:, None] == ss[None, :], ls[None, :], 0.0), axis=1)
+    else:
+        lo = tl.sum((ss < start).to(tl.int32), axis=0)
+        hi = tl.sum((ss < start + BLOCK).to(tl.int32), axis=0)
+        law = tl.zeros([BLOCK], tl.float64)
+        for j in range(lo, hi):
+            law = tl.where(t == tl.load(sst_ptr + j), tl.load(law_ptr + j), law)
     return law
 
 
@@ -115,9 +137,9 @@ def _node(j, erow_ptr, y_ptr, n_ptr, M: tl.constexpr, K: tl.constexpr, CODE: tl.
 
 
 @triton.jit
-def node_mass_kernel(p_ptr, erow_ptr, y_ptr, tok_ptr, q_ptr, n_ptr, sst_ptr, perm_ptr, mass_ptr, V, S, CHUNK, NB,
+def node_mass_kernel(p_ptr, erow_ptr, y_ptr, n_ptr, sst_ptr, law_ptr, mass_ptr, V, S, CHUNK, NB,
                      M: tl.constexpr, K: tl.constexpr, CODE: tl.constexpr, S_BLOCK: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, DENSE: tl.constexpr):
     """``mass [nodes, NB]``: node j's ``sum max(0, p - law)`` over vocabulary chunk c
     (written only for nodes that test a proposal)."""
     j = tl.program_id(0).to(tl.int64)  # j * V overflows int32 past ~16.7k rows at V = 128k
@@ -125,24 +147,23 @@ def node_mass_kernel(p_ptr, erow_ptr, y_ptr, tok_ptr, q_ptr, n_ptr, sst_ptr, per
     rs, y, n, tests = _node(j, erow_ptr, y_ptr, n_ptr, M, K, CODE)
     if tests:
         sb = rs * S
-        z, extra, e, le = _proposal(tok_ptr + sb, q_ptr + sb, n, y, M, K, CODE, S_BLOCK)
         ss = tl.load(sst_ptr + sb + tl.arange(0, S_BLOCK), mask=tl.arange(0, S_BLOCK) < S, other=_NO_TOKEN_K)
         mass = tl.full((), 0.0, tl.float64)
         for start in range(c * CHUNK, tl.minimum(V, (c + 1) * CHUNK), BLOCK):
             t = start + tl.arange(0, BLOCK)
             ok = t < V
-            law = _block_law(t, start, ss, sst_ptr + sb, perm_ptr + sb, q_ptr + sb, n, z, extra, M, K, CODE, BLOCK)
+            law = _block_law(t, start, ss, sst_ptr + sb, law_ptr + sb, BLOCK, S_BLOCK, DENSE)
             r = tl.load(p_ptr + j * V + t, mask=ok, other=0.0).to(tl.float64) - law
             mass += tl.sum(tl.where(r > 0, r, 0.0), axis=0)
         tl.store(mass_ptr + j * NB + c, mass)
 
 
 @triton.jit
-def node_draw_kernel(p_ptr, u_ptr, g_ptr, erow_ptr, y_ptr, tok_ptr, q_ptr, n_ptr, sst_ptr, perm_ptr, mass_ptr,
+def node_draw_kernel(p_ptr, u_ptr, g_ptr, erow_ptr, y_ptr, tok_ptr, n_ptr, sst_ptr, law_ptr, mass_ptr,
                      nid_ptr, nkey_ptr, prop_ptr, best_ptr, arg_ptr, seed_arg, step_arg, V, S, CHUNK, NB,
                      M: tl.constexpr, K: tl.constexpr, CODE: tl.constexpr, S_BLOCK: tl.constexpr,
                      BLOCK: tl.constexpr, NB_BLOCK: tl.constexpr, NOISE: tl.constexpr, PA: tl.constexpr,
-                     PR: tl.constexpr):
+                     PR: tl.constexpr, DENSE: tl.constexpr):
     """Node j, chunk c: ``prop[j]`` (the accepted proposal or -1; chunk 0 writes it) and,
     unless accepted, ``best/arg[j, c]``: the chunk's best Gumbel key and its token.
 
@@ -167,10 +188,11 @@ def node_draw_kernel(p_ptr, u_ptr, g_ptr, erow_ptr, y_ptr, tok_ptr, q_ptr, n_ptr
     sb = rs * S
     prop = tl.full((), -1, tl.int64)
     mass = tl.full((), 1.0, tl.float64)
-    z = tl.full((), 0.0, tl.float64)
-    extra = tl.full((), 0.0, tl.float64)
+    si = tl.arange(0, S_BLOCK)
+    ss = tl.load(sst_ptr + sb + si, mask=si < S, other=_NO_TOKEN_K)
     if tests:
-        z, extra, e, le = _proposal(tok_ptr + sb, q_ptr + sb, n, y, M, K, CODE, S_BLOCK)
+        e, le = _proposal(tok_ptr + sb, ss, tl.load(law_ptr + sb + si, mask=si < S, other=0.0), y, K, CODE,
+                          S_BLOCK)
         cb = tl.arange(0, NB_BLOCK)
         mass = tl.sum(tl.load(mass_ptr + j * NB + cb, mask=cb < NB, other=0.0), axis=0)
         pe = tl.load(p_ptr + j * V + e).to(tl.float64)
@@ -180,7 +202,6 @@ def node_draw_kernel(p_ptr, u_ptr, g_ptr, erow_ptr, y_ptr, tok_ptr, q_ptr, n_ptr
     if c == 0:
         tl.store(prop_ptr + j, prop)
     if prop < 0:
-        ss = tl.load(sst_ptr + sb + tl.arange(0, S_BLOCK), mask=tl.arange(0, S_BLOCK) < S, other=_NO_TOKEN_K)
         # loop-carried values get their final types up front (compiled Triton requires it)
         best = tl.full((), float("-inf"), tl.float64)
         arg = (c * CHUNK).to(tl.int64)
@@ -193,8 +214,7 @@ def node_draw_kernel(p_ptr, u_ptr, g_ptr, erow_ptr, y_ptr, tok_ptr, q_ptr, n_ptr
             else:
                 g = tl.load(g_ptr + j * V + t, mask=ok, other=0.0).to(tl.float64)
             if tests:
-                law = _block_law(t, start, ss, sst_ptr + sb, perm_ptr + sb, q_ptr + sb, n, z, extra, M, K, CODE,
-                                 BLOCK)
+                law = _block_law(t, start, ss, sst_ptr + sb, law_ptr + sb, BLOCK, S_BLOCK, DENSE)
                 key = tl.log(tl.maximum(p - law, 0.0) / mass) + g
             else:
                 key = tl.log(p) + g
@@ -242,8 +262,8 @@ def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
 
 
 def _draw_nodes(p2, u, g, erow, y, sup_token, sup_q, sup_n, m, K, verifier, block, splits, nid=None, nkey=None,
-                noise=None):
-    """Kernels 1-2 over ``N`` nodes: ``p2 [N, V]``, ``erow [N]`` (row of the flat
+                noise=None, dense_law=None):
+    """The per-node kernels over ``N`` nodes: ``p2 [N, V]``, ``erow [N]`` (row of the flat
     expansion tables ``sup_* [R, S]`` / ``y [R]``, or -1). Returns (prop, best, arg)."""
     N, V = p2.shape
     S = sup_token.shape[-1]
@@ -259,32 +279,39 @@ def _draw_nodes(p2, u, g, erow, y, sup_token, sup_q, sup_n, m, K, verifier, bloc
     prop = torch.empty(N, dtype=torch.int64, device=dev)
     best = torch.empty(N, NB, dtype=torch.float64, device=dev)
     arg = torch.empty(N, NB, dtype=torch.int64, device=dev)
+    law = torch.empty(tok.shape[0], S, dtype=torch.float64, device=dev)
+    dense = dev.type != "cuda" if dense_law is None else bool(dense_law)  # the interpreter: see _block_law
     code, S_BLOCK = VERIFIER_CODES[verifier], triton.next_power_of_2(S)
     if code != 0 and m < K:  # nothing tests a proposal otherwise
-        node_mass_kernel[(N, NB)](p2, erow, y, tok, q, n, sst, perm, mass, V, S, chunk, NB, M=m, K=K, CODE=code,
-                                  S_BLOCK=S_BLOCK, BLOCK=BLOCK)
+        support_law_kernel[(tok.shape[0],)](tok, q, n, perm, law, S, M=m, K=K, CODE=code, S_BLOCK=S_BLOCK)
+        node_mass_kernel[(N, NB)](p2, erow, y, n, sst, law, mass, V, S, chunk, NB, M=m, K=K, CODE=code,
+                                  S_BLOCK=S_BLOCK, BLOCK=BLOCK, DENSE=dense)
     if noise is None:
         seed, step, pa, pr, nid, nkey = 0, 0, 0, 0, erow, erow  # nid / nkey unread
     else:
         seed, step, pa, pr = noise.seed, noise.step, int(noise.accept), int(noise.residual)
         u, g = p2, p2  # unread placeholders
-    node_draw_kernel[(N, NB)](p2, u, g, erow, y, tok, q, n, sst, perm, mass, nid, nkey, prop, best, arg, seed, step,
+    node_draw_kernel[(N, NB)](p2, u, g, erow, y, tok, n, sst, law, mass, nid, nkey, prop, best, arg, seed, step,
                               V, S, chunk, NB, M=m, K=K, CODE=code, S_BLOCK=S_BLOCK, BLOCK=BLOCK,
-                              NB_BLOCK=triton.next_power_of_2(NB), NOISE=noise is not None, PA=pa, PR=pr)
+                              NB_BLOCK=triton.next_power_of_2(NB), NOISE=noise is not None, PA=pa, PR=pr,
+                              DENSE=dense)
     return prop, best, arg
 
 
-def coupling_rows(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, u_accept, gumbel, block=1024, splits=None):
+def coupling_rows(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, u_accept, gumbel, block=1024, splits=None,
+                  dense_law=None):
     """Same contract as ``reference.coupling_rows``; ``p`` and ``gumbel`` may be any float
     dtype (upcast to float64 inside the kernel, exactly as ``.double()`` would).
-    ``splits``: vocabulary chunks per row (None: automatic, ``_splits``)."""
+    ``splits``: vocabulary chunks per row (None: automatic, ``_splits``); ``dense_law``:
+    ``_block_law``'s layout (None: dense under the interpreter only)."""
     n, V = p.shape
     dev = p.device
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=dev)
     erow = torch.arange(n, device=dev)
     prop, best, arg = _draw_nodes(_on(dev, p), _on(dev, u_accept.to(torch.float64)), _on(dev, gumbel), erow,
-                                  y_token, sup_token, sup_q, sup_n, m, K, verifier, block, splits)
+                                  y_token, sup_token, sup_q, sup_n, m, K, verifier, block, splits,
+                                  dense_law=dense_law)
     # each row a one-node tree: the walk kernel's table read is the one rule for "the best chunk"
     out = torch.empty(n, 1, dtype=torch.int64, device=dev)
     leaf = torch.full((n, 1), -1, dtype=torch.int64, device=dev)
@@ -342,7 +369,8 @@ class WalkNoise(NamedTuple):
 
 
 def verify_walk(p, u_accept, gumbel, token, first_child, n_children, exp_row, sup_token, sup_q, sup_n,
-                y_token, m, K, verifier, block=1024, noise: WalkNoise | None = None, splits=None) -> WalkOut:
+                y_token, m, K, verifier, block=1024, noise: WalkNoise | None = None, splits=None,
+                dense_law=None) -> WalkOut:
     """Same contract as ``reference.verify_walk``; ``p`` and ``gumbel`` may be any float dtype
     (upcast to float64 inside the kernel, no float64 copy of ``[B, L, V]``). Small tables
     are moved to ``p``'s device. Every linear node's draw is computed in parallel (padding
@@ -350,7 +378,8 @@ def verify_walk(p, u_accept, gumbel, token, first_child, n_children, exp_row, su
 
     ``noise``: draw the randomness in the kernel (Philox, bit-identical to ``Streams``)
     instead of reading ``u_accept`` / ``gumbel``, which may then be None: no ``[B, L, V]``
-    noise tensor exists at all. ``splits``: vocabulary chunks per node (None: automatic).
+    noise tensor exists at all. ``splits``: vocabulary chunks per node (None: automatic);
+    ``dense_law``: ``_block_law``'s layout (None: dense under the interpreter only).
     """
     B, L, V = p.shape
     E, S = sup_token.shape[1], sup_token.shape[2]
@@ -377,7 +406,7 @@ def verify_walk(p, u_accept, gumbel, token, first_child, n_children, exp_row, su
     erow = torch.where(exp_row >= 0, exp_row + E * torch.arange(B, device=dev)[:, None], -1).reshape(B * L)
     prop, best, arg = _draw_nodes(_on(dev, p).reshape(B * L, V), u_accept, gumbel, erow, y_token.reshape(B * E),
                                   sup_token.reshape(B * E, S), sup_q.reshape(B * E, S), sup_n.reshape(B * E),
-                                  m, K, verifier, block, splits, nid, nkey, noise)
+                                  m, K, verifier, block, splits, nid, nkey, noise, dense_law)
     NB = best.shape[1]
     walk_kernel[(B,)](prop, best, arg, _on(dev, token), _on(dev, first_child), _on(dev, n_children), emitted,
                       n_emitted, path, L, NB, C_BLOCK=triton.next_power_of_2(max(K, 2)),

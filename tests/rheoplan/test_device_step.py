@@ -98,10 +98,11 @@ def test_triton_step_syncs_and_launches(verifier, m, T):
     assert k["topk_kernel"] == n * (D + 1)
     assert k["slot_expansion_kernel"] == n * D
     assert k["linearize_kernel"] == n
-    # the walk: every node's draw in parallel (the mass pass only where a proposal is tested),
+    # the walk: every node's draw in parallel (the proposal laws and the mass pass only where a
+    # proposal is tested),
     # then the walk over the per-node table
     tests = verifier != "onehot" and cfg.effective_rheostat(s) < cfg.slots
-    assert k["node_mass_kernel"] == (n if tests else 0)
+    assert k["support_law_kernel"] == k["node_mass_kernel"] == (n if tests else 0)
     assert k["node_draw_kernel"] == n
     assert k["walk_kernel"] == n
     assert k["streams_uniform_kernel"] == n * draws  # the walk draws its noise in-kernel
@@ -118,3 +119,4 @@ def test_sync_counter_sees_host_reads():
         x = torch.arange(4)
         int(x[1]), x.tolist(), bool(x.any()), float(x.sum()), x.numpy(), x.cpu()
     assert syncs.count == 6
+

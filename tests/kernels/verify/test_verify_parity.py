@@ -90,11 +90,12 @@ def test_triton_coupling_rows(device, verifier):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("splits", [2, 3])
-def test_triton_coupling_rows_split_vocabulary(device, splits):
+@pytest.mark.parametrize("splits,dense_law", [(2, False), (3, False), (2, True)])
+def test_triton_coupling_rows_split_vocabulary(device, splits, dense_law):
     """The vocabulary cut into chunks (one program per (row, chunk), readiness item 16):
     the same tokens; rows of equal keys (flat p, zero noise) take the first index, as
-    torch.argmax, across chunk boundaries; the support's law lands in every chunk."""
+    torch.argmax, across chunk boundaries; the support's law lands in every chunk, placed
+    token by token (the GPU layout) or by one dense comparison (the interpreter's)."""
     from rheoplan.kernels.verify import triton as tk
 
     m, K = 1, 4
@@ -103,19 +104,21 @@ def test_triton_coupling_rows_split_vocabulary(device, splits):
     ref = reference.coupling_rows(p, tok, q, n, m, K, y, "ot", u, g)
     assert int(ref[5]) == 0
     d = [x.to(device) for x in (p, tok, q, n, y, u, g)]
-    got = tk.coupling_rows(d[0], d[1], d[2], d[3], m, K, d[4], "ot", d[5], d[6], block=4, splits=splits)
+    got = tk.coupling_rows(d[0], d[1], d[2], d[3], m, K, d[4], "ot", d[5], d[6], block=4, splits=splits,
+                           dense_law=dense_law)
     assert torch.equal(ref, got.cpu())
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("verifier,splits", [("rheo", None), ("ot", None), ("ot", 2)])
-def test_triton_walk(device, verifier, splits):
+@pytest.mark.parametrize("verifier,splits,dense_law", [("rheo", None, False), ("ot", None, False), ("ot", 2, False),
+                                                      ("ot", 2, True)])
+def test_triton_walk(device, verifier, splits, dense_law):
     from rheoplan.kernels.verify import triton as tk
 
     args = _walk_args(verifier)
     ref = reference.verify_walk(*args)
     got = tk.verify_walk(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in args), block=4,
-                         splits=splits)
+                         splits=splits, dense_law=dense_law)
     for name, a, b in zip(ref._fields, ref, got):
         assert torch.equal(a, b.cpu()), name
 
