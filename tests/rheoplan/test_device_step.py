@@ -120,3 +120,64 @@ def test_sync_counter_sees_host_reads():
         int(x[1]), x.tolist(), bool(x.any()), float(x.sum()), x.numpy(), x.cpu()
     assert syncs.count == 6
 
+
+def _adapter_cfg():
+    return TreeConfig(depth=3, frontier=2, slots=3, budget=6, rheostat=1, support=8, verifier="ot")
+
+
+@pytest.mark.interpreter
+@pytest.mark.no_ir_lint
+def test_triton_step_syncs_hf_target():
+    """A transformers target (``HFTarget``, built by the decode with the Triton tree attention)
+    reads its tree on the host once per verify forward (the node count that shapes the
+    forward, the checks before model work, the parents that commit checks): with a
+    device-clean draft a step makes 3 syncs, the readiness bound."""
+    from _decode_models import tiny_llama
+
+    s = SamplingConfig(temperature=1.0)
+    with count_host_syncs() as syncs, count_triton_launches() as launches:
+        res = plan_and_decode(tiny_llama(3, vocab=V, layers=2), BigramDraft(), [0, 1, 2], max_new_tokens=5,
+                              tree=_adapter_cfg(), sampling=s, seed=4, backend="triton")
+    n = len(res.steps)
+    assert syncs.count == 3 * n, syncs.where
+    assert launches.by_kernel["tree_attention_kernel"] == 2 * n  # one per layer per verify
+    ref = plan_and_decode(tiny_llama(3, vocab=V, layers=2), BigramDraft(), [0, 1, 2], max_new_tokens=5,
+                          tree=_adapter_cfg(), sampling=s, seed=4, backend="reference")
+    assert res.tokens == ref.tokens
+
+
+@pytest.mark.interpreter
+@pytest.mark.no_ir_lint
+def test_triton_step_syncs_functional_adapters():
+    """The functional adapters' models are host functions of token paths, so they read the
+    tree on the host, but in one transfer per call: the target once per verify (a step
+    stays at 3 syncs with a device-clean draft), the draft once per ``node_logits`` call
+    (one per depth) and once per ``commit``."""
+    from rheoplan.models.functional import FunctionalDraft, FunctionalTarget, hashed_context_lm
+
+    s = SamplingConfig(temperature=1.0)
+    tgt = lambda: FunctionalTarget(hashed_context_lm(V, seed=31, sharpness=1.5))  # noqa: E731
+    with count_host_syncs() as syncs:
+        res = plan_and_decode(tgt(), BigramDraft(), [0, 1, 2], max_new_tokens=6, tree=_adapter_cfg(), sampling=s,
+                              seed=4, backend="triton")
+    assert syncs.count == 3 * len(res.steps), syncs.where
+
+    draft = FunctionalDraft(hashed_context_lm(V, seed=32, sharpness=1.5))
+    calls = {"node_logits": 0, "commit": 0}
+    for name in calls:
+        real = getattr(draft, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        setattr(draft, name, counted)
+    with count_host_syncs() as syncs:
+        res = plan_and_decode(tgt(), draft, [0, 1, 2], max_new_tokens=6, tree=_adapter_cfg(), sampling=s, seed=4,
+                              backend="triton")
+    n = len(res.steps)
+    assert calls["node_logits"] == 3 * n  # the root, then one call per depth
+    assert syncs.count == 3 * n + calls["node_logits"] + calls["commit"], syncs.where
+    ref = plan_and_decode(tgt(), FunctionalDraft(hashed_context_lm(V, seed=32, sharpness=1.5)), [0, 1, 2],
+                          max_new_tokens=6, tree=_adapter_cfg(), sampling=s, seed=4, backend="reference")
+    assert res.tokens == ref.tokens
