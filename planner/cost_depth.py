@@ -11,7 +11,8 @@ and decide the same, so drafting stops there. Before depth 1 it follows the draf
 schedule: ``CostPlan.skip_draft`` makes the step a plain autoregressive one.
 
 Like ``cost_prune`` it reads only the draft side and the frozen plan, never the target's
-output for this step.
+output for this step. With B rows (batched decoding) the bound is the batch's: every
+row's frontier gain against one batched draft call and the padded verify forward it grows.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ def another_depth_pays(plan: CostPlan, tree: DraftTree, frontier: int, budget: i
         width = max(width, len(f))
     if width == 0:
         return False
-    n_now = B + sum(now.chosen)
-    more = min(width * B, max(0, budget * B - sum(now.chosen)))
-    cost_more = (now.predicted_ms + tm.draft(width)
-                 + tm.verify(n_now + more, ctx) - tm.verify(n_now, ctx))
+    # the verify forward is B rows padded to the widest row; one more depth adds up to one
+    # verify token per frontier node to it, within the budget
+    row_now = 1 + max(now.chosen)
+    row_more = min(row_now + width, 1 + budget)
+    cost_more = (now.predicted_ms + tm.draft_batch(B, width)
+                 + tm.verify_batch(B, row_more, ctx) - tm.verify_batch(B, row_now, ctx))
     return (now.expected + gain) / cost_more > now.expected / now.predicted_ms
 
 

@@ -13,9 +13,13 @@ measured at load, the calibration as it stood before this step). It never sees t
 target's output for this step, so it is one more reason to keep fewer nodes, like the
 budget. The exact oracle covers it (``tests/planner/test_cost_prune.py``).
 
-With B > 1 trees, the candidates of all rows compete for one verify forward: rows are
-merged by estimated acceptance (each row in its own ranking order) and ``c_v`` is taken
-at the batch's total token count.
+With B > 1 trees (the batched loop's live rows), the candidates of all rows compete for
+one verify forward: rows are merged by estimated acceptance (each row in its own ranking
+order) and each prefix of the merge is priced as the forward it would be, ``B`` rows padded
+to the widest row (``Timings.verify_batch``), plus one batched draft call per depth
+(``costmodel.draft_ms_batch``) and ``B`` rows' bookkeeping; the alternative is a plain
+autoregressive step of all ``B`` rows. So trees shrink as the batch grows, down to plain
+autoregressive steps when the verify forward is already compute-bound.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from functools import partial
 
 import torch
 
-from rheoplan.costmodel import CostPlan, choose_n, draft_ms_so_far, node_acceptance
+from rheoplan.costmodel import CostPlan, choose_n, draft_ms_batch, node_acceptance
 from rheoplan.ir import DraftTree, rank_key_order
 from rheoplan.pipeline import FnPass, PassContext
 
@@ -86,11 +90,19 @@ def decide(plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
         rows.append(best)
         heads[best] += 1
     ctx = int(tree.prefix_len.max())
-    draft = sum(draft_ms_so_far(plan, tree, b) for b in range(B))
+    draft = draft_ms_batch(plan, tree)
     tm = plan.timings
-    n, e, cost = choose_n(merged, draft, lambda k: tm.verify(k + B - 1, ctx), tm.overhead_ms)
+    # widest[N]: tokens of the widest row (root included) once the first N merged candidates
+    # are kept; the verify forward is B rows padded to it
+    widest, counts = [1], [0] * B
+    for r in rows:
+        counts[r] += 1
+        widest.append(1 + max(counts))
+    # every row emits at least one token, so a batch's step starts from B expected tokens
+    n, e, cost = choose_n(merged, draft, lambda k: tm.verify_batch(B, widest[k - 1], ctx), tm.overhead_batch(B),
+                          base=B)
     chosen = [rows[:n].count(b) for b in range(B)]
-    return CostDecision(acc, orders, chosen, e + B - 1, cost, tm.verify(B, ctx) + tm.ar_overhead_ms, draft)
+    return CostDecision(acc, orders, chosen, e, cost, tm.ar_step_batch(B, ctx), draft)
 
 
 def cost_prune_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, on_decision=None) -> DraftTree:

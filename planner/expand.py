@@ -20,7 +20,7 @@ import math
 import torch
 
 from rheoplan.config import PROXIES, TreeConfig
-from rheoplan.distributions import draft_probs, rank_support, tail_mass
+from rheoplan.distributions import SubsetLogits, draft_probs, rank_support, tail_mass
 from rheoplan.ir import DraftTree, NodeKind, rank_key_order
 from rheoplan.pipeline import PassContext, builtin_pass
 
@@ -104,8 +104,19 @@ def check_can_expand(tree: DraftTree, ctx: PassContext) -> None:
         raise ValueError("expand needs ctx.draft, the draft-forward callback")
 
 
+def draft_columns(out) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The draft's answer as ``(logits [B, width, V'], ids)``: a dense ``[B, width, V]``
+    tensor gives ``ids = None`` (column = token id); a ``SubsetLogits`` its target ids of
+    the columns, which the ``expand`` passes map the ranked columns through
+    (``sup_token = ids[column]``) after the same softmax and top-S over ``V'`` columns."""
+    if isinstance(out, SubsetLogits):
+        return out.logits, out.ids
+    return out, None
+
+
 def check_draft_logits(logits: torch.Tensor, B: int, width: int, K: int, support: int) -> int:
-    """Check the draft's answer ``[B, width, V]`` and that K distinct slots fit; return V."""
+    """Check the draft's answer ``[B, width, V]`` and that K distinct slots fit; return V
+    (``V'`` of a ``SubsetLogits``: the tokens it can propose)."""
     if logits.dim() != 3 or logits.shape[:2] != (B, width):
         raise ValueError(f"draft returned logits of shape {tuple(logits.shape)}, expected ({B}, {width}, V)")
     V = logits.shape[-1]
@@ -124,13 +135,15 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     nodes = torch.full((B, width), -1, dtype=torch.int64)
     for b, f in enumerate(frontiers):
         nodes[b, :len(f)] = torch.tensor(f, dtype=torch.int64)
-    logits = ctx.draft(tree, nodes)
+    logits, ids = draft_columns(ctx.draft(tree, nodes))
     V = check_draft_logits(logits, B, width, K, cfg.support)
 
     t = tree.clone()
     for b, frontier in enumerate(frontiers):
         q = draft_probs(logits[b, :len(frontier)], ctx.sampling)
         sup_tok, sup_q = rank_support(q, cfg.support)
+        if ids is not None:  # ranked columns of a SubsetLogits -> target ids
+            sup_tok = ids.to(sup_tok.device)[sup_tok]
         n_sup = sup_tok.shape[-1]
         for j, v in enumerate(frontier):
             row = int(t.n_expanded[b])

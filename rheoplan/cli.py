@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from rheoplan import dump, ir_text
+from rheoplan.bench import batch as bench_batch
 from rheoplan.bench import cost as bench_cost
 from rheoplan.bench import decode as bench_decode
 from rheoplan.bench import kernels as bench_kernels
@@ -20,7 +21,7 @@ from rheoplan.bench import planner as bench_planner
 from rheoplan.backends import BACKENDS, resolve_backend
 from rheoplan.config import PROXIES, VERIFIERS, SamplingConfig, TreeConfig
 from rheoplan.costmodel import CostPlan
-from rheoplan.decode import plan_and_decode
+from rheoplan.decode import draft_answer, plan_and_decode
 from rheoplan.loading import (AUTO_BUDGET, AUTO_DEPTH, AUTO_OPTIONS, DEFAULTS, METHODS, add_dtype, auto_tree,
                               encode_prompt, int_or_auto, load_cost_model, load_default, parse_draft_spec)
 from rheoplan.models import as_draft
@@ -143,7 +144,8 @@ def _model_device() -> str:
 
 
 #: ``rheoplan bench WHAT`` runs ``BENCHES[WHAT].main``
-BENCHES = {"decode": bench_decode, "cost": bench_cost, "kernels": bench_kernels, "planner": bench_planner}
+BENCHES = {"decode": bench_decode, "batch": bench_batch, "cost": bench_cost, "kernels": bench_kernels,
+           "planner": bench_planner}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,10 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     t.add_argument("rest", nargs=argparse.REMAINDER, help="trainer arguments (try --help)")
 
-    b = sub.add_parser("bench", help="benchmarks: decode (side by side on SmolLM2), cost, kernels, planner",
+    b = sub.add_parser("bench", help="benchmarks: decode (side by side on SmolLM2), batch, cost, kernels, planner",
                        description="Run a benchmark script and print measured numbers.")
     b.add_argument("what", choices=list(BENCHES),
                    help="decode: side-by-side decode benchmark on SmolLM2 (writes a report); "
+                        "batch: batched decoding vs generate on the same padded batch, per batch size; "
                         "cost: where a step's time goes and the break-even accepted length; "
                         "kernels: numba/Triton kernels vs references; planner: reference vs numba passes")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
@@ -284,7 +287,7 @@ def cmd_dump(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     instruments = [DumpIR(out / "passes", tokenizer=tok)] if args.passes else []
-    t = plan_tree(lambda tr, nodes: drf.node_logits(tr, nodes[0][nodes[0] >= 0].tolist()).unsqueeze(0),
+    t = plan_tree(lambda tr, nodes: draft_answer(drf, tr, nodes[0][nodes[0] >= 0].tolist()),
                   [ids[-1]], tree=tree, sampling=sampling, prefix_len=[len(ids) - 1], seed=args.seed,
                   instruments=instruments, passes=passes, backend=backend).to("cpu")
     text = ir_text.to_text(t, tokenizer=tok)

@@ -8,7 +8,8 @@ and verify it (design notes: COST_MODEL.md). Three kinds of quantity meet here:
   ``c_v(n, ctx)`` one verify forward carrying ``n`` tokens over ``ctx`` cached ones
   (piecewise linear in ``n``, linear in ``ctx``), ``c_d(w)`` one draft call over ``w``
   frontier rows, ``c_o`` the loop's bookkeeping per tree step and ``c_o'`` per plain
-  autoregressive step.
+  autoregressive step; for batched decoding also ``c_v(B, n)``, one verify forward of
+  ``B`` rows padded to ``n`` tokens each (a small measured grid, ``Timings.verify_batch``).
 * ``Calibration``: online counts of (trials, accepts) per score bucket, from the steps
   this decode already verified (optionally starting from a calibration file). A node's
   estimated acceptance is the calibrated value of its bucket times its parent's.
@@ -20,6 +21,10 @@ and verify it (design notes: COST_MODEL.md). Three kinds of quantity meet here:
 
 The one definition of the decision rule is ``choose_n``:
 ``N* = argmax_N (1 + sum_{i<=N} a_i) / (c_d + c_v(N + 1) + c_o)``, ``N = 0`` included.
+With ``B`` live rows the same rule runs over the batch's merged candidates, with
+``c_v(B, widest row)``, one draft call per depth for all rows and ``B`` rows' bookkeeping
+(``planner/cost_prune.decide``); ``CostModel.plan_for_batch`` is its a-priori summary per
+batch size (the tree depth and per-row budget that pay at ``B`` rows).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import math
 import os
 import platform
+import time
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -92,6 +98,13 @@ class Timings:
     draft_ms: tuple[float, ...]  #: c_d(w)
     overhead_ms: float  #: c_o: plan + walk + commit + loop per tree step (draft and forward excluded)
     ar_overhead_ms: float  #: c_o': the same for a plain autoregressive step
+    #: batch sizes B of the batched verify grid (empty: batch 1 only; see ``verify_batch``)
+    batch_sizes: tuple[int, ...] = ()
+    #: tokens per row n of the grid (every row padded to n: one rectangular [B, n] forward)
+    batch_row_sizes: tuple[int, ...] = ()
+    #: ``batch_verify[i][j]``: one verify forward of ``batch_sizes[i]`` rows x
+    #: ``batch_row_sizes[j]`` tokens over ``ctx_lo`` cached tokens per row (ms)
+    batch_verify: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.sizes or len(self.sizes) != len(self.verify_lo) or len(self.sizes) != len(self.verify_hi):
@@ -104,7 +117,18 @@ class Timings:
             raise ValueError(f"Timings: draft_widths={self.draft_widths} must be increasing")
         if self.ctx_hi <= self.ctx_lo:
             raise ValueError(f"Timings: ctx_hi={self.ctx_hi} must exceed ctx_lo={self.ctx_lo}")
+        if self.batch_sizes or self.batch_row_sizes or self.batch_verify:
+            if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
+                raise ValueError(f"Timings: batch_sizes={self.batch_sizes} must be increasing ints >= 1")
+            if not self.batch_row_sizes or list(self.batch_row_sizes) != sorted(set(self.batch_row_sizes)) \
+                    or self.batch_row_sizes[0] < 1:
+                raise ValueError(f"Timings: batch_row_sizes={self.batch_row_sizes} must be increasing ints >= 1")
+            if len(self.batch_verify) != len(self.batch_sizes) or any(
+                    len(r) != len(self.batch_row_sizes) for r in self.batch_verify):
+                raise ValueError(f"Timings: batch_verify must be {len(self.batch_sizes)} rows (batch_sizes) of "
+                                 f"{len(self.batch_row_sizes)} latencies (batch_row_sizes)")
         vals = list(self.verify_lo) + list(self.verify_hi) + list(self.draft_ms) + [self.overhead_ms, self.ar_overhead_ms]
+        vals += [v for r in self.batch_verify for v in r]
         if any(not (v >= 0 and math.isfinite(v)) for v in vals):
             raise ValueError("Timings: every latency must be finite and >= 0 ms")
 
@@ -123,18 +147,184 @@ class Timings:
         """Cost of a plain autoregressive step (ms): ``c_v(1) + c_o'``."""
         return self.verify(1, ctx) + self.ar_overhead_ms
 
+    # -- batches: B live rows share one verify forward and one draft call per depth ------------
+
+    def verify_batch(self, batch: int, row_tokens: int, ctx: int) -> float:
+        """``c_v(B, n, ctx)``: one verify forward of ``batch`` rows, each padded to
+        ``row_tokens`` tokens (the widest row's tree), over ``ctx`` cached tokens (ms).
+
+        With a measured grid: piecewise linear in ``n`` at each measured ``B``, then in
+        ``B`` (linear extrapolation past either end), at ``ctx_lo``; the context term is
+        the batch-1 curve's, taken at the batch's total tokens ``B * n`` (every row's
+        tokens attend to their own ``ctx`` cached ones). Batch 1 is ``verify(n, ctx)``.
+        Without a grid (timings measured before batches existed) a batch costs what one
+        row of ``B * n`` tokens costs.
+
+        Example: grid B (1, 4) x n (1, 2) = [[10, 12], [14, 22]] ms -> B=2, n=1: 11.33 ms.
+        """
+        if batch == 1:
+            return self.verify(row_tokens, ctx)
+        total = batch * row_tokens
+        if not self.batch_sizes:
+            return self.verify(total, ctx)
+        at_b = [_interp(self.batch_row_sizes, row, row_tokens) for row in self.batch_verify]
+        v = _interp(self.batch_sizes, at_b, batch)
+        v += self.verify(total, ctx) - self.verify(total, self.ctx_lo)
+        return max(v, 1e-3)
+
+    def draft_batch(self, batch: int, row_width: int) -> float:
+        """One draft call over ``batch`` rows of ``row_width`` frontier nodes each (ms):
+        modelled as one call over ``batch * row_width`` frontier rows, ``c_d(B * w)``
+        (the batched draft runs every row's frontier through one call per depth)."""
+        return self.draft(batch * row_width)
+
+    def overhead_batch(self, batch: int) -> float:
+        """``c_o`` of a tree step with ``batch`` rows (ms): each row is planned, walked and
+        committed, so ``batch * c_o`` (an upper bound when the loop vectorises some of it)."""
+        return batch * self.overhead_ms
+
+    def ar_step_batch(self, batch: int, ctx: int) -> float:
+        """A plain autoregressive step of ``batch`` rows (ms): ``c_v(B, 1) + B * c_o'``."""
+        return self.verify_batch(batch, 1, ctx) + batch * self.ar_overhead_ms
+
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Timings":
         known = {f: d[f] for f in cls.__dataclass_fields__ if f in d}
-        missing = sorted(set(cls.__dataclass_fields__) - set(known))
+        optional = {"batch_sizes", "batch_row_sizes", "batch_verify"}  # absent in batch-1 records
+        missing = sorted(set(cls.__dataclass_fields__) - set(known) - optional)
         if missing:
             raise ValueError(f"Timings: missing fields {missing}")
-        for k in ("sizes", "verify_lo", "verify_hi", "draft_widths", "draft_ms"):
-            known[k] = tuple(known[k])
+        for k in ("sizes", "verify_lo", "verify_hi", "draft_widths", "draft_ms", "batch_sizes", "batch_row_sizes"):
+            if k in known:
+                known[k] = tuple(known[k])
+        if "batch_verify" in known:
+            known["batch_verify"] = tuple(tuple(r) for r in known["batch_verify"])
         return cls(**known)
+
+
+# -- the verify walk's output projections ----------------------------------------------------
+
+#: rows measured for ``ProjectionTimings`` (one output projection of k final hidden states)
+PROJECTION_SIZES = (1, 2, 4, 8, 16, 32, 64)
+PROJECTION_CACHE = "projection.json"
+
+
+@dataclass(frozen=True)
+class ProjectionTimings:
+    """``c_p(k)``: one output projection (lm_head) of ``k`` rows, in ms, measured on this
+    machine (``measure_projection``). It decides how the CPU walk gets its logits
+    (``project_all``): the projection is memory-bound on a CPU (each call reads the whole
+    lm_head), so projecting every row of a tree at once costs little more than one row.
+
+    Example (bfloat16 SmolLM2 on a 2-core EPYC: one row 4.3 ms, nine rows 5.5 ms):
+        >>> pt = ProjectionTimings((1, 8, 16), (4.3, 5.4, 6.6))
+        >>> pt.project_all(9, 5)   # 5.55 <= c_p(5) + c_p(1) = 5.0 + 4.3
+        True
+        >>> pt.project_all(5, 5)   # the likely path is the whole tree: same rows either way
+        False
+    """
+
+    sizes: tuple[int, ...]  #: rows k measured, increasing, from 1
+    ms: tuple[float, ...]  #: c_p(k)
+
+    def __post_init__(self) -> None:
+        if not self.sizes or len(self.sizes) != len(self.ms):
+            raise ValueError("ProjectionTimings: sizes and ms must be non-empty and of equal length")
+        if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"ProjectionTimings: sizes={self.sizes} must be increasing ints >= 1")
+        if any(not (v >= 0 and math.isfinite(v)) for v in self.ms):
+            raise ValueError("ProjectionTimings: every latency must be finite and >= 0 ms")
+
+    def cost(self, k: int) -> float:
+        """``c_p(k)`` in ms, interpolated between the measured sizes."""
+        return max(_interp(self.sizes, self.ms, k), 1e-6)
+
+    def project_all(self, n: int, path_len: int) -> bool:
+        """Whether the walk over a tree of ``n`` linear nodes should project all ``n`` rows in
+        one call rather than the likely path's ``path_len`` rows (``rheoplan.walk.likely_path``)
+        and then, node by node, the ones it visits off that path.
+
+        The lazy side is costed at ``c_p(path_len) + c_p(1)``: the path in one batch plus one
+        single-row projection, the least it pays whenever the walk leaves the likely path
+        (most tree steps at the acceptance rates measured in docs/results.md). With
+        ``n <= path_len`` both project the same rows, and the lazy call is kept.
+        """
+        if n <= path_len:
+            return False
+        return self.cost(n) <= self.cost(path_len) + self.cost(1)
+
+    def to_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "ms": list(self.ms)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ProjectionTimings":
+        return cls(tuple(int(k) for k in d["sizes"]), tuple(float(v) for v in d["ms"]))
+
+
+def measure_projection(project: Callable[[torch.Tensor], object], width: int, *,
+                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                       sizes: Sequence[int] = PROJECTION_SIZES, reps: int = 3,
+                       timer: Callable[[], float] = time.perf_counter) -> ProjectionTimings:
+    """Time ``project(hidden [k, width])`` for every ``k`` in ``sizes`` (median of ``reps``
+    after one warm-up, sizes timed round-robin so a machine slowing down slows all alike)."""
+    if reps < 1:
+        raise ValueError(f"reps={reps} is out of range: allowed >= 1")
+    dev = torch.device(device)
+    rows = {k: torch.randn(k, width, generator=torch.Generator().manual_seed(k)).to(dev, dtype) for k in sizes}
+
+    def run(k: int) -> None:
+        project(rows[k])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    samples: dict[int, list[float]] = {k: [] for k in sizes}
+    with torch.no_grad():
+        for k in sizes:
+            run(k)
+        for _ in range(reps):
+            for k in sizes:
+                t0 = timer()
+                run(k)
+                samples[k].append(1e3 * (timer() - t0))
+    ms = [sorted(v)[len(v) // 2] for v in (samples[k] for k in sizes)]
+    for i in range(1, len(ms)):  # more rows never cost less: a dip is noise
+        ms[i] = max(ms[i], ms[i - 1])
+    return ProjectionTimings(tuple(sizes), tuple(ms))
+
+
+#: process-wide memo of ``projection_timings``: measured once per process and shape
+_PROJECTION: dict[str, ProjectionTimings] = {}
+
+
+def projection_timings(project: Callable[[torch.Tensor], object], vocab: int, width: int, *,
+                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> ProjectionTimings:
+    """``measure_projection`` for a ``[vocab, width]`` output projection, once per process
+    and cached on disk (``cache_dir()/projection.json``, per machine, torch version,
+    threads, shape, dtype); ``RHEOPLAN_REMEASURE=1`` measures again. About a tenth of a
+    second for SmolLM2's 49152 x 576 head, the first time on a machine."""
+    key = cache_key("projection", f"lm_head {vocab}x{width}", device, dtype=str(dtype).removeprefix("torch."))
+    pt = _PROJECTION.get(key)
+    if pt is not None:
+        return pt
+    rec = cache_read(PROJECTION_CACHE, key) if not remeasure_requested() else None
+    if rec is not None:
+        try:
+            pt = ProjectionTimings.from_dict(rec)
+        except (KeyError, TypeError, ValueError):
+            pt = None  # a stale record: measure again
+    if pt is None:
+        pt = measure_projection(project, width, device=device, dtype=dtype)
+        cache_write(PROJECTION_CACHE, key, pt.to_dict())
+    _PROJECTION[key] = pt
+    return pt
+
+
+def remeasure_requested() -> bool:
+    """``RHEOPLAN_REMEASURE`` is set (not '' or '0'): measure again, overwrite the caches."""
+    return os.environ.get("RHEOPLAN_REMEASURE", "") not in ("", "0")
 
 
 # -- calibration ---------------------------------------------------------------------------
@@ -273,34 +463,54 @@ def node_acceptance(plan: CostPlan, tree: DraftTree, b: int = 0) -> torch.Tensor
     return torch.tensor(acc, dtype=torch.float64)
 
 
+def _expanded_widths(tree: DraftTree, b: int) -> dict[int, int]:
+    """{depth: nodes of tree ``b`` expanded at that depth} (one draft call per depth)."""
+    rows = int(tree.n_expanded[b])
+    widths: dict[int, int] = {}
+    if rows == 0:
+        return widths
+    for d in tree.depth[b, tree.exp_node[b, :rows]].tolist():
+        widths[d] = widths.get(d, 0) + 1
+    return widths
+
+
 def draft_ms_so_far(plan: CostPlan, tree: DraftTree, b: int = 0) -> float:
     """Latency of the draft calls that built tree ``b``: one call per drafted depth, as
     wide as the number of nodes expanded at that depth."""
-    rows = int(tree.n_expanded[b])
-    if rows == 0:
-        return 0.0
-    depths = tree.depth[b, tree.exp_node[b, :rows]].tolist()
-    widths: dict[int, int] = {}
-    for d in depths:
-        widths[d] = widths.get(d, 0) + 1
-    return sum(plan.timings.draft(w) for w in widths.values())
+    return sum(plan.timings.draft(w) for w in _expanded_widths(tree, b).values())
+
+
+def draft_ms_batch(plan: CostPlan, tree: DraftTree) -> float:
+    """Latency of the draft calls that built all ``tree.batch`` rows: one batched call per
+    drafted depth for every row, each row padded to the widest row's frontier at that
+    depth (``Timings.draft_batch``). One row: ``draft_ms_so_far``."""
+    B = tree.batch
+    if B == 1:
+        return draft_ms_so_far(plan, tree, 0)
+    widest: dict[int, int] = {}
+    for b in range(B):
+        for d, w in _expanded_widths(tree, b).items():
+            widest[d] = max(widest.get(d, 0), w)
+    return sum(plan.timings.draft_batch(B, w) for w in widest.values())
 
 
 def choose_n(acceptances: Sequence[float], draft_ms: float, verify_ms: Callable[[int], float],
-             overhead_ms: float) -> tuple[int, float, float]:
+             overhead_ms: float, base: float = 1.0) -> tuple[int, float, float]:
     """The decision rule: ``(N*, E, cost)`` with
-    ``N* = argmax_N (1 + sum_{i<=N} a_i) / (draft_ms + verify_ms(N + 1) + overhead_ms)``
+    ``N* = argmax_N (base + sum_{i<=N} a_i) / (draft_ms + verify_ms(N + 1) + overhead_ms)``
     over ``N = 0 .. len(acceptances)``; ties go to the smaller N.
 
     ``acceptances`` are the candidates' estimated acceptances in the prune order (best
-    first). ``E`` is the expected emitted tokens, ``cost`` the predicted step latency (ms).
+    first). ``base`` is what a step emits with no drafted node: 1 token per row (``B`` for
+    a batch of ``B`` rows). ``E`` is the expected emitted tokens, ``cost`` the predicted
+    step latency (ms).
 
     Example: a = [0.9, 0.1], no draft cost, c_v(n) = 10 n, c_o = 0:
     N=0: 1/10, N=1: 1.9/20, N=2: 2.0/30 -> (0, 1.0, 10.0).
     """
-    best = (0, 1.0, draft_ms + verify_ms(1) + overhead_ms)
+    best = (0, float(base), draft_ms + verify_ms(1) + overhead_ms)
     best_rate = best[1] / best[2]
-    e = 1.0
+    e = float(base)
     for i, a in enumerate(acceptances, start=1):
         e += float(a)
         cost = draft_ms + verify_ms(i + 1) + overhead_ms
@@ -322,6 +532,72 @@ class CostModel:
     def fresh_calibration(self) -> Calibration:
         """A decode's own calibration: a copy of the prior (or an empty one)."""
         return Calibration.from_dict(self.calibration.to_dict()) if self.calibration else Calibration()
+
+    def plan_for_batch(self, batch: int, *, ctx: int, max_depth: int, width: int = 1,
+                       continuation: Sequence[float] | None = None) -> "BatchPlan":
+        """The tree that pays at ``batch`` live rows, a priori: the depth ``D`` (0: plain
+        autoregressive steps) and per-row budget ``width * D`` maximising the whole batch's
+        expected tokens per millisecond, ``B * E(D) / cost(D)`` with
+
+        * ``E(D) = 1 + sum_{d=1..D} prod_{j<d} continuation[j]`` (expected emitted tokens
+          per row: the walk reaches depth ``d`` with the product of the per-depth rates);
+        * ``cost(D) = D * c_d(B, width) + c_v(B, 1 + width * D, ctx) + B * c_o``, and for
+          ``D = 0`` a plain autoregressive step, ``c_v(B, 1) + B * c_o'``.
+
+        ``continuation`` defaults to the prior calibration's (``Calibration.continuation``;
+        0.5 per depth without one). Ties go to the shallower tree. This is a summary for
+        sizing and reports (``rheoplan bench batch`` prints it per batch size): each step's
+        actual tree is decided by the cost passes (``planner/cost_depth``, ``cost_prune``)
+        over that step's draft scores, with the same latencies and the live ``B``.
+
+        Example: a verify forward that costs 10 ms at any size pays for every depth even at
+        16 rows; one that costs 1 ms per token of the batch does not pay for any:
+
+            >>> flat = Timings((1, 64), (10.0, 10.0), (10.0, 10.0), 0, 1000, (1,), (0.5,), 0.0, 0.0)
+            >>> CostModel(flat).plan_for_batch(16, ctx=64, max_depth=4, continuation=[0.9] * 4).depth
+            4
+            >>> linear = Timings((1, 64), (1.0, 64.0), (1.0, 64.0), 0, 1000, (1,), (0.5,), 0.0, 0.0)
+            >>> CostModel(linear).plan_for_batch(16, ctx=64, max_depth=4, continuation=[0.9] * 4).depth
+            0
+        """
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch={batch!r} is out of range: allowed an int >= 1")
+        if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
+            raise ValueError(f"max_depth={max_depth!r} is out of range: allowed an int >= 0")
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"width={width!r} is out of range: allowed an int >= 1")
+        cont = list(continuation if continuation is not None else self.fresh_calibration().continuation())
+        if len(cont) < max_depth or any(not 0.0 <= float(c) <= 1.0 for c in cont[:max_depth]):
+            raise ValueError(f"continuation must hold at least max_depth={max_depth} rates in [0, 1]")
+        tm = self.timings
+        ar_ms = tm.ar_step_batch(batch, ctx)
+        best = BatchPlan(batch, 0, 0, 1.0, ar_ms, batch / ar_ms * 1e3, batch / ar_ms * 1e3)
+        e, reach = 1.0, 1.0
+        for d in range(1, max_depth + 1):
+            reach *= float(cont[d - 1])
+            e += reach
+            cost = (d * tm.draft_batch(batch, width) + tm.verify_batch(batch, 1 + width * d, ctx)
+                    + tm.overhead_batch(batch))
+            rate = batch * e / cost * 1e3
+            if rate > best.tokens_per_s:
+                best = BatchPlan(batch, d, width * d, e, cost, rate, best.ar_tokens_per_s)
+        return best
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """``CostModel.plan_for_batch``'s answer for one batch size."""
+
+    batch: int  #: live rows B
+    depth: int  #: draft depth D (0: plain autoregressive steps)
+    budget: int  #: drafted nodes kept per row
+    expected_tokens: float  #: E: expected emitted tokens per row per step
+    predicted_ms: float  #: predicted latency of one step of the whole batch
+    tokens_per_s: float  #: the whole batch's predicted tokens per second with this tree
+    ar_tokens_per_s: float  #: the same for plain autoregressive steps
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 # -- the drafting schedule -------------------------------------------------------------------

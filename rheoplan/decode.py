@@ -6,9 +6,10 @@ One step:
    ``expand`` passes call the draft once per depth (one batched call);
 2. verify forward: the target runs the root and every kept node in one forward;
 3. walk (``rheoplan.walk``): the verifier walks from the root and emits accepted tokens +
-   one more; on the CPU backends it asks for target logits only at the nodes it visits
-   (lazy output projection), on 'triton' the walk kernel runs on the device and the host
-   receives the tokens in one transfer;
+   one more; on the CPU backends it reads target logits from one projection of every
+   node or of the likely path then node by node, whichever the target measured cheaper
+   (``TreeLogits.prefers_all_logits``), on 'triton' the walk kernel runs on the device and
+   the host receives the tokens in one transfer;
 4. commit: both models keep the root and the accepted nodes; the last emitted
    token is the next root.
 
@@ -34,6 +35,7 @@ from tqdm.auto import tqdm
 from rheoplan.backends import check_backend, resolve_backend
 from rheoplan.config import ConfigError, SamplingConfig, TreeConfig
 from rheoplan.costmodel import Calibration, CostModel, CostPlan, DraftSchedule
+from rheoplan.distributions import SubsetLogits
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.models import as_draft, as_target
 from rheoplan.models.base import DraftModel, TargetModel
@@ -194,6 +196,15 @@ def _check_pair(tgt: TargetModel, drf: DraftModel) -> None:
                          f"device={t_dev} (put both models on the same device)")
     drf.check_vocab_map(tgt.vocab_size)
     drf.check_target(tgt)
+    ids = drf.vocab_ids
+    if ids is not None:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() < 1 or ids.dtype.is_floating_point:
+            raise ValueError(f"draft vocab_ids={ids!r}: allowed None or a non-empty 1-D integer tensor of "
+                             "target token ids")
+        ok = torch.stack([(ids[1:] > ids[:-1]).all(), ids[0] >= 0, ids[-1] < tgt.vocab_size])
+        if not all(ok.tolist()):  # one read per decode
+            raise ValueError(f"draft vocab_ids must be strictly increasing target ids in [0, {tgt.vocab_size}) "
+                             "(increasing ids keep the planner's ties-to-the-lower-id rule)")
 
 
 def _check_int(name: str, value, lo: int) -> int:
@@ -442,11 +453,9 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
         # the draft gets the ids as a device tensor, with no host sync. The CPU planners
         # pad with -1 and pass a list.
         valid = nodes[0] if on_device else nodes[0][nodes[0] >= 0].tolist()
-        out = drf.node_logits(tr, valid)
+        out = draft_answer(drf, tr, valid)
         st.t_draft += time.perf_counter() - t_d
-        if out.shape[0] != len(valid):
-            raise ValueError(f"draft returned {out.shape[0]} rows for {len(valid)} nodes")
-        return out.unsqueeze(0)
+        return out
 
     instruments = []
     if s.dump_ir is not None and (s.dump_steps is None or s.step in s.dump_steps):
@@ -454,6 +463,18 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
     return plan_tree(draft_fn, [s.root], tree=s.tree, sampling=s.sampling, prefix_len=[s.prefix_len],
                      seed=s.seed, step=s.step, passes=passes, instruments=instruments, backend=s.backend,
                      device=s.plan_device)
+
+
+def draft_answer(drf: DraftModel, tree: DraftTree, nodes) -> torch.Tensor | SubsetLogits:
+    """What the planner's ``expand`` gets from ``drf`` for ``nodes`` of tree 0:
+    ``node_logits`` as ``[1, n, V]``, or, for a draft over part of the vocabulary
+    (``vocab_ids`` set), its ``vocab_logits`` as ``SubsetLogits`` (the same law on its own
+    columns: no scatter to, softmax over or top-S of the whole vocabulary)."""
+    vocab = drf.vocab_ids
+    out = drf.node_logits(tree, nodes) if vocab is None else drf.vocab_logits(tree, nodes)
+    if out.shape[0] != len(nodes):
+        raise ValueError(f"draft returned {out.shape[0]} rows for {len(nodes)} nodes")
+    return out.unsqueeze(0) if vocab is None else SubsetLogits(out.unsqueeze(0), vocab)
 
 
 def _decode(s: DecodeState) -> DecodeResult:

@@ -26,6 +26,7 @@ takes the argmax (first index among ties), like ``generate(do_sample=False)``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -212,6 +213,33 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None,
         out.scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
         return out
     return torch.softmax(x.to(torch.float64), dim=-1)
+
+
+@dataclass(frozen=True)
+class SubsetLogits:
+    """Draft logits over a subset of the target vocabulary: ``logits [..., V']`` at the
+    target ids ``ids [V']`` (strictly increasing); every other token has draft probability
+    0. The same draft law as the dense ``[..., V]`` logits with ``-inf`` outside ``ids``
+    (``dense``), without materialising the ``V - V'`` zeros: an EAGLE-3 head over a
+    reduced vocabulary (8192 of SmolLM2's 49152 tokens) returns this, and the ``expand``
+    passes take the softmax and the top-S over ``V'`` columns, then map the chosen columns
+    to target ids. Increasing ids keep "ties to the lower id" the same in both forms.
+
+    Example:
+        >>> sub = SubsetLogits(torch.tensor([[0.0, 1.0]]), torch.tensor([1, 3]))
+        >>> sub.dense(4)
+        tensor([[-inf, 0., -inf, 1.]])
+    """
+
+    logits: torch.Tensor
+    ids: torch.Tensor
+
+    def dense(self, vocab_size: int) -> torch.Tensor:
+        """The same logits over the whole vocabulary, ``-inf`` outside ``ids`` (float32)."""
+        x = self.logits.to(torch.float32)
+        out = torch.full((*x.shape[:-1], vocab_size), float("-inf"), device=x.device)
+        out[..., self.ids.to(x.device)] = x
+        return out
 
 
 def draft_probs(logits: torch.Tensor, sampling: SamplingConfig, check: bool = True) -> torch.Tensor:

@@ -18,7 +18,6 @@ Example (needs a model, so not run as a doctest):
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import sys
 import time
@@ -27,10 +26,11 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write
+from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write, remeasure_requested
 from rheoplan.decode import plan_and_decode
 from rheoplan.ir import empty_tree
 from rheoplan.models import as_draft, as_target
+from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache, output_head
 from rheoplan.models.base import DraftModel
 from rheoplan.models.hf_target import HFTarget
 from rheoplan.pipeline import PassContext
@@ -43,13 +43,17 @@ TIMINGS_CACHE = "timings.json"
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: how many tokens the dtype probe's verify tree carries (the CLI's default tree: root + 8)
 PROBE_TREE = 9
+#: the batched verify grid (``measure_batch_verify``): live rows B x tokens per row n;
+#: small on purpose (12 forwards, 315 token rows in all), ``Timings.verify_batch`` interpolates
+BATCH_SIZES = (1, 4, 16)
+BATCH_ROW_SIZES = (1, 2, 4, 8)
 
 Timer = Callable[[], float]
 
 
 def _read_cache() -> bool:
     """False when ``RHEOPLAN_REMEASURE`` is set: measure again (and overwrite the cache)."""
-    return os.environ.get("RHEOPLAN_REMEASURE", "") in ("", "0")
+    return not remeasure_requested()
 
 
 def median_ms(fn: Callable[[], object], *, reps: int, warmup: int = 1,
@@ -201,6 +205,7 @@ class _TimedDraft(DraftModel):
         self.calls: list[tuple[int, float]] = []
         self.vocab_size = inner.vocab_size
         self.device = getattr(inner, "device", None)
+        self.vocab_ids = getattr(inner, "vocab_ids", None)
 
     def start(self, prompt_ids):
         self._inner.start(prompt_ids)
@@ -218,20 +223,92 @@ class _TimedDraft(DraftModel):
         self._inner.close()
 
     def node_logits(self, tree, nodes):
+        return self._timed(self._inner.node_logits, tree, nodes)
+
+    def vocab_logits(self, tree, nodes):
+        return self._timed(self._inner.vocab_logits, tree, nodes)
+
+    def _timed(self, call, tree, nodes):
         t0 = self._timer()
-        out = self._inner.node_logits(tree, nodes)
+        out = call(tree, nodes)
         self.calls.append((len(nodes), self._timer() - t0))
         return out
+
+
+def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
+                         row_sizes: Sequence[int] = BATCH_ROW_SIZES, ctx: int = 64, path: int = 5,
+                         reps: int = 2, timer: Timer = time.perf_counter) -> tuple[tuple[float, ...], ...]:
+    """``c_v(B, n)`` on a grid: the median latency (ms) of one batched verify forward of ``B``
+    rows x ``n`` new tokens each over ``ctx`` cached tokens per row, for every ``B`` in
+    ``batch_sizes`` and ``n`` in ``row_sizes`` (each row monotone in ``n``).
+
+    Each forward is what a batched decode's verify forward does: the decoder stack over a
+    rectangular ``[B, n]`` block (rows padded to the widest tree) with a 4-D mask (every
+    row sees its cached prefix and the block's causal part; a one-token step passes no
+    mask, as ``generate`` does), then the output head on the first ``min(n, path)`` tokens
+    of each row (the lazy logits of the accepted path). The cache is filled with random
+    keys and values (the latency does not depend on them, and it saves a prefill of
+    ``B * ctx`` tokens) and cropped back to ``ctx`` after every forward. With the default
+    grid, 12 short forwards (x ``reps + 1``).
+    """
+    for name, xs in (("batch_sizes", batch_sizes), ("row_sizes", row_sizes)):
+        if not xs or list(xs) != sorted(set(xs)) or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
+                                                       for x in xs):
+            raise ValueError(f"{name}={list(xs)}: allowed increasing ints >= 1")
+    if ctx < 1:
+        raise ValueError(f"ctx={ctx} is out of range: allowed >= 1")
+    base, head = base_model(model), output_head(model)
+    p = next(model.parameters())
+    cfg = model.config
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    vocab = int(cfg.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    grid = []
+    with torch.no_grad():
+        for B in batch_sizes:
+            cache = new_cache(model)
+            for layer in range(len(base.layers)):
+                kv = torch.randn(2, B, n_kv, ctx, head_dim, generator=gen).to(p.device, p.dtype)
+                cache.update(kv[0], kv[1], layer)
+            row = []
+            for n in row_sizes:
+                tok = torch.randint(0, vocab, (B, n), generator=gen).to(p.device)
+                pos = (ctx + torch.arange(n, device=p.device)).expand(B, n)
+                if n == 1:
+                    mask = None
+                else:
+                    allowed = torch.ones(n, ctx + n, dtype=torch.bool, device=p.device)
+                    allowed[:, ctx:] = torch.ones(n, n, dtype=torch.bool, device=p.device).tril()
+                    mask = additive_mask(allowed, p.dtype).expand(B, 1, n, ctx + n)
+                k = min(n, path)
+
+                def fwd() -> None:
+                    out = base(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True,
+                               **{_cache_kwarg(base): cache})
+                    head(out.last_hidden_state[:, :k])
+                    crop_cache(cache, ctx)
+                    if p.device.type == "cuda":
+                        torch.cuda.synchronize(p.device)
+
+                row.append(median_ms(fwd, reps=reps, timer=timer))
+            grid.append(monotone(row))
+            del cache
+    return tuple(grid)
 
 
 def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=None,
                     ctx: tuple[int, int] = (64, 512), sizes: Sequence[int] = VERIFY_SIZES,
                     reps: int = 3, steps: int = 24, model_id: str | None = None,
                     draft_id: str = "", use_cache: bool = True, timer: Timer = time.perf_counter,
+                    batch_sizes: Sequence[int] = BATCH_SIZES, batch_row_sizes: Sequence[int] = BATCH_ROW_SIZES,
                     log=sys.stderr) -> Timings:
     """The cost model's latencies for ``model`` (+ ``draft``) on this machine (cached).
 
     * ``c_v(n, ctx)``: a verify forward of ``n`` tokens (``sizes``) at two context lengths;
+    * ``c_v(B, n)``: a batched verify forward of ``B`` rows (``batch_sizes``) x ``n`` tokens
+      each (``batch_row_sizes``) at the shorter context (``measure_batch_verify``; pass
+      ``batch_sizes=()`` to skip it: batches are then priced as one row of ``B * n`` tokens);
     * ``c_d(w)``, ``c_o``: a short real decode of ``steps`` tokens with the fixed tree
       ``tree`` (median draft-call time per frontier width; median bookkeeping per step);
     * ``c_o'``: the same for a plain autoregressive decode.
@@ -242,8 +319,10 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     dev = next(model.parameters()).device
     dt = str(next(model.parameters()).dtype).removeprefix("torch.")
     mid = model_id or model_identity(model)
+    batch_sizes, batch_row_sizes = tuple(batch_sizes), tuple(batch_row_sizes)
     key = cache_key("timings", mid, dev, dtype=dt, draft=draft_id,
-                    tree=f"{tree.depth}x{tree.frontier}x{tree.slots}")
+                    tree=f"{tree.depth}x{tree.frontier}x{tree.slots}",
+                    batch="x".join(map(str, batch_sizes)) + "/" + "x".join(map(str, batch_row_sizes)))
     if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:
@@ -270,6 +349,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     finally:
         if hasattr(tgt, "close"):
             tgt.close()
+    grid = (measure_batch_verify(model, batch_sizes=batch_sizes, row_sizes=batch_row_sizes, ctx=ctx[0],
+                                 path=tree.depth + 1, reps=min(reps, 2), timer=timer) if batch_sizes else ())
     inner = as_draft(draft)
     timed = _TimedDraft(inner, timer)
     ids = list(prompt_ids)
@@ -286,7 +367,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     ar = plan_and_decode(model, None, ids, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
     tm = Timings(tuple(sizes), lo_hi[0], lo_hi[1], ctx[0], ctx[1],
                  tuple(sorted(widths)), tuple(statistics.median(widths[w]) for w in sorted(widths)),
-                 _overhead_ms(res), _overhead_ms(ar))
+                 _overhead_ms(res), _overhead_ms(ar),
+                 batch_sizes if grid else (), batch_row_sizes if grid else (), grid)
     if use_cache:
         cache_write(TIMINGS_CACHE, key, tm.to_dict())
     print(f"cost model: measured latencies ({_describe(tm)})", file=log)
@@ -318,5 +400,10 @@ def _overhead_ms(res) -> float:
 def _describe(tm: Timings) -> str:
     v = ", ".join(f"{n}:{ms:.1f}" for n, ms in zip(tm.sizes, tm.verify_lo))
     d = ", ".join(f"{w}:{ms:.1f}" for w, ms in zip(tm.draft_widths, tm.draft_ms))
-    return (f"verify ms by tokens at ctx {tm.ctx_lo} [{v}], draft ms by width [{d}], "
-            f"overhead {tm.overhead_ms:.1f} ms/step (AR {tm.ar_overhead_ms:.1f})")
+    out = (f"verify ms by tokens at ctx {tm.ctx_lo} [{v}], draft ms by width [{d}], "
+           f"overhead {tm.overhead_ms:.1f} ms/step (AR {tm.ar_overhead_ms:.1f})")
+    if tm.batch_sizes:
+        n = tm.batch_row_sizes[-1]
+        b = ", ".join(f"{B}:{row[0]:.1f}/{row[-1]:.1f}" for B, row in zip(tm.batch_sizes, tm.batch_verify))
+        out += f"; batched verify ms by rows at 1/{n} tokens per row [{b}]"
+    return out

@@ -1,8 +1,10 @@
 """The verification walk of one decode step, by backend (RHEOSAMPLING.md §5).
 
-* ``reference`` and ``numba``: ``rheoplan.verify.walk``, reading target logits lazily at
-  the nodes the walk visits (on a CPU target, projecting every node of the tree costs
-  more than the walk saves; ``docs/kernels.md``).
+* ``reference`` and ``numba``: ``rheoplan.verify.walk`` on the host. Its target logits
+  come either from one projection of every node (``TreeLogits.all_logits``) or from one
+  projection of the likely path and then node by node at the nodes the walk visits off
+  it, whichever the adapter measured cheaper (``TreeLogits.prefers_all_logits``; an
+  ``HFTarget`` times its output projection once, ``rheoplan.costmodel.ProjectionTimings``).
 * ``triton``: the whole walk on the target's device. Every node's logits in one
   projection (``TreeLogits.all_logits``), the target law by ``distributions.target_probs``,
   the phantom rule as a tensor op, then the Triton walk kernel, which draws the accept
@@ -60,11 +62,17 @@ def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, st
     # the reference walk reads the tree and draws its noise on the host (a device tree of the
     # 'triton' planner comes over in one copy); logits of a GPU target come over per node
     tree = tree.to("cpu")
-    # One batched output projection for the path the walk most likely takes is
-    # cheaper than projecting node by node (each projection reads the whole lm_head).
-    fw.prefetch(likely_path(tree))
-    res = walk(tree, 0, lambda i: fw.logits(i).cpu(), sampling, verifier, streams, step,
-               history=history, processors=processors)
+    # Each output projection reads the whole lm_head, so rows are projected in batches: every
+    # row at once when the adapter measured that cheaper (``prefers_all_logits``), else the
+    # path the walk most likely takes, then the nodes it visits off that path one by one.
+    path = likely_path(tree)
+    if fw.prefers_all_logits(len(path)) and _has_all_logits(fw):
+        rows = fw.all_logits().cpu()
+        read = rows.__getitem__
+    else:
+        fw.prefetch(path)
+        read = lambda i: fw.logits(i).cpu()  # noqa: E731
+    res = walk(tree, 0, read, sampling, verifier, streams, step, history=history, processors=processors)
     lin = tree.linear
     trials = sum(1 for i in res.path if int(lin.n_children[0, i]) > 0)
     return StepWalk(list(res.path), list(res.nodes), list(res.emitted), res.visited, trials,

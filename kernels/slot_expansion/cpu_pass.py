@@ -23,7 +23,7 @@ from rheoplan.kernels.plan.cpu import frontier_rows
 from rheoplan.kernels.slot_expansion.cpu import rank_support_rows
 from rheoplan.pipeline import PassContext
 from rheoplan.planner.assign import has_sampled_slots
-from rheoplan.planner.expand import add_log_weight, check_can_expand, check_draft_logits, proxy_weights
+from rheoplan.planner.expand import add_log_weight, check_can_expand, check_draft_logits, draft_columns, proxy_weights
 
 _DET, _SAMPLED, _PAD = int(NodeKind.DET), int(NodeKind.SAMPLED), int(NodeKind.PAD)
 
@@ -123,7 +123,7 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
                   nodes_np, count)
     width = int(count.max())
     nodes = torch.from_numpy(nodes_np[:, :width].copy())
-    logits = ctx.draft(tree, nodes)
+    logits, ids = draft_columns(ctx.draft(tree, nodes))
     V = check_draft_logits(logits, B, width, K, cfg.support)
     rows_b = np.empty(B * width, dtype=np.int64)
     rows_v = np.empty(B * width, dtype=np.int64)
@@ -134,6 +134,8 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     sup_tok = np.empty((R, s), dtype=np.int64)
     sup_q = np.empty((R, s), dtype=np.float32)
     rank_support_rows(q.numpy(), s, sup_tok, sup_q)
+    if ids is not None:  # ranked columns of a SubsetLogits -> target ids
+        sup_tok = ids.cpu().numpy()[sup_tok]
     sup_q_t = torch.from_numpy(sup_q)
     z64 = tail_mass(sup_q_t, m, s)
     pi = proxy_weights(cfg.proxy, sup_q_t, z64, m) if m < K else torch.full((R,), float("nan"), dtype=torch.float64)

@@ -28,8 +28,8 @@ from rheoplan.kernels.plan.triton import frontier_topk
 from rheoplan.kernels.slot_expansion.triton import slot_expansion
 from rheoplan.pipeline import PassContext
 from rheoplan.planner.assign import has_sampled_slots
-from rheoplan.planner.expand import (add_log_weight, check_can_expand, check_draft_logits, frontier_width,
-                                     proxy_weights)
+from rheoplan.planner.expand import (add_log_weight, check_can_expand, check_draft_logits, draft_columns,
+                                     frontier_width, proxy_weights)
 
 
 def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
@@ -40,7 +40,7 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     dev = tree.score.device
     width = frontier_width(cfg, K, tree.cur_depth)
     nodes, _ = frontier_topk(tree.score, tree.depth, tree.n_nodes, tree.cur_depth, width)
-    logits = ctx.draft(tree, nodes)
+    logits, ids = draft_columns(ctx.draft(tree, nodes))
     V = check_draft_logits(logits, B, width, K, cfg.support)
     rows = logits.reshape(B * width, V).to(dev)
     bad = broken_rows(rows.to(torch.float32))
@@ -52,6 +52,8 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     se = slot_expansion(q, torch.zeros(R, device=dev), torch.zeros(R, 1, dtype=torch.float64, device=dev),
                         temperature=1.0, support=s, rheostat=K, slots=K, probs=True)
     sup_tok, sup_q = se.sup_token, se.sup_q  # [R, s]
+    if ids is not None:  # ranked columns of a SubsetLogits -> target ids
+        sup_tok = ids.to(dev)[sup_tok]
     z64 = tail_mass(sup_q, m, s)
     pi = proxy_weights(cfg.proxy, sup_q, z64, m) if m < K else None
 

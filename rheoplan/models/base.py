@@ -10,9 +10,10 @@ calls these methods:
    per depth for the frontier nodes. Every node's ancestors were passed in an earlier
    call of the same step (the root's ancestors are the committed context).
 2. ``target.forward_tree(linear)`` runs the root and every kept drafted node in one
-   forward with the ancestor mask; it returns a ``TreeLogits``: the loop calls its
-   ``prefetch`` with the most likely path, then the verifier asks ``logits(i)`` only at the
-   linear nodes it visits (lazy output projection).
+   forward with the ancestor mask; it returns a ``TreeLogits``: when its
+   ``prefers_all_logits`` says so the walk reads every node from one ``all_logits()``,
+   else the loop calls its ``prefetch`` with the most likely path, then the verifier asks
+   ``logits(i)`` only at the linear nodes it visits (lazy output projection).
 3. ``target.commit(path)`` and ``draft.commit(tree, path_nodes, tokens, features)``
    keep the root and the accepted nodes; the bonus token becomes the next root
    and is *not* cached by either model until the next step.
@@ -53,6 +54,13 @@ class TreeLogits(ABC):
         device: what the Triton backend's device walk reads (``rheoplan.walk``). Default:
         not available, and that walk falls back to the lazy reference walk."""
         raise NotImplementedError(f"{type(self).__name__}.all_logits")
+
+    def prefers_all_logits(self, path_len: int) -> bool:
+        """Whether one ``all_logits()`` call is cheaper for the CPU walk than projecting the
+        likely path's ``path_len`` rows (``prefetch``) and then node by node (``logits``);
+        both give the same logits up to the rounding of a batched product. Default: False
+        (the lazy walk), right for an adapter whose logits cost nothing to read."""
+        return False
 
 
 class TargetModel(ABC):
@@ -106,6 +114,11 @@ class DraftModel(ABC):
     vocab_size: int
     #: the device the model's tensors live on (must be the target's), or None
     device: torch.device | None = None
+    #: target ids of the only tokens the draft can propose, strictly increasing (e.g. an
+    #: EAGLE-3 head's reduced vocabulary), or None (any token). When set, the decode loop
+    #: calls ``vocab_logits`` and the planner works on these columns
+    #: (``rheoplan.distributions.SubsetLogits``): the same draft law, without the zeros.
+    vocab_ids: torch.Tensor | None = None
 
     @abstractmethod
     def start(self, prompt_ids: list[int]) -> None:
@@ -115,6 +128,13 @@ class DraftModel(ABC):
     def node_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
         """Draft next-token logits ``[len(nodes), V]`` (target vocabulary ids; tokens the
         draft cannot propose get ``-inf``) at nodes of tree 0."""
+
+    def vocab_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        """``node_logits`` at the columns ``vocab_ids`` only, ``[len(nodes), len(vocab_ids)]``
+        (what the decode loop asks for when ``vocab_ids`` is set). Default: the columns
+        taken from ``node_logits``; a draft that computes them directly saves the scatter."""
+        out = self.node_logits(tree, nodes)
+        return out if self.vocab_ids is None else out[:, self.vocab_ids.to(out.device)]
 
     @abstractmethod
     def commit(self, tree: DraftTree, path_nodes: list[int], emitted: list[int],

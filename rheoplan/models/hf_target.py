@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from rheoplan.costmodel import ProjectionTimings, projection_timings
 from rheoplan.ir import LinearTree
 from rheoplan.models.base import (HostTree, TargetModel, TreeLogits, check_commit_path, check_prompt_ids,
                                   linear_on_host)
@@ -78,10 +79,11 @@ class HFTreeLogits(TreeLogits):
     """Result of one verify forward: final hidden states; logits projected on demand."""
 
     def __init__(self, hidden: torch.Tensor, head: torch.nn.Module,
-                 features: torch.Tensor | None) -> None:
+                 features: torch.Tensor | None, projection: ProjectionTimings | str = "lazy") -> None:
         self._hidden = hidden  #: [n, H] final (normed) hidden states
         self._head = head
         self._features = features  #: [n, 3H] or None
+        self._projection = projection  #: measured c_p(k), or 'all' / 'lazy' (``HFTarget.projection``)
         self._memo: dict[int, torch.Tensor] = {}
         self.n_projected = 0  #: nodes whose logits were computed (laziness is measurable)
 
@@ -127,6 +129,14 @@ class HFTreeLogits(TreeLogits):
         self.n_projected += self.n
         return out
 
+    def prefers_all_logits(self, path_len: int) -> bool:
+        """The measured choice (``ProjectionTimings.project_all``) of all rows at once over
+        the likely path and then node by node; ``HFTarget.projection`` may fix it."""
+        p = self._projection
+        if isinstance(p, str):
+            return p == "all"
+        return p.project_all(self.n, path_len)
+
     def features(self, i: int) -> torch.Tensor | None:
         self._check(i)
         return None if self._features is None else self._features[i]
@@ -140,7 +150,16 @@ class HFTarget(TargetModel):
         capture_layers: None (no features), ``"eagle3"`` (the inputs of layers 2,
             n//2, n-3) or explicit layer indices; ``TreeLogits.features(i)`` and
             ``prompt_features()`` return their concatenation.
+
+    ``projection`` (attribute, default ``'auto'``): how the CPU walk gets a tree's logits.
+    ``'auto'`` measures the output projection of 1..64 rows once (per process, cached on
+    disk: ``rheoplan.costmodel.projection_timings``) on the first verify forward and takes
+    the cheaper of all rows at once and the likely path then node by node
+    (``ProjectionTimings.project_all``); ``'all'`` and ``'lazy'`` fix the choice.
     """
+
+    #: the walk's projection choice: 'auto' (measured), 'all' or 'lazy'
+    PROJECTIONS = ("auto", "all", "lazy")
 
     def __init__(self, model: torch.nn.Module, capture_layers: Sequence[int] | str | None = None) -> None:
         self.model = model
@@ -170,6 +189,8 @@ class HFTarget(TargetModel):
         self._prefix = 0  #: committed entries in the cache
         self._tree_attention = False  #: verify forward through the Triton tree-attention kernel
         self._tree_attention_tf32 = False
+        self.projection = "auto"
+        self._projection_timings: ProjectionTimings | None = None
 
     def use_tree_attention(self, enabled: bool = True, allow_tf32: bool = False) -> bool:
         """Run the verify forward (``forward_tree``) through the Triton tree-attention kernel,
@@ -248,6 +269,8 @@ class HFTarget(TargetModel):
     def forward_tree(self, linear: LinearTree) -> HFTreeLogits:
         if self.cache is None:
             raise RuntimeError("forward_tree() called before start()")
+        if self.projection not in self.PROJECTIONS:
+            raise ValueError(f"HFTarget.projection={self.projection!r}: allowed one of {self.PROJECTIONS}")
         if self._tree is not None:
             # A second verify of the same step (no commit in between) replaces the first.
             crop_cache(self.cache, self._prefix)
@@ -279,7 +302,15 @@ class HFTarget(TargetModel):
             # the root alone sees everything; with a child it cannot see that child
             hidden = run_base(self.base, self.cache, tok, pos, allowed, all_allowed=n == 1)
         self._tree = host
-        return HFTreeLogits(hidden, self.head, self._features())
+        return HFTreeLogits(hidden, self.head, self._features(), self._projection_choice(hidden))
+
+    def _projection_choice(self, hidden: torch.Tensor) -> ProjectionTimings | str:
+        if self.projection != "auto":
+            return self.projection
+        if self._projection_timings is None:
+            self._projection_timings = projection_timings(
+                self.head, self.vocab_size, hidden.shape[-1], device=hidden.device, dtype=hidden.dtype)
+        return self._projection_timings
 
     def commit(self, path: list[int]) -> None:
         if self._tree is None:

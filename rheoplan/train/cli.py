@@ -66,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--train-prompts file); a quarter also get a follow-up turn")
     g.add_argument("--tokens-per-prompt", type=int, default=256, help="max sampled tokens per answer")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the answers")
-    g.add_argument("--batch-size", type=int, default=32, help="answers sampled together (one shard each)")
+    g.add_argument("--batch-size", type=int, default=32, help="answers per shard (the unit written to disk "
+                   "and resumed)")
+    g.add_argument("--live-rows", type=int, default=64, help="answers decoded together (rows of several shards; "
+                   "finished rows are replaced at once); changes speed and memory, not what a shard holds")
     g.add_argument("--heldout-tokens", type=int, default=128, help="max sampled tokens per held-out answer")
     g.add_argument("--heldout-temperature", type=float, default=1.0)
     g.add_argument("--sample-dtype", choices=sorted(DTYPES), default="bfloat16",
@@ -112,7 +115,7 @@ def _check_args(a: argparse.Namespace) -> list[str]:
     bad = [s for s in stages if s not in STAGES]
     if bad or not stages:
         raise SystemExit(f"--stages {a.stages!r}: allowed a comma list of {', '.join(STAGES)}")
-    for name in ("tokens_per_prompt", "batch_size", "heldout_tokens", "topk", "heldout_topk", "draft_vocab",
+    for name in ("tokens_per_prompt", "batch_size", "live_rows", "heldout_tokens", "topk", "heldout_topk", "draft_vocab",
                  "epochs", "chunk_tokens", "threads", "ckpt_every", "eval_depths", "calib_rows"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(a, name)}: allowed >= 1")
@@ -173,7 +176,8 @@ def stage_generate(a, model, tok, name: str) -> dict:
                          max_new_tokens=a.tokens_per_prompt, heldout_tokens=a.heldout_tokens,
                          temperature=a.temperature, heldout_temperature=a.heldout_temperature, seed=a.seed)
     out = gen.run_jobs(model, tok, jobs, d, seed=a.seed, vocab_size=int(model.config.vocab_size),
-                       eos_id=sd.eos_id(model, tok), dtype_name=a.sample_dtype, max_shards=a.max_shards)
+                       eos_id=sd.eos_id(model, tok), dtype_name=a.sample_dtype, max_shards=a.max_shards,
+                       live_rows=a.live_rows)
     out["plan_s"] = time.time() - t0 - out["wall_s"]
     return out
 

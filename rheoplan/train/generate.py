@@ -12,10 +12,18 @@ one would have written):
    continued as a conversation (first prompt, the target's own answer, a follow-up user
    turn from ``prompts.follow_up``) and sampled again.
 
-Each shard's sampler is seeded from ``(seed, shard name)``. Shards already present are
+The rows of several shards are sampled together with continuous refill
+(``tokens.sample_refill``); each row draws from its own stream seeded from
+``(seed, shard name, row)`` (``row_seed``), so what a shard holds does not depend on the
+schedule, and a shard is written when its last row finishes. Shards already present are
 skipped (``tokens.shard_done``), so ``rheoplan train-draft --stages generate`` picks up
-after a kill. Progress (tokens done of the plan's estimate, tokens/s, ETA) goes to
-stdout, one line per shard.
+after a kill (rows of unfinished shards are resampled from their streams). Progress
+(tokens done of the plan's estimate, tokens/s, ETA) goes to stdout, one line per shard
+and at least one a minute.
+
+Shards written before the refill sampler (their index has no ``rng`` key) were sampled
+32 rows in lockstep from one stream per shard (``shard_seed``); they hold samples of the
+same law and stay valid, but today's code would draw other tokens for them.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ class Job:
     max_new_tokens: int
     prompts: Callable[[], list[tuple[int, list[int]]]]
     expected_rows: float  #: for the ETA (follow-up shards: the expected share of their parents)
+    parents: tuple[str, ...] = ()  #: shards whose rows this job's prompts are built from
 
 
 def chat_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
@@ -108,7 +117,7 @@ def plan_jobs(plan: Sequence[pr.PromptSpec], heldout: Sequence[str], tokenizer, 
         n_group += len(specs)
         if len(group) == FOLLOWUP_GROUP or i == len(r1) - 1:
             jobs.append(Job(f"train_fu_{i // FOLLOWUP_GROUP:05d}", temperature, max_new_tokens,
-                            follow_ups(list(group)), n_group / pr.FOLLOWUP_EVERY))
+                            follow_ups(list(group)), n_group / pr.FOLLOWUP_EVERY, tuple(group)))
             group, n_group = [], 0
     return jobs
 
@@ -117,12 +126,30 @@ def shard_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}/{name}".encode())
 
 
+def row_seed(seed: int, name: str, row: int) -> int:
+    """The seed of row ``row`` of shard ``name``: each row samples from its own stream, so
+    its tokens do not depend on which rows of which shards run beside it."""
+    return shard_seed(seed, f"{name}/{row}")
+
+
+#: the progress line's period when no shard finished (seconds)
+PROGRESS_EVERY = 60.0
+
+
 def run_jobs(model: torch.nn.Module, tokenizer, jobs: Sequence[Job], directory: str, *, seed: int,
-             vocab_size: int, eos_id: int, dtype_name: str, log=None, max_shards: int | None = None) -> dict:
+             vocab_size: int, eos_id: int, dtype_name: str, log=None, max_shards: int | None = None,
+             live_rows: int = 64) -> dict:
     """Sample every job whose shard is missing; returns counts for this run.
 
-    ``max_shards`` stops after that many new shards (tests, short sittings); ``log`` is a
-    text stream for the progress lines (default stdout).
+    Rows of several shards run together (``tokens.sample_refill``: up to ``live_rows``
+    rows, finished rows replaced by waiting ones, the waiting rows taken in job order); a
+    shard is written as soon as all its rows are done. Row ``r`` of shard ``name`` draws
+    from its own stream (``row_seed``), so a shard does not depend on the schedule (which
+    shards ran together, ``live_rows``, where a killed run stopped) beyond float rounding.
+    A follow-up job starts once its parent shards are written.
+
+    ``max_shards`` limits this run to the first that many missing shards (tests, short
+    sittings); ``log`` is a text stream for the progress lines (default stdout).
     """
     log = sys.stdout if log is None else log
     todo = [j for j in jobs if not tk.shard_done(directory, j.name)]
@@ -132,37 +159,71 @@ def run_jobs(model: torch.nn.Module, tokenizer, jobs: Sequence[Job], directory: 
     done_rows = sum(s["rows"] for s in stats.values())
     print(f"[generate] {len(jobs)} shards planned ({n_first} first-turn), {len(jobs) - len(todo)} present "
           f"({done_rows} rows, {done_tok} sampled tokens), {len(todo)} to go; dtype {dtype_name}, "
-          f"{torch.get_num_threads()} threads", file=log, flush=True)
+          f"{torch.get_num_threads()} threads, {live_rows} live rows", file=log, flush=True)
+    run = todo if max_shards is None else todo[:max_shards]
+    waiting = list(run)  # jobs not yet expanded into rows, in order
+    in_run = {j.name for j in run}
+    queue: list[tk.Request] = []
+    open_jobs: dict[str, dict] = {}  # expanded, not yet written: rows by index, rows left
     t_run, run_tok, new = time.time(), 0, 0
-    for j in todo:
-        if max_shards is not None and new >= max_shards:
-            break
-        items = j.prompts()
-        if not items:
+    last_line = [time.time()]
+
+    def ready(j: Job) -> bool:
+        # parents of this run must be written first (their rows are this job's prompts)
+        return all(tk.shard_done(directory, p) or p not in in_run for p in j.parents)
+
+    def feed(n: int) -> list[tk.Request]:
+        while len(queue) < n:
+            j = next((x for x in waiting if ready(x)), None)
+            if j is None:
+                break
+            waiting.remove(j)
+            items = j.prompts()
+            if not items:
+                continue  # e.g. a follow-up shard none of whose parents' rows continue
+            open_jobs[j.name] = {"job": j, "items": items, "rows": [None] * len(items), "left": len(items)}
+            queue.extend(tk.Request((j.name, r), ids, j.max_new_tokens, j.temperature,
+                                    tk.row_generator(row_seed(seed, j.name, r)))
+                         for r, (_, ids) in enumerate(items))
+        out = queue[:n]
+        del queue[:n]
+        return out
+
+    sampler: dict = {}
+
+    def progress(extra: str) -> None:
+        el = max(time.time() - t_run, 1e-9)
+        rate = sampler.get("drawn", 0) / el  # every sampled token, rows still running included
+        per_row = done_tok / max(done_rows, 1)  # what is left, from the mean tokens per row so far
+        rows_left = sum(x.expected_rows for x in jobs if not tk.shard_done(directory, x.name))
+        eta = rows_left * per_row / max(rate, 1e-9)
+        print(f"[generate] {time.strftime('%H:%M:%S')} {extra} | total {done_tok} sampled tokens, {done_rows} rows | "
+              f"run {rate:.1f} tok/s ({sampler.get('live', 0)} live rows, cache {sampler.get('width', 0)} columns) | "
+              f"about {rows_left * per_row / 1e6:.2f} M tokens left, ETA {eta / 3600:.1f} h",
+              file=log, flush=True)
+        last_line[0] = time.time()
+
+    for req, row in tk.sample_refill(model, feed, live_rows=live_rows, eos_id=eos_id, stats=sampler):
+        name, r = req.key
+        o = open_jobs[name]
+        row["prompt_id"] = o["items"][r][0]
+        o["rows"][r] = row
+        o["left"] -= 1
+        n_row = len(row["tokens"]) - row["prompt_len"]
+        run_tok += n_row
+        if o["left"]:
+            if time.time() - last_line[0] > PROGRESS_EVERY:
+                progress(f"{len(open_jobs)} shards open")
             continue
-        t0 = time.time()
-        g = torch.Generator().manual_seed(shard_seed(seed, j.name))
-        rows = tk.sample_tokens(model, [ids for _, ids in items], max_new_tokens=j.max_new_tokens,
-                                temperature=j.temperature, eos_id=eos_id, generator=g)
-        for r, (pid, _) in zip(rows, items):
-            r["prompt_id"] = pid
-        wall = time.time() - t0
-        tk.write_shard(directory, j.name, rows, vocab_size=vocab_size, temperature=j.temperature,
-                       seed=shard_seed(seed, j.name), max_new_tokens=j.max_new_tokens, dtype=dtype_name,
-                       wall_s=round(wall, 2))
-        n = sum(len(r["tokens"]) - r["prompt_len"] for r in rows)
-        run_tok += n
+        j, rows = o["job"], o["rows"]
+        del open_jobs[name]
+        wall = sum(x.pop("wall_s") for x in rows)
+        tk.write_shard(directory, name, rows, vocab_size=vocab_size, temperature=j.temperature,
+                       seed=shard_seed(seed, name), rng="row", row_seeds=[row_seed(seed, name, i) for i in range(len(rows))],
+                       max_new_tokens=j.max_new_tokens, dtype=dtype_name, wall_s=round(wall, 2), live_rows=live_rows)
+        n = sum(len(x["tokens"]) - x["prompt_len"] for x in rows)
         done_tok += n
         done_rows += len(rows)
         new += 1
-        rate = run_tok / max(time.time() - t_run, 1e-9)
-        # What is left, from the mean sampled tokens per row so far.
-        per_row = done_tok / max(done_rows, 1)
-        rows_left = sum(x.expected_rows for x in todo if not tk.shard_done(directory, x.name))
-        eta = rows_left * per_row / max(rate, 1e-9)
-        print(f"[generate] {time.strftime('%H:%M:%S')} {j.name}: {len(rows)} rows, {n} tokens in {wall:.0f} s "
-              f"({n / max(wall, 1e-9):.1f} tok/s) | total {done_tok} sampled tokens, {done_rows} rows | "
-              f"run {rate:.1f} tok/s | about {rows_left * per_row / 1e6:.2f} M tokens left, ETA {eta / 3600:.1f} h",
-              file=log, flush=True)
+        progress(f"{name}: {len(rows)} rows, {n} tokens ({wall:.0f} s of sampler time)")
     return {"new_shards": new, "sampled_tokens": run_tok, "wall_s": time.time() - t_run}
-

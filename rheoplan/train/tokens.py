@@ -16,7 +16,8 @@ Shard format (one pair of files per shard, in a tokens directory):
   ``prompt_ids`` per row (ids in the prompt plan, ``rheoplan.train.prompts``),
   ``stopped`` per row (True: the row ended with EOS, which is *not* stored), ``temperature``,
   ``seed`` (of this shard's sampler), ``max_new_tokens``, ``dtype`` (of the sampling target),
-  ``wall_s``.
+  ``wall_s`` (sampler time spent on this shard's rows); shards of the refill sampler also
+  ``rng: "row"``, ``row_seeds`` (each row's own stream) and ``live_rows``.
 
 Writes are atomic (temporary file + ``os.replace``; the ``.json`` is written last, so a
 shard exists exactly when its ``.json`` does) and a job skips shards already present, so
@@ -39,6 +40,8 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -57,81 +60,271 @@ def _forward_kwargs(model: torch.nn.Module) -> tuple[str, bool]:
     return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
 
 
+@dataclass
+class Request:
+    """One row to sample: its prompt, its own random stream and its limits.
+
+    ``generator`` is this row's private stream (one multinomial draw per sampled token), so
+    what a row samples does not depend on which rows share its batch (up to float
+    rounding); ``key`` is the caller's handle, returned with the row."""
+
+    key: object
+    prompt: Sequence[int]
+    max_new_tokens: int
+    temperature: float
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if len(self.prompt) == 0:
+            raise ValueError(f"request {self.key!r}: prompt is empty (expected at least one token id)")
+        if not self.temperature >= 0:
+            raise ValueError(f"request {self.key!r}: temperature={self.temperature}: allowed >= 0")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"request {self.key!r}: max_new_tokens={self.max_new_tokens}: allowed >= 1")
+
+
+def row_generator(seed: int) -> torch.Generator:
+    """A CPU generator for one row's draws."""
+    return torch.Generator().manual_seed(int(seed))
+
+
+def _cache_layers(cache) -> list:
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(getattr(l, "is_sliding", False) or not hasattr(l, "keys") for l in layers):
+        raise ValueError("refill sampling needs a transformers DynamicCache of full-attention layers "
+                         "(keys/values of shape [batch, heads, length, head_dim]); this model's cache is not one")
+    return layers
+
+
+def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` ([..., length, d] or [batch, length]) with ``n`` zero columns prepended."""
+    if n == 0:
+        return x
+    return torch.nn.functional.pad(x, (0, 0, n, 0) if x.dim() == 4 else (n, 0))
+
+
+class _Batch:
+    """The live rows: a KV cache, the 2-D attention mask over its columns (0 = padding),
+    per row the position of its last fed token and the token to feed next.
+
+    Every row's valid columns are contiguous and end at the last column (rows are left
+    padded), so the columns that are padding in every row form a prefix; ``trim`` drops it,
+    which keeps the cache as long as the oldest live row needs, not as long as the run."""
+
+    def __init__(self):
+        self.cache = None
+        self.attn = torch.zeros(0, 0, dtype=torch.int64)
+        self.last_pos = torch.zeros(0, dtype=torch.int64)
+        self.rows: list[dict] = []  # per slot: request, sampled tokens, wall-time share
+
+    def __len__(self):
+        return len(self.rows)
+
+    def select(self, keep: list[int]) -> None:
+        idx = torch.tensor(keep, dtype=torch.int64)
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache, self.attn, self.last_pos = None, self.attn[:0], self.last_pos[:0]
+            return
+        dev = self.attn.device
+        self.cache.batch_select_indices(idx.to(dev))
+        self.attn, self.last_pos = self.attn[idx.to(dev)], self.last_pos[idx.to(dev)]
+        self.trim()
+
+    def join(self, cache, attn: torch.Tensor, last_pos: torch.Tensor, rows: list[dict]) -> None:
+        """Append rows prefilled into their own ``cache``; the shorter side is left padded."""
+        if self.cache is None:
+            self.cache, self.attn, self.last_pos, self.rows = cache, attn, last_pos, rows
+            return
+        L, P = self.attn.shape[1], attn.shape[1]
+        n = max(L, P)
+        for a, b in zip(_cache_layers(self.cache), _cache_layers(cache)):
+            a.keys = torch.cat([_left_pad(a.keys, n - L), _left_pad(b.keys, n - P)], 0)
+            a.values = torch.cat([_left_pad(a.values, n - L), _left_pad(b.values, n - P)], 0)
+        self.attn = torch.cat([_left_pad(self.attn, n - L), _left_pad(attn, n - P)], 0)
+        self.last_pos = torch.cat([self.last_pos, last_pos])
+        self.rows += rows
+        self.trim()
+
+    def trim(self) -> None:
+        lead = int((self.attn.cumsum(1) == 0).sum(1).min())
+        if lead:
+            for layer in _cache_layers(self.cache):
+                layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+            self.attn = self.attn[:, lead:]
+
+
+def _draw(logits: torch.Tensor, rows: list[dict]) -> list[int]:
+    """One token per row: plain multinomial at the row's temperature (argmax at 0) by
+    inverse CDF, with one uniform from the row's own stream per token. Softmax and cumsum
+    run along each row, so a row's law ignores its batch-mates; the cumsum is in float64
+    (float32 over a 49k vocabulary would shift the tail's boundaries by ~1e-4)."""
+    logits = logits.to(torch.float32).cpu()
+    temp = torch.tensor([r["req"].temperature for r in rows], dtype=torch.float32)
+    hot = temp > 0
+    out = logits.argmax(-1)
+    if bool(hot.any()):
+        probs = torch.softmax(logits[hot] / temp[hot, None], dim=-1)
+        cdf = probs.to(torch.float64).cumsum(-1)
+        u = torch.cat([torch.rand(1, dtype=torch.float64, generator=r["req"].generator)
+                       for r, h in zip(rows, hot.tolist()) if h])
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        out[hot] = pick.clamp(max=logits.shape[-1] - 1)
+    return out.tolist()
+
+
 @torch.no_grad()
-def sample_tokens(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                  temperature: float, eos_id: int, generator: torch.Generator | None = None,
-                  pad_id: int | None = None) -> list[dict]:
-    """Sample continuations of a batch of prompts from a transformers causal LM.
+def sample_refill(model: torch.nn.Module, feed, *, live_rows: int, eos_id: int, pad_id: int | None = None,
+                  refill_min: int | None = None, prefill_tokens: int = 8192, stats: dict | None = None):
+    """Sample rows from a transformers causal LM with continuous refill; yields
+    ``(request, row)`` as rows finish (in finishing order).
 
-    Left padding with an attention mask and explicit position ids (a row's distribution
-    equals that of a forward over the row alone up to float rounding); a KV cache; rows
-    that sampled EOS leave the batch (the cache keeps only live rows), so a batch costs
-    what its live rows cost. Sampling is plain multinomial at ``temperature`` (no top-k or
-    top-p); ``temperature == 0`` is greedy.
+    ``feed(n)`` returns up to ``n`` new :class:`Request` s (fewer or none when nothing is
+    ready; the sampler stops when no row is live and ``feed`` returns none). Up to
+    ``live_rows`` rows decode together; when rows finish (EOS or their ``max_new_tokens``)
+    they leave the batch and, once at least ``refill_min`` slots are free (default
+    ``live_rows // 8``), waiting rows are prefilled (left padded among themselves, in
+    groups of at most ``prefill_tokens`` padded tokens) and join: the joiners' KV or the
+    running cache is left padded to the longer of the two, the padding masked, each row
+    with its own position ids, so a row's logits are those of a forward over the row alone
+    up to float rounding. Columns that are padding in every row are dropped.
 
-    Args:
-        model: a causal LM in eval mode (any dtype).
-        prompts: token ids per row, each non-empty.
-        max_new_tokens: sampled tokens per row at most (>= 1).
-        temperature: >= 0.
-        eos_id: a row stops at its first sampled ``eos_id`` (not included in its tokens).
-        generator: CPU generator for the multinomial draws (reproducible batches).
-    Returns:
-        one dict per row: ``tokens`` (list of ints: prompt then sampled tokens, EOS
-        excluded), ``prompt_len``, ``stopped`` (sampled EOS).
+    Each row draws from its own ``request.generator``, one multinomial per token, so its
+    tokens do not depend on the schedule (which rows run together, refill timing) beyond
+    float rounding. ``row``: ``tokens`` (prompt then sampled tokens, EOS excluded),
+    ``prompt_len``, ``stopped`` (sampled EOS), ``wall_s`` (this row's share of the
+    forwards it took part in: each forward's time split evenly over its rows).
+
+    ``stats`` (optional dict) is kept up to date for progress lines: ``drawn`` (tokens
+    sampled so far, rows still running included), ``live`` (rows), ``width`` (cache columns).
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts: expected a non-empty list of non-empty token id lists")
-    if not temperature >= 0:
-        raise ValueError(f"temperature={temperature}: allowed >= 0")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: allowed >= 1")
+    if live_rows < 1:
+        raise ValueError(f"live_rows={live_rows}: allowed >= 1")
+    refill_min = max(1, live_rows // 8) if refill_min is None else refill_min
+    if not 1 <= refill_min <= live_rows:
+        raise ValueError(f"refill_min={refill_min}: allowed 1..live_rows ({live_rows})")
+    if prefill_tokens < 1:
+        raise ValueError(f"prefill_tokens={prefill_tokens}: allowed >= 1")
     from transformers import DynamicCache
 
     ckw, has_keep = _forward_kwargs(model)
     keep_kw = {"logits_to_keep": 1} if has_keep else {}
     dev = next(model.parameters()).device
     pad = eos_id if pad_id is None else pad_id
-    B, P = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, P), pad, dtype=torch.int64)
-    attn = torch.zeros(B, P, dtype=torch.int64)
-    for r, p in enumerate(prompts):
-        ids[r, P - len(p):] = torch.tensor(list(p), dtype=torch.int64)
-        attn[r, P - len(p):] = 1
-    ids, attn = ids.to(dev), attn.to(dev)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **keep_kw,
-                **{ckw: cache})
-    live = torch.arange(B)  # batch slot -> row
-    last_pos = pos[:, -1]
-    gen: list[list[int]] = [[] for _ in range(B)]
-    stopped = [False] * B
-    for step in range(max_new_tokens):
-        logits = out.logits[:, -1].to(torch.float32).cpu()
-        if temperature == 0:
-            nxt = logits.argmax(-1)
-        else:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)[:, 0]
-        alive = []
-        for slot, (row, t) in enumerate(zip(live.tolist(), nxt.tolist())):
-            if t == eos_id:
-                stopped[row] = True
-            else:
-                gen[row].append(t)
-                alive.append(slot)
-        if step == max_new_tokens - 1 or not alive:
-            break
-        if len(alive) < len(live):  # drop finished rows from the batch and the cache
-            keep = torch.tensor(alive, dtype=torch.int64)
-            cache.batch_select_indices(keep.to(dev))
-            live, nxt, attn, last_pos = live[keep], nxt[keep], attn[keep.to(dev)], last_pos[keep.to(dev)]
-        attn = torch.cat([attn, torch.ones(len(live), 1, dtype=attn.dtype, device=dev)], dim=1)
-        last_pos = last_pos + 1
-        out = model(input_ids=nxt[:, None].to(dev), attention_mask=attn, position_ids=last_pos[:, None],
-                    use_cache=True, **keep_kw, **{ckw: cache})
-    return [{"tokens": [int(t) for t in p] + gen[r], "prompt_len": len(p), "stopped": stopped[r]}
-            for r, p in enumerate(prompts)]
+    batch = _Batch()
+    nxt: list[int] = []  # per slot: the token sampled last, fed by the next forward
+    stats = {} if stats is None else stats
+    stats.update(drawn=0, live=0, width=0)
+
+    def finished(r: dict, t: int) -> bool:
+        if t == eos_id:
+            r["stopped"] = True
+            return True
+        r["gen"].append(t)
+        stats["drawn"] += 1
+        return len(r["gen"]) >= r["req"].max_new_tokens
+
+    def emit(r: dict):
+        req = r["req"]
+        return req, {"tokens": [int(t) for t in req.prompt] + r["gen"], "prompt_len": len(req.prompt),
+                     "stopped": r["stopped"], "wall_s": r["wall_s"]}
+
+    while True:
+        # Refill: prefill waiting rows in groups and let them join the running batch.
+        done: list[dict] = []
+        free = live_rows - len(batch)
+        if free >= refill_min or len(batch) == 0:
+            reqs = list(feed(free))
+            if len(reqs) > free:
+                raise ValueError(f"feed({free}) returned {len(reqs)} requests")
+            g0 = 0
+            while g0 < len(reqs):
+                g1, P = g0, 0
+                while g1 < len(reqs) and (g1 == g0 or max(P, len(reqs[g1].prompt)) * (g1 + 1 - g0) <= prefill_tokens):
+                    P = max(P, len(reqs[g1].prompt))
+                    g1 += 1
+                group = reqs[g0:g1]
+                g0 = g1
+                ids = torch.full((len(group), P), pad, dtype=torch.int64)
+                attn = torch.zeros(len(group), P, dtype=torch.int64)
+                for r, q in enumerate(group):
+                    ids[r, P - len(q.prompt):] = torch.tensor(list(q.prompt), dtype=torch.int64)
+                    attn[r, P - len(q.prompt):] = 1
+                ids, attn = ids.to(dev), attn.to(dev)
+                pos = (attn.cumsum(-1) - 1).clamp(min=0)
+                cache = DynamicCache(config=model.config)
+                t0 = time.perf_counter()
+                out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **keep_kw,
+                            **{ckw: cache})
+                rows = [{"req": q, "gen": [], "stopped": False, "wall_s": 0.0} for q in group]
+                toks = _draw(out.logits[:, -1], rows)
+                dt = (time.perf_counter() - t0) / len(group)
+                keep = []
+                for i, (r, t) in enumerate(zip(rows, toks)):
+                    r["wall_s"] += dt
+                    (done.append(r) if finished(r, t) else keep.append(i))
+                if keep:
+                    idx = torch.tensor(keep, dtype=torch.int64, device=dev)
+                    cache.batch_select_indices(idx)
+                    batch.join(cache, attn[idx], pos[idx, -1], [rows[i] for i in keep])
+                    nxt += [toks[i] for i in keep]
+        stats.update(live=len(batch), width=int(batch.attn.shape[1]))
+        for r in done:
+            yield emit(r)
+        if len(batch) == 0:
+            if done:
+                continue  # every joiner finished at once: ask the feed again
+            return
+        # One decode step for every live row.
+        t0 = time.perf_counter()
+        batch.attn = torch.cat([batch.attn, torch.ones(len(batch), 1, dtype=batch.attn.dtype, device=dev)], 1)
+        batch.last_pos = batch.last_pos + 1
+        out = model(input_ids=torch.tensor(nxt, dtype=torch.int64, device=dev)[:, None], attention_mask=batch.attn,
+                    position_ids=batch.last_pos[:, None], use_cache=True, **keep_kw, **{ckw: batch.cache})
+        toks = _draw(out.logits[:, -1], batch.rows)
+        dt = (time.perf_counter() - t0) / len(batch)
+        keep, done = [], []
+        for i, (r, t) in enumerate(zip(batch.rows, toks)):
+            r["wall_s"] += dt
+            (done.append(r) if finished(r, t) else keep.append(i))
+        nxt = [toks[i] for i in keep]
+        if done:
+            batch.select(keep)
+        for r in done:
+            yield emit(r)
+
+
+def sample_tokens(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                  temperature: float, eos_id: int, generator: torch.Generator | None = None,
+                  pad_id: int | None = None, live_rows: int | None = None) -> list[dict]:
+    """Sample continuations of a list of prompts (:func:`sample_refill` with every row at
+    once, or ``live_rows`` at a time); rows returned in prompt order.
+
+    Row ``r`` draws from its own stream, seeded by the ``r``-th of ``len(prompts)`` seeds
+    drawn from ``generator`` (the global generator when None). Sampling is plain
+    multinomial at ``temperature`` (no top-k or top-p); ``temperature == 0`` is greedy.
+
+    Returns:
+        one dict per row: ``tokens`` (list of ints: prompt then sampled tokens, EOS
+        excluded), ``prompt_len``, ``stopped`` (sampled EOS).
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts: expected a non-empty list of non-empty token id lists")
+    seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
+    queue = [Request(r, list(p), max_new_tokens, temperature, row_generator(s))
+             for r, (p, s) in enumerate(zip(prompts, seeds))]
+
+    def feed(n):
+        out = queue[:n]
+        del queue[:n]
+        return out
+
+    out: list[dict | None] = [None] * len(prompts)
+    for req, row in sample_refill(model, feed, live_rows=live_rows or len(prompts), eos_id=eos_id,
+                                  pad_id=pad_id, refill_min=1):
+        row.pop("wall_s")
+        out[req.key] = row
+    return out
 
 
 # --------------------------------------------------------------------------------------

@@ -231,3 +231,61 @@ def test_oracle_catches_a_pass_that_peeks_at_the_target():
     ref = target_law(tgt, (0, 1), 2, s)
     assert total_variation(exact_law(tgt, drf, (0, 1), 2, tree=cfg, sampling=s, passes=honest), ref) <= TOL
     assert total_variation(exact_law(tgt, drf, (0, 1), 2, tree=cfg, sampling=s, passes=peek), ref) > 1e4 * TOL
+
+
+# -- batches: the live rows share one verify forward ----------------------------------------------
+
+
+def batch_timings(fixed: float, per_token: float, draft: float = 0.5) -> Timings:
+    """c_v(B, n) = fixed + per_token x B x n on a measured-style grid (and at batch 1)."""
+    rows, sizes = (1, 2, 4, 8), (1, 4, 16)
+    lo = (fixed + per_token, fixed + 64 * per_token)
+    return Timings((1, 64), lo, lo, 0, 1000, (1,), (draft,), 0.0, 0.0, sizes, rows,
+                   tuple(tuple(fixed + per_token * B * n for n in rows) for B in sizes))
+
+
+def batch_tree(B: int, depth: int = 3):
+    """B rows of the same tree (top token q ~ 0.47: prior acceptance 0.45 per depth)."""
+    cfg = TreeConfig(depth=depth, frontier=1, slots=2, budget=2 * depth, rheostat=2, support=4)
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.0])
+
+    def draft(tr, nodes):
+        return logits.expand(nodes.shape[0], nodes.shape[1], 4)
+
+    t = plan_tree(draft, [1] * B, tree=cfg, sampling=SamplingConfig(), prefix_len=[64] * B)
+    return t, cfg
+
+
+def test_batch_decision_keeps_trees_on_a_flat_curve_and_drops_them_at_16_rows_when_tokens_cost():
+    for B in (1, 4, 16):
+        t, cfg = batch_tree(B)
+        flat = decide(CostPlan.from_calibration(batch_timings(10.0, 0.0), Calibration()), t, cfg.budget)
+        assert flat.chosen == [cfg.budget] * B and flat.pays  # every row keeps its whole budget
+    # a fixed 4 ms plus 1 ms per token of the batch: one row's tree pays, sixteen rows' do not
+    mixed = CostPlan.from_calibration(batch_timings(4.0, 1.0), Calibration())
+    one, cfg = batch_tree(1)
+    d1 = decide(mixed, one, cfg.budget)
+    assert d1.chosen[0] >= 1 and d1.pays
+    sixteen, _ = batch_tree(16)
+    d16 = decide(mixed, sixteen, cfg.budget)
+    assert d16.chosen == [0] * 16 and not d16.pays  # a plain autoregressive step for every row
+    # and the depth gate agrees: after depth 1, a second depth pays for 16 rows on a flat
+    # curve, not when every token of the batch costs
+    shallow, cfg1 = batch_tree(16, depth=1)
+    flat = CostPlan.from_calibration(batch_timings(10.0, 0.0), Calibration())
+    assert another_depth_pays(flat, shallow, cfg1.frontier, budget=4)
+    assert not another_depth_pays(mixed, shallow, cfg1.frontier, budget=4)
+
+
+def test_batch_decision_prices_the_padded_forward_and_one_draft_call_per_depth():
+    t, cfg = batch_tree(4)
+    tm = batch_timings(4.0, 0.3)
+    d = decide(CostPlan.from_calibration(tm, Calibration()), t, cfg.budget)
+    assert sum(d.chosen) > 0
+    widest = 1 + max(d.chosen)
+    depths = sorted(set(t.depth[0, t.exp_node[0, :int(t.n_expanded[0])]].tolist()))
+    assert d.draft_ms == pytest.approx(sum(tm.draft_batch(4, 1) for _ in depths))  # one call per depth
+    assert d.predicted_ms == pytest.approx(d.draft_ms + tm.verify_batch(4, widest, 64) + tm.overhead_batch(4))
+    assert d.ar_ms == pytest.approx(tm.ar_step_batch(4, 64))
+    assert d.expected == pytest.approx(4 + sum(sum(d.est_accept[b][v] for v in d.order[b][:d.chosen[b]])
+                                              for b in range(4)))

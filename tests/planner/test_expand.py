@@ -142,3 +142,39 @@ def test_support_ranking_equals_full_stable_sort(V, s, distinct, seed):
     tok, sq = rank_support(q, s)
     k = min(s, V)
     assert torch.equal(tok, idx[:, :k]) and torch.equal(sq, vals[:, :k])
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba", "triton"])
+@pytest.mark.parametrize("T,m", [(1.0, 1), (0.7, 0), (0.0, 3)])
+def test_subset_logits_plan_the_same_tree_as_dense(backend, T, m):
+    """A draft answering over its own vocabulary (``SubsetLogits``: an EAGLE-3 head's 8192 of
+    49152 tokens) plans the same tree as the same logits scattered to the whole vocabulary
+    with ``-inf`` elsewhere: the same law, so the same support tokens and slots; the
+    probabilities agree to float32 rounding (a softmax over fewer columns sums in another
+    order). Random logits on random increasing ids, every backend."""
+    from rheoplan import plan_tree
+    from rheoplan.distributions import SubsetLogits
+
+    V, Vd = 300, 70
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randperm(V, generator=g)[:Vd].sort().values
+    table = torch.randn(V, Vd, generator=g) * 3.0
+
+    def subset(tree, nodes):
+        tok = tree.token[0, nodes.clamp(min=0)]
+        return SubsetLogits(table[tok.cpu()].to(tree.token.device), ids.to(tree.token.device))
+
+    def dense(tree, nodes):
+        return subset(tree, nodes).dense(V)
+
+    cfg = TreeConfig(depth=3, frontier=3, slots=3, budget=8, rheostat=m, support=16)
+    s = SamplingConfig(temperature=T)
+    a = plan_tree(subset, [5], tree=cfg, sampling=s, seed=3, backend=backend)
+    b = plan_tree(dense, [5], tree=cfg, sampling=s, seed=3, backend=backend)
+    n = int(b.n_nodes[0])
+    assert int(a.n_nodes[0]) == n
+    assert torch.equal(a.token[:, :n], b.token[:, :n]) and torch.equal(a.kept, b.kept)
+    assert torch.equal(a.sup_token, b.sup_token) and torch.equal(a.sup_n, b.sup_n)
+    assert set(a.sup_token[a.sup_token >= 0].tolist()) <= set(ids.tolist())  # mapped to target ids
+    torch.testing.assert_close(a.sup_q, b.sup_q, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(a.score[:, :n], b.score[:, :n], rtol=1e-5, atol=1e-5, equal_nan=True)

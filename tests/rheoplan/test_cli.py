@@ -79,7 +79,7 @@ def test_typo_in_command_gets_a_suggestion(capsys):
 
 def test_typo_in_benchmark_gets_a_suggestion(capsys):
     rc, err = run(["bench", "cots"], capsys)
-    assert rc == 2 and "unknown benchmark 'cots' (did you mean cost?); allowed: decode, cost, kernels, planner" in err
+    assert rc == 2 and "unknown benchmark 'cots' (did you mean cost?); allowed: decode, batch, cost, kernels, planner" in err
 
 
 def test_no_command_prints_help(capsys):

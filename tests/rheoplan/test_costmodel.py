@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
-from rheoplan.costmodel import (Calibration, DraftSchedule, Timings, cache_key, cache_read, cache_write,
-                                node_class, weight_bucket)
+from rheoplan.costmodel import (Calibration, CostModel, DraftSchedule, ProjectionTimings, Timings, cache_key,
+                                cache_read, cache_write, measure_projection, node_class, projection_timings,
+                                weight_bucket)
 from rheoplan.ir import NodeKind
 from rheoplan.models.functional import hashed_context_lm
 from rheoplan.testing.oracle import functional_draft_fn
@@ -112,3 +113,140 @@ def test_cache_keeps_other_keys(tmp_path, monkeypatch):
     cache_write("c.json", k2, {"v": 2})
     assert cache_read("c.json", k1) == {"v": 1} and cache_read("c.json", k2) == {"v": 2}
     assert cache_read("c.json", "nope") is None and cache_read("none.json", k1) is None
+
+
+# -- batches: the verify grid and the a-priori plan per batch size ---------------------------------
+
+
+def grid_tm(**kw) -> Timings:
+    """tm() plus a batched verify grid: B (1, 4) x n (1, 2) at ctx_lo."""
+    return tm(batch_sizes=(1, 4), batch_row_sizes=(1, 2), batch_verify=((10.0, 12.0), (14.0, 22.0)), **kw)
+
+
+def test_verify_batch_interpolates_the_grid_and_adds_the_context_term():
+    t = grid_tm()
+    assert t.verify_batch(1, 4, 200) == t.verify(4, 200)  # batch 1 is the batch-1 curve
+    assert t.verify_batch(4, 2, 100) == pytest.approx(22.0)  # a grid point at ctx_lo
+    assert t.verify_batch(2, 1, 100) == pytest.approx(10.0 + 4.0 / 3)  # between B = 1 and 4
+    assert t.verify_batch(4, 3, 100) == pytest.approx(30.0)  # extrapolated past n = 2
+    # context: the batch-1 curve's ctx term at the batch's total tokens (4 x 1 = 4: 16 -> 30)
+    assert t.verify_batch(4, 1, 300) == pytest.approx(14.0 + 14.0)
+    # no grid: a batch is priced as one row of B * n tokens
+    assert tm().verify_batch(4, 1, 100) == tm().verify(4, 100)
+    assert t.draft_batch(3, 1) == t.draft(3) and t.overhead_batch(4) == 4 * t.overhead_ms
+    assert t.ar_step_batch(4, 100) == pytest.approx(14.0 + 4 * t.ar_overhead_ms)
+
+
+def test_timings_with_a_grid_round_trip_and_old_records_still_load():
+    t = grid_tm()
+    assert Timings.from_dict(t.to_dict()) == t
+    old = tm().to_dict()
+    for k in ("batch_sizes", "batch_row_sizes", "batch_verify"):
+        del old[k]
+    assert Timings.from_dict(old) == tm() and tm().batch_sizes == ()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(batch_sizes=(4, 1), batch_row_sizes=(1,), batch_verify=((1.0,), (2.0,))), "batch_sizes"),
+    (dict(batch_sizes=(1,), batch_row_sizes=(), batch_verify=((1.0,),)), "batch_row_sizes"),
+    (dict(batch_sizes=(1, 4), batch_row_sizes=(1, 2), batch_verify=((1.0, 2.0),)), "batch_verify must be 2 rows"),
+    (dict(batch_sizes=(1,), batch_row_sizes=(1,), batch_verify=((-1.0,),)), ">= 0"),
+])
+def test_timings_reject_a_bad_grid(bad, match):
+    with pytest.raises(ValueError, match=match):
+        tm(**bad)
+
+
+def linear_tm(fixed: float, per_token: float, draft: float = 0.5, overhead: float = 0.0) -> Timings:
+    """c_v = fixed + per_token x (the batch's total tokens), on a B x n grid and at batch 1."""
+    rows, sizes = (1, 2, 4, 8), (1, 4, 16)
+    return Timings((1, 64), (fixed + per_token, fixed + 64 * per_token), (fixed + per_token, fixed + 64 * per_token),
+                   0, 1000, (1,), (draft,), overhead, overhead, sizes, rows,
+                   tuple(tuple(fixed + per_token * B * n for n in rows) for B in sizes))
+
+
+def test_plan_for_batch_grows_on_a_flat_curve_and_falls_back_to_ar_when_tokens_cost():
+    flat = CostModel(linear_tm(10.0, 0.0))
+    for B in (1, 4, 16):
+        p = flat.plan_for_batch(B, ctx=64, max_depth=5, continuation=[0.8] * 5)
+        assert (p.depth, p.budget) == (5, 5) and p.tokens_per_s > p.ar_tokens_per_s
+    # a fixed 4 ms plus 1 ms per token of the batch: a tree pays for one row, not for 16
+    mixed = CostModel(linear_tm(4.0, 1.0))
+    plans = {B: mixed.plan_for_batch(B, ctx=64, max_depth=5, continuation=[0.8] * 5) for B in (1, 4, 16)}
+    assert plans[1].depth >= 2 and plans[16].depth == 0 and plans[16].budget == 0
+    assert plans[1].depth >= plans[4].depth >= plans[16].depth
+    assert plans[16].tokens_per_s == plans[16].ar_tokens_per_s
+    # the plan's numbers are the formula's: E(2) = 1 + 0.8 + 0.64 at depth 2
+    p2 = CostModel(linear_tm(10.0, 0.0, draft=1e-3)).plan_for_batch(2, ctx=64, max_depth=2, continuation=[0.8, 0.8])
+    assert p2.expected_tokens == pytest.approx(2.44) and p2.tokens_per_s == pytest.approx(2 * 2.44 / p2.predicted_ms * 1e3)
+
+
+def test_plan_for_batch_reads_the_prior_calibration_and_checks_its_input():
+    cal = Calibration()
+    cal.cont_trials[:3], cal.cont_accepts[:3] = [100.0] * 3, [0.0] * 3  # the walk never went on
+    never = CostModel(linear_tm(10.0, 0.0), cal).plan_for_batch(1, ctx=64, max_depth=3)
+    assert never.depth == 0
+    assert CostModel(linear_tm(10.0, 0.0)).plan_for_batch(1, ctx=64, max_depth=3).depth == 3  # prior 0.5
+    m = CostModel(linear_tm(10.0, 0.0))
+    for kw, match in ((dict(batch=0), "batch=0"), (dict(batch=True), "batch=True"),
+                      (dict(max_depth=-1), "max_depth"), (dict(width=0), "width"),
+                      (dict(continuation=[0.5]), "continuation"), (dict(continuation=[2.0] * 3), "continuation")):
+        args = dict(batch=2, ctx=64, max_depth=3) | kw
+        with pytest.raises(ValueError, match=match):
+            m.plan_for_batch(args.pop("batch"), **args)
+
+
+# -- the walk's output projections -----------------------------------------------------------
+
+
+def test_projection_choice_all_rows_when_cheaper():
+    # bfloat16 SmolLM2 here: one row 4.3 ms, 8 rows 5.4 ms -> every row at once pays
+    flat = ProjectionTimings((1, 8, 16), (4.3, 5.4, 6.6))
+    assert flat.project_all(9, 5)
+    assert not flat.project_all(5, 5) and not flat.project_all(1, 1)  # same rows either way
+    # a projection whose cost grows with the rows (e.g. compute-bound): the lazy walk pays
+    steep = ProjectionTimings((1, 8, 64), (1.0, 8.0, 64.0))
+    assert not steep.project_all(9, 5)  # 9 > 5 + 1
+    assert steep.project_all(6, 5)  # 6 <= 5 + 1
+    assert ProjectionTimings.from_dict(flat.to_dict()) == flat
+    with pytest.raises(ValueError, match="increasing"):
+        ProjectionTimings((4, 1), (1.0, 2.0))
+    with pytest.raises(ValueError, match="finite"):
+        ProjectionTimings((1,), (float("nan"),))
+
+
+def test_measure_projection_times_every_size_and_is_monotone():
+    clock, calls = [0.0], []
+    cost = {1: 4.0, 2: 3.0, 4: 5.0}  # ms; the dip at 2 rows is noise
+
+    def project(h):
+        calls.append(h.shape)
+        clock[0] += cost[h.shape[0]] / 1e3
+
+    pt = measure_projection(project, 8, sizes=(1, 2, 4), reps=3, timer=lambda: clock[0])
+    assert pt.sizes == (1, 2, 4) and pt.ms == pytest.approx((4.0, 4.0, 5.0))
+    assert len(calls) == 3 * 4 and {tuple(s) for s in calls} == {(1, 8), (2, 8), (4, 8)}
+    with pytest.raises(ValueError, match="reps"):
+        measure_projection(project, 8, reps=0)
+
+
+def test_projection_timings_are_cached_per_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("RHEOPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("rheoplan.costmodel._PROJECTION", {})
+    calls = []
+    head = torch.nn.Linear(8, 13, bias=False)
+
+    def project(h):
+        calls.append(h.shape[0])
+        return head(h)
+
+    pt = projection_timings(project, 13, 8)
+    n = len(calls)
+    assert n > 0 and pt.sizes[0] == 1
+    assert projection_timings(project, 13, 8) is pt and len(calls) == n  # memo
+    monkeypatch.setattr("rheoplan.costmodel._PROJECTION", {})
+    assert projection_timings(project, 13, 8) == pt and len(calls) == n  # read from the disk cache
+    monkeypatch.setattr("rheoplan.costmodel._PROJECTION", {})
+    monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")
+    projection_timings(project, 13, 8)
+    assert len(calls) == 2 * n  # measured again

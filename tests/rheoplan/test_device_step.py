@@ -6,8 +6,9 @@ and the Triton launches of a step are the planner's, the noise's and the walk's.
 Counted with ``rheoplan.testing.device`` (see there how a sync is counted on the CPU:
 explicit conversions, since the interpreter has no device). The models here are
 device-clean on purpose (a bigram table gathered by token tensors, no host reads), so
-the count is the decode loop's own; the functional and HF adapters read token ids on
-the host and add their own syncs."""
+the count is the decode loop's own. The HF and functional targets read their tree once
+per verify (a step stays at 3); the functional draft, a host function of token paths,
+once per call and per commit (the last tests here)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,47 @@ def test_sync_counter_sees_host_reads():
     assert syncs.count == 6
 
 
+class _FeatureBigramLogits(_TableLogits):
+    def __init__(self, table, feats, tokens):
+        super().__init__(table, tokens)
+        self._feats = feats
+
+    def features(self, i: int) -> torch.Tensor:
+        return self._feats.index_select(0, self._tokens[i:i + 1])[0]  # a gather: no host read
+
+
+class FeatureBigramTarget(BigramTarget):
+    """``BigramTarget`` with EAGLE-3 features (a row of a fixed table per token), on tensors."""
+
+    def __init__(self, width, seed=0):
+        super().__init__(seed)
+        self.feats = torch.randn(V, width, generator=torch.Generator().manual_seed(seed + 10))
+        self.prompt: torch.Tensor | None = None
+
+    def start(self, prompt_ids):
+        self.prompt = torch.tensor(prompt_ids)
+
+    def prompt_features(self):
+        return self.feats[self.prompt[1:]]
+
+    def forward_tree(self, linear):
+        return _FeatureBigramLogits(self.table, self.feats, linear.token[0])
+
+
+def _eagle3_head(draft_vocab):
+    from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config(vocab_size=V, draft_vocab_size=draft_vocab, hidden_size=16,
+                                   intermediate_size=32, num_attention_heads=2, num_key_value_heads=1))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.5)
+        if draft_vocab < V:
+            head.set_vocab_map(torch.randperm(V)[:draft_vocab].sort().values)
+    return head.eval()
+
+
 def _adapter_cfg():
     return TreeConfig(depth=3, frontier=2, slots=3, budget=6, rheostat=1, support=8, verifier="ot")
 
@@ -181,3 +223,36 @@ def test_triton_step_syncs_functional_adapters():
     ref = plan_and_decode(tgt(), FunctionalDraft(hashed_context_lm(V, seed=32, sharpness=1.5)), [0, 1, 2],
                           max_new_tokens=6, tree=_adapter_cfg(), sampling=s, seed=4, backend="reference")
     assert res.tokens == ref.tokens
+
+
+@pytest.mark.interpreter
+@pytest.mark.no_ir_lint
+@pytest.mark.parametrize("draft_vocab", [V, 16])
+def test_eagle3_draft_adds_no_host_sync(draft_vocab):
+    """The EAGLE-3 adapter on the device path: node ids arrive as a tensor, the attention
+    mask, positions, tokens and parents' hiddens are gathered on the device, and commit reads
+    nothing back, so a decode step still syncs twice (the loop's own). Per decode, not per
+    step: the vocabulary map's checks before the loop (a reduced draft vocabulary only).
+    The tokens equal the host path's (reference backend)."""
+    from rheoplan.models.eagle3 import Eagle3Draft
+
+    cfg = TreeConfig(depth=3, frontier=2, slots=3, budget=6, rheostat=1, support=8, verifier="ot")
+    embed = torch.randn(V, 16, generator=torch.Generator().manual_seed(3))
+
+    def decode(backend, tokens):
+        target = FeatureBigramTarget(width=48)
+        draft = Eagle3Draft(_eagle3_head(draft_vocab), embed, features_from=target)
+        with count_host_syncs() as syncs:
+            res = plan_and_decode(target, draft, [0, 1, 2], max_new_tokens=tokens, tree=cfg, seed=4,
+                                  backend=backend)
+        return res, syncs
+
+    short, s_short = decode("triton", 3)
+    res, syncs = decode("triton", 12)
+    n = len(res.steps)
+    assert n > len(short.steps)
+    # per step: the loop's two; per decode: a constant (<= 3, the vocabulary checks)
+    per_decode = syncs.count - 2 * n
+    assert s_short.count - 2 * len(short.steps) == per_decode, (syncs.where, s_short.where)
+    assert per_decode == (0 if draft_vocab == V else 3), syncs.where[:4]
+    assert res.tokens == decode("reference", 12)[0].tokens

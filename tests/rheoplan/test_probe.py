@@ -106,7 +106,9 @@ def test_measure_timings_on_a_tiny_model_and_cache(cache):
     assert isinstance(tm, Timings) and tm.sizes == (1, 2, 4) and (tm.ctx_lo, tm.ctx_hi) == (4, 12)
     assert all(v > 0 for v in tm.verify_lo + tm.verify_hi + tm.draft_ms)
     assert set(tm.draft_widths) <= {1, 2} and tm.overhead_ms >= 0 and tm.ar_overhead_ms >= 0
-    assert "measured" in log.getvalue()
+    assert (tm.batch_sizes, tm.batch_row_sizes) == (probe.BATCH_SIZES, probe.BATCH_ROW_SIZES)
+    assert len(tm.batch_verify) == len(tm.batch_sizes) and tm.verify_batch(16, 2, 4) > 0
+    assert "measured" in log.getvalue() and "batched verify" in log.getvalue()
     again = probe.measure_timings(model, draft, [1, 2, 3], tree=tree, ctx=(4, 12), sizes=(1, 2, 4),
                                   reps=1, steps=6, model_id="tiny", log=log)
     assert again == tm and "cached" in log.getvalue()
@@ -115,3 +117,27 @@ def test_measure_timings_on_a_tiny_model_and_cache(cache):
 def test_verify_latencies_never_drop_with_more_tokens():
     assert probe.monotone([40.0, 38.0, 55.0, 50.0]) == (40.0, 40.0, 55.0, 55.0)
     assert probe.monotone([1.0]) == (1.0,)
+
+
+def test_measure_batch_verify_grid_on_a_tiny_model():
+    model = tiny_llama(seed=1, vocab=16)
+    ticks = []
+
+    def clock():  # the real forwards run; the clock charges 1 ms per (row x token) forwarded
+        return sum(ticks) / 1e3
+
+    real = model.model.forward
+
+    def counting(*a, **kw):
+        ids = kw["input_ids"]
+        assert kw[probe._cache_kwarg(model.model)].get_seq_length() == 8  # cropped back every time
+        ticks.append(ids.shape[0] * ids.shape[1])
+        return real(*a, **kw)
+
+    model.model.forward = counting
+    grid = probe.measure_batch_verify(model, batch_sizes=(1, 3), row_sizes=(1, 2, 5), ctx=8, reps=1, timer=clock)
+    assert [list(r) for r in grid] == [pytest.approx([1.0, 2.0, 5.0]), pytest.approx([3.0, 6.0, 15.0])]
+    for bad, match in ((dict(batch_sizes=()), "batch_sizes"), (dict(row_sizes=(2, 1)), "row_sizes"),
+                       (dict(batch_sizes=(0, 1)), "batch_sizes"), (dict(ctx=0), "ctx=0")):
+        with pytest.raises(ValueError, match=match):
+            probe.measure_batch_verify(model, **bad)

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from rheoplan.distributions import SubsetLogits
 from rheoplan.ir import DraftTree
 from rheoplan.models._hf_common import base_model
 from rheoplan.models.base import DraftModel, TargetModel, check_draft_call, check_emitted, check_prompt_ids
@@ -101,6 +102,14 @@ class Eagle3Draft(DraftModel):
                              "must be the target's embedding width")
         self.features_from = features_from
         self.vocab_size = cfg.vocab_size
+        # The draft vocabulary ordered by target id: the planner works on these columns
+        # (``vocab_logits``) and maps the chosen ones to target ids; a head whose d2t is not
+        # increasing gets its columns reordered once per call (``_order``).
+        ids = head.target_ids()
+        order = torch.argsort(ids)
+        self._order = None if torch.equal(order, torch.arange(len(ids), device=order.device)) else order
+        #: target ids of the draft vocabulary, increasing (None: the full target vocabulary)
+        self.vocab_ids = ids[order] if cfg.draft_vocab_size < cfg.vocab_size else None
         self._param = next(head.parameters())
         self.device = self._param.device
         self._reset()
@@ -171,9 +180,19 @@ class Eagle3Draft(DraftModel):
         self._pending_feats: list[torch.Tensor] | None = None  #: None = prompt features not read yet
         self.root: int | None = None
         self._prompt: list[int] = []
-        self._slot: dict[int, int] = {}  #: tree node -> kv index (root: -1, it is committed)
-        self._hidden: dict[int, torch.Tensor] = {}  #: node -> output hidden [H]
-        self._logits: dict[int, torch.Tensor] = {}
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        """Forget the step's tree nodes (their kv entries are cropped by ``commit``)."""
+        self._root_done = False
+        self._forwarded: set[int] = set()  #: node ids forwarded this step (host-path calls)
+        self._n_tree = 0  #: tree entries in the kv cache after the prefix
+        self._device_step = False  #: node ids came as a tensor this step (the device planner)
+        # per node id (the tree's creation ids): output hidden, draft-vocabulary logits and
+        # which tree kv entries it sees (its ancestors below the root, and itself)
+        self._hid: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
+        self._anc: torch.Tensor | None = None
 
     def start(self, prompt_ids: list[int]) -> None:
         ids = check_prompt_ids(prompt_ids, self.vocab_size)
@@ -206,25 +225,72 @@ class Eagle3Draft(DraftModel):
             self.set_prompt_features(feats)
 
     @torch.no_grad()
-    def node_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+    def node_logits(self, tree: DraftTree, nodes) -> torch.Tensor:
+        """Draft logits ``[len(nodes), vocab]`` over the target vocabulary (``-inf`` outside
+        the draft vocabulary); ``vocab_logits`` gives the same rows over the draft
+        vocabulary only, which is what the decode loop asks for."""
+        rows = self.vocab_logits(tree, nodes)
+        if self.vocab_ids is None:
+            return rows
+        return SubsetLogits(rows, self.vocab_ids).dense(self.vocab_size)
+
+    @torch.no_grad()
+    def vocab_logits(self, tree: DraftTree, nodes) -> torch.Tensor:
+        """Draft logits ``[len(nodes), len(vocab_ids)]`` (float32) at target ids
+        ``vocab_ids``: the head's own vocabulary, ordered by target id, with no scatter to
+        the target's vocabulary.
+
+        ``nodes`` as a list of ints is checked against the draft's state (root token,
+        prefix, parents forwarded before children; repeats are served from this step's
+        results). As a tensor (what the device planner passes: one depth's frontier of new,
+        distinct nodes) nothing is read back to the host: the first call of a step is the
+        root's, every later one forwards all of its nodes.
+        """
+        if isinstance(nodes, torch.Tensor):
+            return self._tensor_call(tree, nodes)
         nodes = check_draft_call(tree, nodes, self.root, self._committed)
-        new = [v for v in dict.fromkeys(nodes) if v not in self._logits]
+        new = [v for v in dict.fromkeys(nodes) if v not in self._forwarded]
         if 0 in new:
             if new != [0]:
                 raise ValueError(f"nodes={nodes}: the root must be forwarded alone (its children "
                                  "consume its output hidden)")
-            self._forward_root()
+            self._forward_root(tree)
         elif new:
-            self._forward_nodes(tree, new)
-        return torch.stack([self._logits[v] for v in nodes])
+            for v in new:
+                p = int(tree.parent[0, v])
+                if p not in self._forwarded:
+                    raise ValueError(f"node {v}'s parent {p} was not forwarded in an earlier call of "
+                                     "this step; parents must be passed before their children")
+            self._forward_nodes(tree, torch.tensor(new, dtype=torch.int64))
+        self._forwarded.update(new)
+        return self._rows[torch.tensor(nodes, dtype=torch.int64, device=self._rows.device)]
 
-    def _run(self, tokens: list[int], hidden: torch.Tensor, positions: list[int],
+    def _tensor_call(self, tree: DraftTree, nodes: torch.Tensor) -> torch.Tensor:
+        if self.root is None:
+            raise RuntimeError("node_logits() called before start()")
+        if nodes.dim() != 1 or nodes.numel() < 1 or nodes.dtype.is_floating_point:
+            raise ValueError(f"nodes has shape {tuple(nodes.shape)} and dtype {nodes.dtype}: allowed a "
+                             "non-empty 1-D integer tensor of node ids")
+        self._device_step = True
+        if not self._root_done:
+            if nodes.numel() != 1:
+                raise ValueError(f"nodes has {nodes.numel()} entries in the step's first call: the root "
+                                 "must be forwarded alone first (its children consume its output hidden)")
+            self._forward_root(tree)
+        else:
+            self._forward_nodes(tree, nodes)
+        return self._rows[nodes.to(self._rows.device)]
+
+    def _project(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's logits ``[n, draft_vocab]`` in float32, columns ordered by target id."""
+        d = self.head.draft_logits(out).to(torch.float32)
+        return d if self._order is None else d[:, self._order]
+
+    def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              allowed: torch.Tensor) -> torch.Tensor:
         dev = self._param.device
-        tok = torch.tensor(tokens, dtype=torch.int64, device=self.embed.device)
-        emb = self.embed[tok].to(dev, self._param.dtype)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        out, self._kv = self.head(emb, hidden, pos, self._kv, allowed.to(dev))
+        emb = self.embed[tokens.to(self.embed.device)].to(dev, self._param.dtype)
+        out, self._kv = self.head(emb, hidden, positions.to(dev), self._kv, allowed.to(dev))
         return out
 
     def _ensure_prompt_features(self) -> None:
@@ -247,54 +313,62 @@ class Eagle3Draft(DraftModel):
         finally:
             probe.close()
 
-    def _forward_root(self) -> None:
+    def _forward_root(self, tree: DraftTree) -> None:
         self._ensure_prompt_features()
+        dev = self._param.device
         P = len(self._pending_tokens)
         S = self._prefix
         allowed = torch.cat([torch.ones(P, S, dtype=torch.bool),
                              torch.ones(P, P, dtype=torch.bool).tril()], dim=1)
-        positions = [self._committed - P + 1 + k for k in range(P)]
-        feats = torch.stack([self.head.fuse(f) for f in self._pending_feats])
-        out = self._run(self._pending_tokens, feats, positions, allowed)
+        positions = torch.arange(self._committed - P + 1, self._committed + 1, dtype=torch.int64)
+        feats = self.head.fuse(torch.stack(self._pending_feats))
+        out = self._run(torch.tensor(self._pending_tokens, dtype=torch.int64), feats, positions, allowed)
         self._prefix += P
         self._pending_tokens, self._pending_feats = [], []
-        self._hidden[0] = out[-1]
-        self._slot[0] = -1
-        self._logits[0] = self.head.target_logits(out[-1:])[0]
+        # this step's node tables, sized by the tree's capacity (a shape: no host read)
+        cap = tree.parent.shape[1]
+        self._hid = out.new_zeros(cap, out.shape[-1])
+        self._rows = torch.zeros(cap, self.head.config.draft_vocab_size, dtype=torch.float32, device=dev)
+        self._anc = torch.zeros(cap, cap, dtype=torch.bool, device=dev)  # the root sees no tree entry
+        self._hid[0] = out[-1]
+        self._rows[0] = self._project(out[-1:])[0]
+        self._root_done = True
 
-    def _forward_nodes(self, tree: DraftTree, new: list[int]) -> None:
-        for v in new:
-            p = int(tree.parent[0, v])
-            if p not in self._hidden:
-                raise ValueError(f"node {v}'s parent {p} was not forwarded in an earlier call of "
-                                 "this step; parents must be passed before their children")
-        S = self._kv[0].shape[1]
-        q = len(new)
-        allowed = torch.zeros(q, S + q, dtype=torch.bool)
-        allowed[:, :self._prefix] = True
-        parents_hidden, tokens, positions = [], [], []
-        for r, v in enumerate(new):
-            p = int(tree.parent[0, v])
-            a = p
-            while a > 0:
-                allowed[r, self._slot[a]] = True
-                a = int(tree.parent[0, a])
-            allowed[r, S + r] = True
-            parents_hidden.append(self._hidden[p])
-            tokens.append(int(tree.token[0, v]))
-            positions.append(self._committed + int(tree.depth[0, v]))
-        out = self._run(tokens, torch.stack(parents_hidden), positions, allowed)
-        logits = self.head.target_logits(out)
-        for r, v in enumerate(new):
-            self._slot[v] = S + r
-            self._hidden[v] = out[r]
-            self._logits[v] = logits[r]
+    def _forward_nodes(self, tree: DraftTree, new: torch.Tensor) -> None:
+        """Forward nodes ``new`` (ids, their parents forwarded already) as one batch: each
+        sees the committed pairs, its ancestors' tree entries below the root, and itself."""
+        dev = self._param.device
+        new = new.to(tree.parent.device)
+        par = tree.parent[0, new].to(dev)
+        tokens = tree.token[0, new]
+        positions = tree.depth[0, new].to(dev) + self._committed
+        new = new.to(dev)
+        q, T, S = new.shape[0], self._n_tree, self._kv[0].shape[1]
+        ar = torch.arange(q, device=dev)
+        sees = self._anc[par]  # [q, cap]: the parents' tree entries
+        sees[ar, T + ar] = True  # and each node's own entry
+        allowed = torch.cat([torch.ones(q, self._prefix, dtype=torch.bool, device=dev),
+                             sees[:, :T + q]], dim=1)  # [q, S + q]: S = prefix + T
+        out = self._run(tokens, self._hid[par], positions, allowed)
+        self._anc[new] = sees
+        self._hid[new] = out
+        self._rows[new] = self._project(out)
+        self._n_tree += q
+        assert self._kv[0].shape[1] == S + q
 
     def commit(self, tree: DraftTree, path_nodes: list[int], emitted: list[int],
                features: list[torch.Tensor | None]) -> None:
         if self.root is None:
             raise RuntimeError("commit() called before start()")
-        path_nodes = check_emitted(tree, path_nodes, emitted)
+        if self._device_step:
+            # a step planned on the device: check what the host knows, and read nothing back
+            # (the path and tokens are the walk's own, transferred once by the decode loop)
+            path_nodes = [int(v) for v in path_nodes]
+            if not path_nodes or path_nodes[0] != 0 or len(emitted) != len(path_nodes):
+                raise ValueError(f"path_nodes={path_nodes} must start with the root (node 0) and match "
+                                 f"emitted ({len(emitted)} tokens: accepted drafted tokens, then the bonus)")
+        else:
+            path_nodes = check_emitted(tree, path_nodes, emitted)
         if len(features) != len(path_nodes) or any(f is None for f in features):
             raise ValueError(f"features must hold one target feature tensor per path node "
                              f"({len(path_nodes)}), got {len(features)} entries "
@@ -310,7 +384,7 @@ class Eagle3Draft(DraftModel):
         self._pending_feats = self._pending_feats + [f.to(dev, dt) for f in features]
         self._committed += len(path_nodes)
         self.root = int(emitted[-1])
-        self._slot, self._hidden, self._logits = {}, {}, {}
+        self._reset_step()
 
 
 def load_eagle3_checkpoint(path: str | os.PathLike, target: Any = None, *,

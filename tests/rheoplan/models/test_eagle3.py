@@ -270,3 +270,59 @@ def test_one_loader_name_in_rheoplan_models(tmp_path, llama6):
     save_eagle3(make_head(seed=6), tmp_path)
     draft = public(tmp_path, llama6)
     assert isinstance(draft, Eagle3Draft) and draft.device == llama6.device
+
+
+@pytest.mark.parametrize("increasing", [True, False])
+def test_vocab_logits_are_the_draft_vocabulary_columns(increasing):
+    """``vocab_logits`` (what the decode loop asks for) holds the draft vocabulary's logits
+    ordered by target id (``vocab_ids``), the finite columns of ``node_logits``; a head whose
+    d2t is not increasing gets its columns reordered."""
+    head = make_head(seed=6)
+    if not increasing:
+        head.set_vocab_map(torch.randperm(V, generator=torch.Generator().manual_seed(1))[:60])
+    embed = torch.randn(V, H)
+    draft = Eagle3Draft(head, embed)
+    assert torch.equal(draft.vocab_ids, head.target_ids().sort().values)
+    draft.start([1, 2, 3])
+    draft.set_prompt_features(torch.randn(2, 3 * H))
+    tree = make_draft_tree([3, 4, 5, 6], [-1, 0, 0, 1], prefix_len=2)
+    with torch.no_grad():
+        rows = {0: draft.vocab_logits(tree, [0])[0]}
+        rows.update(zip([1, 2], draft.vocab_logits(tree, [1, 2])))
+        rows.update(zip([3], draft.vocab_logits(tree, [3])))
+        dense = draft.node_logits(tree, [0, 1, 2, 3])  # served from the step's results
+    for v, row in rows.items():
+        assert row.shape == (60,) and row.dtype == torch.float32
+        assert torch.equal(dense[v, draft.vocab_ids], row)
+        assert torch.isinf(dense[v]).sum() == V - 60
+    # a head over the whole vocabulary answers densely
+    assert Eagle3Draft(make_head(draft_vocab=V), torch.randn(V, H)).vocab_ids is None
+
+
+def test_tensor_node_ids_equal_list_node_ids():
+    """Node ids as a tensor (the device planner's call: no host reads) give the same rows as a
+    list of ints (checked against the draft's state)."""
+    head = make_head(seed=7)
+    embed = torch.randn(V, H)
+    feats = torch.randn(3, 3 * H)
+    toks, par = random_tree(random.Random(2), 9, V, root=5)
+    tree = make_draft_tree(toks, par, prefix_len=3)
+    dep = depths_of(par)
+    out = []
+    for as_tensor in (False, True):
+        draft = Eagle3Draft(head, embed)
+        draft.start([1, 2, 3, 5])
+        draft.set_prompt_features(feats)
+        got = {}
+        with torch.no_grad():
+            for d in range(max(dep) + 1):
+                sel = [i for i in range(9) if dep[i] == d]
+                ids = torch.tensor(sel) if as_tensor else sel
+                got.update(zip(sel, draft.vocab_logits(tree, ids)))
+        out.append(torch.stack([got[i] for i in range(9)]))
+    assert torch.equal(out[0], out[1])
+    with pytest.raises(ValueError, match="root must be forwarded alone"):
+        draft = Eagle3Draft(head, embed)
+        draft.start([1, 2, 3, 5])
+        draft.set_prompt_features(feats)
+        draft.vocab_logits(tree, torch.tensor([0, 1]))

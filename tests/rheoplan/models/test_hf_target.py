@@ -194,3 +194,48 @@ def test_prefetch_batches_projection(llama):
     assert tl.n_projected == 3
     with pytest.raises(IndexError):
         tl.prefetch([9])
+
+
+def _decode_projections(llama, projection, timings=None):
+    """Tokens of a short tree decode and (rows, rows projected) of every verify forward."""
+    from rheoplan import SamplingConfig, TreeConfig, plan_and_decode
+
+    target = HFTarget(llama)
+    target.projection = projection
+    target._projection_timings = timings
+    seen = []
+    forward = target.forward_tree
+
+    def recording(linear):
+        tl = forward(linear)
+        seen.append(tl)
+        return tl
+
+    target.forward_tree = recording
+    r = plan_and_decode(target, llama, [1, 2, 3], max_new_tokens=16, seed=5, sampling=SamplingConfig(temperature=1.0),
+                        tree=TreeConfig(depth=3, frontier=2, slots=2, budget=6, support=8), backend="numba")
+    return r.tokens, [(tl.n, tl.n_projected) for tl in seen]
+
+
+def test_walk_projects_all_rows_when_measured_cheaper(llama):
+    from rheoplan.costmodel import ProjectionTimings
+
+    tok_all, proj_all = _decode_projections(llama, "all")
+    tok_lazy, proj_lazy = _decode_projections(llama, "lazy")
+    assert all(p == n for n, p in proj_all)  # one projection of every row
+    assert any(p < n for n, p in proj_lazy)  # the likely path and the visited nodes only
+    assert tok_all == tok_lazy  # the same logits up to a batched product's rounding
+    # 'auto' follows the measured costs (injected here): flat -> all rows, steep -> lazy
+    _, proj = _decode_projections(llama, "auto", ProjectionTimings((1, 64), (1.0, 1.0)))
+    assert all(p == n for n, p in proj)
+    _, proj = _decode_projections(llama, "auto", ProjectionTimings((1, 64), (1.0, 64.0)))
+    assert proj == proj_lazy
+
+
+def test_projection_choice_is_checked_before_the_forward(llama):
+    target = HFTarget(llama)
+    target.start([1, 2, 3])
+    target.projection = "sometimes"
+    with pytest.raises(ValueError, match=r"projection='sometimes': allowed one of \('auto', 'all', 'lazy'\)"):
+        target.forward_tree(make_linear([3, 4], [-1, 0], prefix_len=2))
+    assert target.cache is not None and target.cached_len == 2

@@ -58,8 +58,11 @@ def test_run_writes_follow_ups_of_the_targets_own_answers(tiny_target, tiny_toke
 
 @pytest.mark.slow
 def test_a_killed_job_resumes_to_the_same_shards(tiny_target, tiny_tokenizer, tmp_path):
+    """A run killed after 3 shards and resumed writes the shards of an uninterrupted run,
+    which here also ran another schedule (3 live rows instead of 64): every row draws from
+    its own (seed, shard, row) stream (float32, so rounding does not differ either)."""
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    _run(tiny_target, tiny_tokenizer, _jobs(tiny_tokenizer, full)[1], full)
+    _run(tiny_target, tiny_tokenizer, _jobs(tiny_tokenizer, full)[1], full, live_rows=3)
     out = _run(tiny_target, tiny_tokenizer, _jobs(tiny_tokenizer, part)[1], part, max_shards=3)  # the "kill"
     assert out["new_shards"] == 3 and len([f for f in os.listdir(part) if f.endswith(".json")]) == 3
     log = io.StringIO()
@@ -70,6 +73,8 @@ def test_a_killed_job_resumes_to_the_same_shards(tiny_target, tiny_tokenizer, tm
     for f in os.listdir(full):
         if f.endswith(".npy"):
             assert np.array_equal(np.load(os.path.join(full, f)), np.load(os.path.join(part, f))), f
+    ix = tk.read_shard(full, "train_r1_00001")[0]
+    assert ix["rng"] == "row" and ix["row_seeds"] == [gen.row_seed(0, "train_r1_00001", r) for r in range(ix["rows"])]
 
 
 def test_a_tokenizer_without_chat_template_is_rejected(tiny_tokenizer):

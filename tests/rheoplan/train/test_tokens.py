@@ -3,6 +3,7 @@ compact atomic shards, resumable data-set records."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -63,6 +64,106 @@ def test_sampling_is_reproducible_and_uses_the_generator(tiny_target):
     c = tk.sample_tokens(tiny_target, PROMPTS, max_new_tokens=12, temperature=1.0, eos_id=0,
                          generator=torch.Generator().manual_seed(4))
     assert a == b and a != c
+
+
+# Prompts of very different lengths and caps, so rows finish at different steps and joiners
+# are both shorter and longer than the running cache.
+REFILL_PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 4, 4, 4, 4, 4, 8, 3, 3, 3, 3, 3, 3, 3, 3, 7], [1, 30, 31],
+                  [1, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [1, 2],
+                  [1, 40, 41, 42, 43], [1, 50]]
+REFILL_CAPS = [3, 12, 5, 9, 2, 14, 7, 1]
+
+
+@pytest.fixture(scope="module")
+def sharp_target():
+    """The tiny Llama with larger weights (init std 0.2): its attention is peaked enough that
+    a wrong position id or an unmasked pad column changes sampled tokens (the default tiny
+    target's near-uniform attention hides both)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                        initializer_range=0.2)).eval()
+
+
+def _refill(model, live_rows, temperature, eos_id=0, order=None):
+    """Every REFILL_PROMPTS row through sample_refill with ``live_rows`` live rows; row r
+    draws from a stream seeded with 100 + r. Returns rows by index and the mask widths seen."""
+    order = list(range(len(REFILL_PROMPTS))) if order is None else order
+    queue = [tk.Request(r, REFILL_PROMPTS[r], REFILL_CAPS[r], temperature, tk.row_generator(100 + r)) for r in order]
+    widths = []
+    fwd = model.forward
+
+    @functools.wraps(fwd)  # keeps the signature the sampler inspects
+    def spy(*a, **kw):
+        widths.append(kw["attention_mask"].shape)
+        return fwd(*a, **kw)
+
+    def feed(n):
+        out = queue[:n]
+        del queue[:n]
+        return out
+
+    model.forward = spy
+    try:
+        out = {req.key: row for req, row in tk.sample_refill(model, feed, live_rows=live_rows, eos_id=eos_id,
+                                                             refill_min=1)}
+    finally:
+        del model.forward
+    for row in out.values():
+        assert row.pop("wall_s") >= 0
+    return out, widths
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_refill_rows_equal_each_row_sampled_alone(sharp_target, temperature):
+    """Continuous refill (rows leave, waiting rows join a running batch of any cache length)
+    gives every row the tokens it gets alone from the same stream: float32 greedy, and T = 1
+    with per-row generators (the draws do not depend on the schedule)."""
+    alone = {r: _refill(sharp_target, 1, temperature, order=[r])[0][r] for r in range(len(REFILL_PROMPTS))}
+    assert any(len(a["tokens"]) - a["prompt_len"] > 1 for a in alone.values())
+    for live in (2, 3, 8):
+        got, widths = _refill(sharp_target, live, temperature)
+        assert got == alone, live
+        assert max(w[0] for w in widths) == live
+    # another schedule (rows arriving in reverse order) still gives the same rows
+    assert _refill(sharp_target, 3, temperature, order=list(range(len(REFILL_PROMPTS)))[::-1])[0] == alone
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_each_draw_follows_the_rows_softmax(temperature):
+    """The sampler's draw (inverse CDF with a uniform from the row's own stream) is the
+    categorical softmax(logits / T): chi-square over 20000 rows, each with its own stream.
+    Fails for a draw that ignores T (checked: 0.6 rejects softmax(logits))."""
+    from scipy.stats import chisquare
+
+    logits = torch.tensor([2.0, 0.5, -1.0, 1.0, 0.0, -30.0])
+    n = 20000
+    rows = [{"req": tk.Request(i, [1], 1, temperature, tk.row_generator(i))} for i in range(n)]
+    got = torch.bincount(torch.tensor(tk._draw(logits.expand(n, -1), rows)), minlength=6)
+    p = torch.softmax(logits / temperature, -1).double()
+    assert got[5] == 0
+    assert chisquare(got[:5].double().numpy(), (p[:5] / p[:5].sum() * n).numpy()).pvalue > 1e-4
+
+
+def test_refill_drops_columns_no_live_row_needs(tiny_target):
+    """The cache does not keep the length of rows that left: after the long prompt (row 4,
+    cap 2) finishes, later decode steps attend over fewer columns than it needed."""
+    _, widths = _refill(tiny_target, 3, 0.0)
+    peak = max(range(len(widths)), key=lambda i: widths[i][1])
+    assert min(w[1] for w in widths[peak:]) < widths[peak][1] - 5
+
+
+def test_refill_rejects_bad_settings(tiny_target):
+    with pytest.raises(ValueError, match="live_rows"):
+        next(tk.sample_refill(tiny_target, lambda n: [], live_rows=0, eos_id=0))
+    with pytest.raises(ValueError, match="refill_min"):
+        next(tk.sample_refill(tiny_target, lambda n: [], live_rows=4, eos_id=0, refill_min=5))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        tk.Request(0, [1], 0, 1.0)
+    with pytest.raises(ValueError, match="prompt"):
+        tk.Request(0, [], 3, 1.0)
 
 
 @pytest.mark.parametrize("kw, msg", [
