@@ -89,7 +89,7 @@ def cases():
     for S, logit in ((128, "*bf16"), (128, "*fp32"), (256, "*bf16")):
         ptrs = dict(f32, logits_ptr=logit, noise_ptr="*fp64")
         yield (f"slot_expansion S={S} logits {logit[1:]}", slot.slot_expansion_kernel, ptrs, {"INV_T": "fp32"},
-               dict(S=S, S_BLOCK=S, S_TILE=32 if S <= 128 else 16, M=1, K=10, PROXY=0, BLOCK=1024),
+               dict(S=S, S_BLOCK=S, S_TILE=32 if S <= 128 else 16, M=1, K=10, PROXY=0, BLOCK=1024, PROBS=False),
                4 if S <= 128 else 8)
     for write_ids in (True, False):
         yield (f"topk write_ids={write_ids} BLOCK=64", plan.topk_kernel, {"score_ptr": "*fp32", "out_ptr":
