@@ -39,10 +39,22 @@ class GumbelSampler:
     """
 
     streams: Streams
-    step: int
+    #: the step word of the counter: one int, or one per tree (a batch whose rows joined at
+    #: different steps counts each row's own steps)
+    step: int | tuple[int, ...]
+    #: each tree's stream id (the ``tree`` word of the counter); None: its batch index.
+    #: A batched decode gives row ``b`` its own id, so a row draws the same numbers
+    #: whichever rows share its batch (``plan_and_decode(stream_ids=)``).
+    keys: tuple[int, ...] | None = None
+
+    def key(self, b: int) -> int:
+        return b if self.keys is None else self.keys[b]
+
+    def step_of(self, b: int) -> int:
+        return self.step if isinstance(self.step, int) else self.step[b]
 
     def __call__(self, b: int, node: int, qtilde: torch.Tensor) -> int:
-        g = self.streams.gumbel(self.step, b, node, Purpose.DRAFT_SAMPLE, qtilde.numel())
+        g = self.streams.gumbel(self.step_of(b), self.key(b), node, Purpose.DRAFT_SAMPLE, qtilde.numel())
         return int(torch.argmax(torch.log(qtilde) + g))
 
     def gumbel_rows(self, trees: torch.Tensor, nodes: torch.Tensor, n: int, uniform) -> torch.Tensor:
@@ -51,12 +63,25 @@ class GumbelSampler:
         generator ``uniform(seed, step, trees, nodes, purpose, n) -> [R, n]`` (a batched
         ``Streams.uniform``; ``purpose`` is the counter word, ``Streams.purpose_key``)."""
         key = self.streams.purpose_key(Purpose.DRAFT_SAMPLE)  # mutation (c) collapses purposes here
-        return gumbel_from_uniform(uniform(self.streams.seed, self.step, trees, nodes, key, n))
+        ids = trees if self.keys is None else torch.as_tensor(self.keys, dtype=torch.int64, device=trees.device)[trees]
+        steps = None if isinstance(self.step, int) else torch.as_tensor(self.step, dtype=torch.int64)[trees.cpu()]
+        if steps is None or bool((steps == steps[0]).all()):
+            step = self.step if steps is None else int(steps[0]) if steps.numel() else 0
+            return gumbel_from_uniform(uniform(self.streams.seed, step, ids, nodes, key, n))
+        # rows at different steps: one generator call per step value
+        out = torch.empty(trees.shape[0], n, dtype=torch.float64, device=nodes.device)
+        for st in steps.unique().tolist():
+            sel = (steps == st).nonzero().flatten()
+            out[sel.to(out.device)] = uniform(self.streams.seed, st, ids[sel.to(ids.device)],
+                                              nodes[sel.to(nodes.device)], key, n).to(out.dtype)
+        return gumbel_from_uniform(out)
 
 
-def gumbel_sampler(streams: Streams, step: int) -> SamplerFn:
-    """``GumbelSampler(streams, step)``: the sampler ``plan_tree`` uses by default."""
-    return GumbelSampler(streams, step)
+def gumbel_sampler(streams: Streams, step, keys=None) -> SamplerFn:
+    """``GumbelSampler(streams, step, keys)``: the sampler ``plan_tree`` uses by default
+    (``step`` an int or one int per tree)."""
+    step = int(step) if isinstance(step, int) else tuple(int(x) for x in step)
+    return GumbelSampler(streams, step, None if keys is None else tuple(int(k) for k in keys))
 
 
 def has_sampled_slots(tree: DraftTree, ctx: PassContext) -> bool:

@@ -1,4 +1,7 @@
-"""``plan_and_decode``: the decode loop draft -> plan -> verify -> commit (batch 1).
+"""``plan_and_decode``: the decode loop draft -> plan -> verify -> commit.
+
+A single prompt runs ``_decode`` (batch 1); a list of prompts runs ``_decode_rows``, the same
+step for every live row at once (one planner call, one target forward; docs/batch.md).
 
 One step:
 
@@ -39,6 +42,7 @@ from rheoplan.distributions import SubsetLogits
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.models import as_draft, as_target
 from rheoplan.models.base import DraftModel, TargetModel
+from rheoplan.mutation import active
 from rheoplan.pipeline import DumpIR, PassContext, lower
 from rheoplan.plan import plan_tree
 from rheoplan.planner.default import DEFAULT_PIPELINE, cost_pipeline
@@ -303,8 +307,15 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                     dump_steps: Collection[int] | None = (0,),
                     progress: bool = False, passes=None,
                     callback=None, logits_processors=None,
-                    cost_model: CostModel | None = None, backend: str = "auto") -> DecodeResult:
+                    cost_model: CostModel | None = None, backend: str = "auto",
+                    attention_mask=None, stream_ids: Sequence[int] | None = None,
+                    max_batch_size: int | None = None,
+                    ) -> DecodeResult | list[DecodeResult]:
     """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``, losslessly.
+
+    Batched decoding: pass several prompts (a list of token-id sequences, or a padded 2-D
+    tensor with ``attention_mask=``) and get one ``DecodeResult`` per row (see
+    "Batched decoding" below and docs/batch.md).
 
     Args:
         target: the model whose distribution is preserved: a transformers causal LM,
@@ -340,6 +351,12 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             where no tree pays is a plain autoregressive step (drafting is retried later).
             Decisions use only the frozen latencies and earlier steps' acceptances, so the
             output law is unchanged and the same seed gives the same tokens.
+        attention_mask: with a padded ``[B, n]`` tensor ``prompt_ids``: 1 at the tokens of
+            each row, 0 at its padding (left or right, as transformers tokenizers make it).
+        stream_ids: batched decoding only: the stream id of each row (default ``0 .. B-1``).
+        max_batch_size: batched decoding only: at most this many rows decode at once; the
+            other prompts wait and join, in order, as rows finish (continuous batching).
+            Default: every prompt at once.
         backend: which implementation plans and verifies (``rheoplan.backends``):
             ``'auto'`` (Triton when the target is on a CUDA device, numba on the CPU),
             ``'reference'``, ``'numba'`` or ``'triton'`` (the planner, the noise and the walk
@@ -347,6 +364,24 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             emits the same tokens for the same seed. With ``'triton'`` a transformers model
             passed as ``target`` also runs its verify forward through the Triton tree-attention
             kernel; an ``HFTarget`` you built keeps its own ``use_tree_attention`` setting.
+
+    Batched decoding:
+        ``prompt_ids`` is a list of token-id sequences (lists or 1-D tensors, lengths may
+        differ) or a ``[B, n]`` integer tensor with ``attention_mask``; the result is a list
+        of ``DecodeResult``, row by row. ``max_new_tokens`` is an int or one int per row;
+        each row stops at its own EOS or limit and leaves the batch. Every step plans all
+        live rows' trees in one planner call (one draft call per depth for all rows) and
+        verifies them in one target forward (trees padded to the largest with masked-out
+        dummy nodes; each row attends only to its own cache entries). ``callback(row,
+        new_tokens)`` streams. Row ``b`` draws its randomness from stream ``(seed,
+        stream_ids[b])``: the ``tree`` word of every counter of ``rheoplan.rng`` is the
+        row's stream id (default ``b``). So a row's tokens do not depend on the other rows:
+        ``plan_and_decode(t, d, [p], seed=s, stream_ids=[i])`` gives the tokens of row ``i``
+        of a batch with seed ``s`` (same backend, float32 models; a single sequence is
+        stream id 0, so it equals row 0). With ``cost_model`` the cost passes decide
+        each step's trees for the whole batch of live rows (``Timings.verify_batch``). Backends 'reference' and
+        'numba' ('auto' picks 'numba', whatever the device); 'triton' walks one tree per
+        call and is refused for the batch form.
 
     Example:
         >>> from rheoplan.models import hashed_context_lm
@@ -358,11 +393,25 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
     """
     # Every check runs before any model work (house rule 8): adapters are built, nothing runs.
     check_backend(backend)
+    batched = _is_batch(prompt_ids, attention_mask)
+    if not batched:
+        if attention_mask is not None:
+            raise ValueError("attention_mask is set but prompt_ids is one sequence: allowed "
+                             "attention_mask only with a padded [B, n] tensor prompt_ids")
+        if stream_ids is not None:
+            raise ValueError("stream_ids is set but prompt_ids is one sequence: allowed stream_ids "
+                             "only for a batch (pass [prompt] to decode one row with its own stream id)")
+        if max_batch_size is not None:
+            raise ValueError("max_batch_size is set but prompt_ids is one sequence: allowed "
+                             "max_batch_size only for a batch (a list of prompts)")
+    elif max_batch_size is not None:
+        _check_int("max_batch_size", max_batch_size, 1)
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling={sampling!r} is a {type(sampling).__name__}: allowed a SamplingConfig")
     if not isinstance(tree, TreeConfig):
         raise TypeError(f"tree={tree!r} is a {type(tree).__name__}: allowed a TreeConfig")
-    _check_int("max_new_tokens", max_new_tokens, 1)
+    if not batched:
+        _check_int("max_new_tokens", max_new_tokens, 1)
     if seed is None:
         seed = random.randrange(2**62)
     elif isinstance(seed, bool) or not isinstance(seed, int):
@@ -379,14 +428,40 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
     drf = None
     try:
         drf = as_draft(draft) if draft is not None else None
-        ids = _check_prompt(prompt_ids, tgt.vocab_size)
+        if batched:
+            prompts = _check_prompts(prompt_ids, attention_mask, tgt.vocab_size)
+            limits = _check_max_new_rows(max_new_tokens, len(prompts))
+            keys = _check_stream_ids(stream_ids, len(prompts))
+        else:
+            ids = _check_prompt(prompt_ids, tgt.vocab_size)
         eos = _check_eos(eos_token_id, tgt.vocab_size)
         if drf is not None:
             _check_pair(tgt, drf)
             if tree.slots > min(tree.support, tgt.vocab_size):
                 raise ConfigError(f"slots={tree.slots} is out of range: allowed <= min(support={tree.support}, "
                                   f"vocab={tgt.vocab_size}) = {min(tree.support, tgt.vocab_size)}")
-        _check_context(tgt, len(ids), max_new_tokens, tree.budget if drf is not None else None)
+        budget = tree.budget if drf is not None else None
+        if batched:
+            for b, (p, n) in enumerate(zip(prompts, limits)):
+                _check_context(tgt, len(p), n, budget, row=b)
+            if backend == "triton":
+                raise ValueError(f"backend='triton' decodes a single sequence (its walk runs one tree), "
+                                 f"got a batch of {len(prompts)} rows: allowed backend='auto', 'reference' "
+                                 "or 'numba' for batched decoding")
+            # 'auto' plans a batch with numba on the host (the Triton walk takes one tree)
+            backend = "numba" if backend == "auto" else backend
+            max_batch = len(prompts) if max_batch_size is None else min(max_batch_size, len(prompts))
+            _check_memory(tgt, prompts, limits, budget, max_batch)
+            if drf is not None:
+                _warm_up(backend)
+            state = BatchState(target=tgt, draft=drf, prompts=prompts, limits=limits, keys=keys,
+                               sampling=sampling, tree=tree, seed=seed, eos=frozenset(eos), passes=passes,
+                               backend=backend, dump_ir=None if dump_ir is None else Path(dump_ir),
+                               dump_steps=dump_steps, progress=progress, callback=callback,
+                               processors=processors, cost=cost_model if drf is not None else None,
+                               max_batch=max_batch)
+            return _decode_rows(state)
+        _check_context(tgt, len(ids), max_new_tokens, budget)
         backend = resolve_backend(backend, tgt.device)
         if backend == "triton" and drf is not None and tgt is not target:
             # The Triton backend's verify forward runs the tree-attention kernel too. Only on an
@@ -410,13 +485,16 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             drf.close()
 
 
-def _check_context(tgt: TargetModel, n_prompt: int, max_new_tokens: int, budget: int | None) -> None:
+def _check_context(tgt: TargetModel, n_prompt: int, max_new_tokens: int, budget: int | None,
+                   row: int | None = None) -> None:
     """The largest cache (every committed token plus one verify tree: root + ``budget``
     drafted nodes; ``budget=None`` without a draft) fits the target's ``max_context``."""
     max_ctx = tgt.max_context
     tree_len = 1 + (budget or 0)
     if max_ctx is not None and n_prompt + max_new_tokens + tree_len > max_ctx:
         what = "prompt + max_new_tokens + budget + 1" if budget is not None else "prompt + max_new_tokens + 1"
+        if row is not None:
+            what = f"row {row}: {what}"
         raise ValueError(f"{what} = {n_prompt} + {max_new_tokens}"
                          + (f" + {budget}" if budget is not None else "") + " + 1 = "
                          f"{n_prompt + max_new_tokens + tree_len} is out of range: allowed <= the "
@@ -537,6 +615,344 @@ def _decode(s: DecodeState) -> DecodeResult:
     if bar is not None:
         bar.close()
     return result
+
+
+# -- batched decoding ---------------------------------------------------------------------------
+
+
+def _is_batch(prompt_ids, attention_mask) -> bool:
+    """Whether ``prompt_ids`` is the batch form: a list of sequences, or a 2-D tensor with a
+    mask or with more than one row (a ``[1, n]`` tensor without mask stays one sequence)."""
+    if isinstance(prompt_ids, torch.Tensor):
+        return prompt_ids.dim() == 2 and (attention_mask is not None or prompt_ids.shape[0] > 1)
+    if isinstance(prompt_ids, (list, tuple)) and prompt_ids:
+        return not isinstance(prompt_ids[0], numbers.Integral)
+    return False
+
+
+def _check_prompts(prompt_ids, attention_mask, vocab_size: int) -> list[list[int]]:
+    """The batch's prompts as lists of ints, each checked like a single prompt (errors name
+    the row)."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool or prompt_ids.is_complex():
+            raise TypeError(f"prompt_ids has dtype {prompt_ids.dtype}: allowed an integer tensor of token ids")
+        B, n = prompt_ids.shape
+        if attention_mask is None:
+            raise ValueError(f"prompt_ids is a [{B}, {n}] tensor without attention_mask, so its padding "
+                             "is unknown: allowed a [B, n] tensor with attention_mask= (1 at each row's "
+                             "tokens, 0 at padding), or a list of token-id lists (rows may differ in length)")
+        mask = attention_mask
+        if not isinstance(mask, torch.Tensor):
+            try:
+                mask = torch.as_tensor(mask)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"attention_mask={attention_mask!r}: allowed a [B, n] tensor of 0/1 ({e})")
+        if tuple(mask.shape) != (B, n):
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}: allowed the shape of "
+                             f"prompt_ids, ({B}, {n})")
+        if mask.dtype.is_floating_point or mask.is_complex():
+            raise TypeError(f"attention_mask has dtype {mask.dtype}: allowed an integer or bool tensor of 0/1")
+        mask = mask.to(torch.int64).cpu()
+        bad = ((mask != 0) & (mask != 1)).nonzero()
+        if bad.numel():
+            r, c = bad[0].tolist()
+            raise ValueError(f"attention_mask row {r} holds {int(mask[r, c])} at column {c}: allowed 0 or 1")
+        ids = prompt_ids.cpu()
+        rows = []
+        for b in range(B):
+            on = mask[b].nonzero().flatten()
+            if on.numel() == 0:
+                raise ValueError(f"prompt_ids row {b} is empty (attention_mask row {b} is all 0): allowed "
+                                 "at least one token per row")
+            lo, hi = int(on[0]), int(on[-1]) + 1
+            if hi - lo != on.numel():
+                raise ValueError(f"attention_mask row {b} has padding between tokens (columns "
+                                 f"{lo}..{hi - 1} are not all 1): allowed left or right padding only")
+            rows.append(ids[b, lo:hi])
+        prompt_ids = rows
+    elif attention_mask is not None:
+        raise ValueError("attention_mask is set but prompt_ids is a list: allowed attention_mask only "
+                         "with a padded [B, n] tensor (a list's rows carry their own lengths)")
+    out = []
+    for b, row in enumerate(prompt_ids):
+        try:
+            out.append(_check_prompt(row, vocab_size))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"prompt_ids row {b}: {e}") from None
+    return out
+
+
+def _check_max_new_rows(max_new_tokens, B: int) -> list[int]:
+    if isinstance(max_new_tokens, (list, tuple)):
+        if len(max_new_tokens) != B:
+            raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {B} prompt rows: "
+                             f"allowed an int or one int per row ({B})")
+        return [_check_int(f"max_new_tokens[{b}] (row {b})", n, 1) for b, n in enumerate(max_new_tokens)]
+    return [_check_int("max_new_tokens", max_new_tokens, 1)] * B
+
+
+def _check_stream_ids(stream_ids, B: int) -> list[int]:
+    if stream_ids is None:
+        return list(range(B))
+    if isinstance(stream_ids, (str, bytes)) or not hasattr(stream_ids, "__iter__"):
+        raise TypeError(f"stream_ids={stream_ids!r} is a {type(stream_ids).__name__}: allowed None or one "
+                        "int per row")
+    keys = list(stream_ids)
+    if len(keys) != B:
+        raise ValueError(f"stream_ids has {len(keys)} entries for {B} prompt rows: allowed one id per row")
+    for b, k in enumerate(keys):
+        _check_int(f"stream_ids[{b}] (row {b})", k, 0)
+        if k >= 2**32:
+            raise ValueError(f"stream_ids[{b}]={k} (row {b}) is out of range: allowed [0, 2**32)")
+    if len(set(keys)) != B:
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"stream_ids repeats {dup}: allowed distinct ids (rows sharing a stream "
+                         "would draw the same numbers)")
+    return [int(k) for k in keys]
+
+
+def _free_memory(device) -> int | None:
+    """Bytes free on ``device`` (CUDA: the driver's count; CPU: available RAM), or None."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free)
+    if dev.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def _check_memory(tgt: TargetModel, prompts: list[list[int]], limits: list[int], budget: int | None,
+                  max_batch: int) -> None:
+    """Refuse a batch whose estimated memory (``TargetModel.memory_estimate``: KV cache of
+    the padded batch with room for holes, one verify forward's activations) exceeds what
+    the target's device has free, before any model work."""
+    tree_len = 1 + (budget or 0)
+    # widest row: prompt + new tokens + one tree; holes may double it before a compaction
+    width = 2 * max(len(p) + n for p, n in zip(prompts, limits)) + tree_len
+    need = tgt.memory_estimate(max_batch, width, tree_len)
+    if need is None:
+        return
+    free = _free_memory(tgt.device)
+    if free is not None and need > free:
+        per_row = max(1, need // max_batch)
+        what = (f"prompt_ids has {len(prompts)} rows" if max_batch == len(prompts) else
+                f"max_batch_size={max_batch}")
+        raise ValueError(f"{what}: the batch needs about {need / 2**30:.2f} GiB "
+                         f"(KV cache + activations, estimated from the model config) but "
+                         f"{free / 2**30:.2f} GiB are free on {tgt.device or 'cpu'}: allowed at most "
+                         f"{free // per_row} rows at these prompt lengths and max_new_tokens")
+
+
+@dataclass
+class _Row:
+    """One prompt of a batch and where its decode is."""
+
+    index: int  #: position in the caller's batch (its result's index)
+    prompt: list[int]
+    limit: int  #: max_new_tokens of this row
+    key: int  #: stream id
+    step: int = 0  #: this row's own steps so far (the ``step`` word of its counters)
+    root: int = field(init=False)
+    prefix_len: int = field(init=False)
+    result: DecodeResult = field(default_factory=lambda: DecodeResult(tokens=[]))
+
+    def __post_init__(self) -> None:
+        self.root, self.prefix_len = self.prompt[-1], len(self.prompt) - 1
+
+    @property
+    def remaining(self) -> int:
+        return self.limit - len(self.result.tokens)
+
+
+@dataclass
+class BatchState:
+    """A batched decode: its checked inputs and where the loop is (``DecodeState`` for B rows)."""
+
+    target: TargetModel
+    draft: DraftModel | None
+    prompts: list[list[int]]
+    limits: list[int]
+    keys: list[int]
+    sampling: SamplingConfig
+    tree: TreeConfig
+    seed: int
+    eos: frozenset[int] = frozenset()
+    passes: Sequence | None = None
+    backend: str = "numba"
+    dump_ir: Path | None = None
+    dump_steps: Collection[int] | None = (0,)
+    progress: bool = False
+    callback: Callable[[int, list[int]], None] | None = None  #: ``callback(row, new_tokens)``
+    processors: tuple = ()
+    cost: CostModel | None = None
+    calibration: Calibration | None = None
+    schedule: DraftSchedule = field(default_factory=DraftSchedule)
+    max_batch: int | None = None  #: rows decoding at once (None: all); the others wait
+    streams: Streams = field(init=False)
+    rows: list[_Row] = field(init=False)  #: every row, in the caller's order
+    step: int = 0  #: batch steps so far (names dumped IR; each row counts its own steps)
+
+    def __post_init__(self) -> None:
+        self.streams = Streams(self.seed)
+        self.rows = [_Row(i, p, n, k) for i, (p, n, k) in enumerate(zip(self.prompts, self.limits, self.keys))]
+        if self.max_batch is None:
+            self.max_batch = len(self.rows)
+        if self.cost is not None and self.calibration is None:
+            self.calibration = self.cost.fresh_calibration()
+
+
+def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
+    """This step's linearised trees, tree ``b`` for ``live[b]``; draft time goes to ``st``."""
+    roots = [r.root for r in live]
+    prefix = [r.prefix_len for r in live]
+    keys = [r.key for r in live]
+    steps = [r.step for r in live]
+    if s.draft is None or (s.cost is not None and s.schedule.skip_next()):
+        st.drafted = False
+        if s.cost is not None:
+            st.predicted_tokens = 1.0
+            st.predicted_ms = s.cost.timings.ar_step_batch(len(live), max(prefix))
+        # trees with no drafted node (autoregressive steps), linearised like ``_root_only``
+        t = empty_tree(len(live), 1, 1, 1, torch.tensor(roots), torch.tensor(prefix), s.tree.slots, s.tree.slots)
+        return linearize(t, PassContext(tree_cfg=s.tree.with_(budget=1), sampling=SamplingConfig()))
+    drf = s.draft
+    passes = s.passes
+    if s.cost is not None:
+        # the cost passes price the whole batch (tree.batch = live rows: Timings.verify_batch)
+        plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
+
+        def seen(d, _st=st):
+            _st.predicted_tokens, _st.predicted_ms = d.expected, d.predicted_ms
+            s.schedule.record(d.pays)
+
+        passes = cost_pipeline(plan, lower(DEFAULT_PIPELINE if passes is None else passes, s.backend),
+                               on_decision=seen)
+
+    def draft_fn(tr, nodes):
+        t_d = time.perf_counter()
+        valid = nodes >= 0
+        lists = [row[row >= 0].tolist() for row in nodes]
+        outs = drf.node_logits_rows(tr, lists)
+        st.t_draft += time.perf_counter() - t_d
+        V = drf.vocab_size
+        out = torch.zeros(nodes.shape[0], nodes.shape[1], V, device=outs[0].device if outs else "cpu")
+        for b, (o, want) in enumerate(zip(outs, lists)):
+            if o.shape[0] != len(want):
+                raise ValueError(f"draft returned {o.shape[0]} rows for {len(want)} nodes of row {b}")
+            if want:
+                out[b, valid[b].to(out.device)] = o.to(out.dtype)
+        return out
+
+    instruments = []
+    if s.dump_ir is not None and (s.dump_steps is None or s.step in s.dump_steps):
+        instruments.append(DumpIR(s.dump_ir))
+    return plan_tree(draft_fn, roots, tree=s.tree, sampling=s.sampling, prefix_len=prefix, seed=s.seed,
+                     step=steps, passes=passes, instruments=instruments, backend=s.backend, stream_keys=keys)
+
+
+def _start_rows(s: BatchState, rows: list[_Row]) -> None:
+    """Start a batch of ``rows`` on both models (prefill; the draft takes the prompt features)."""
+    s.target.start_rows([r.prompt for r in rows])
+    if s.draft is not None:
+        s.draft.start_rows([r.prompt for r in rows])
+        s.draft.take_prompt_features_rows(s.target)
+
+
+def _decode_rows(s: BatchState) -> list[DecodeResult]:
+    tgt, drf = s.target, s.draft
+    bar = tqdm(total=sum(s.limits), unit="tok", desc="decode") if s.progress else None
+    t_start = time.perf_counter()
+    live = list(s.rows[:s.max_batch])
+    waiting = list(s.rows[s.max_batch:])  # join in order as rows finish
+    _start_rows(s, live)
+    while live:
+        st0 = StepStats(0, 0, 0, 0, 0)
+        t0 = time.perf_counter()
+        t = _plan_rows(s, live, st0)
+        t1 = time.perf_counter()
+        st0.t_plan = t1 - t0 - st0.t_draft
+        fws = tgt.forward_trees(t.linear)
+        t2 = time.perf_counter()
+        walks, stops, stats = [], [], []
+        for b, row in enumerate(live):
+            ctx = row.prompt + row.result.tokens if (s.sampling.needs_context or s.processors) else None
+            res = verify_tree(t, fws[b], s.sampling, s.tree.verifier, s.streams, row.step, s.backend,
+                              history=ctx, processors=s.processors, b=b, key=row.key)
+            emitted = list(res.emitted)[: row.remaining]
+            stop = None
+            for j, tok in enumerate(emitted):
+                if tok in s.eos:
+                    emitted, stop = emitted[: j + 1], "eos"
+                    break
+            if stop is None and len(emitted) >= row.remaining:
+                stop = "max_new_tokens"
+            st = replace(st0, tree_size=res.tree_size, accepted=len(res.path) - 1, emitted=len(emitted),
+                         trials=res.trials, visited=res.visited)
+            if s.calibration is not None and st0.drafted:
+                s.calibration.update(t, res.path, b)
+            row.result.tokens += emitted
+            if bar is not None:
+                bar.update(len(emitted))
+            if s.callback is not None:
+                s.callback(row.index, emitted)
+            walks.append(res)
+            stops.append(stop)
+            stats.append(st)
+        t3 = time.perf_counter()
+        going = [b for b, stop in enumerate(stops) if stop is None]
+        if going:
+            # every row commits (a finished row's commit is harmless), then the finished rows leave
+            tgt.commit_rows([list(w.path) for w in walks])
+            if drf is not None:
+                drf.commit_rows(t, [list(w.nodes) for w in walks], [list(w.emitted) for w in walks],
+                                [[fws[b].features(i) for i in w.path] for b, w in enumerate(walks)])
+            if len(going) < len(live):
+                keep = list(range(len(going))) if active("batch_keep_first_rows") else going
+                tgt.keep_rows(keep)
+                if drf is not None:
+                    drf.keep_rows(keep)
+        t4 = time.perf_counter()
+        now = time.perf_counter()
+        for b, row in enumerate(live):
+            st = stats[b]
+            st.t_verify_forward, st.t_walk, st.t_commit = t2 - t1, t3 - t2, t4 - t3
+            st.t_step = now - t0
+            row.result.steps.append(st)
+            if stops[b] is not None:
+                row.result.stopped_by = stops[b]
+                row.result.seconds = now - t_start
+                row.result.calibration = s.calibration
+            else:
+                row.root = walks[b].emitted[-1]
+                row.prefix_len += len(walks[b].path)
+                row.step += 1
+        live = [live[b] for b in going]
+        s.step += 1
+        if waiting and len(live) < s.max_batch:
+            # continuous batching: waiting prompts take the free rows, after the live ones
+            new, waiting = waiting[:s.max_batch - len(live)], waiting[s.max_batch - len(live):]
+            if live:
+                tgt.add_rows([r.prompt for r in new])
+                if drf is not None:
+                    drf.add_rows([r.prompt for r in new])
+                    drf.take_prompt_features_rows(tgt, list(range(len(live), len(live) + len(new))))
+            else:
+                _start_rows(s, new)
+            live += new
+    if bar is not None:
+        bar.close()
+    return [r.result for r in s.rows]
 
 
 _WARM: set[str] = set()

@@ -134,6 +134,24 @@ class DraftTree:
             out[f.name] = v
         return DraftTree(**out)
 
+    def rows(self, rows) -> "DraftTree":
+        """Trees ``rows`` of the batch (in that order) as a batch of their own, the linear
+        form included: what a batch-1 adapter sees of row ``b`` is ``tree.rows([b])``.
+
+        Example: ``tree.rows([2]).token[0]`` is ``tree.token[2]``.
+        """
+        idx = torch.as_tensor(list(rows), dtype=torch.int64, device=self.parent.device)
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                v = v.index_select(0, idx)
+            elif isinstance(v, LinearTree):
+                v = LinearTree(**{g.name: getattr(v, g.name).index_select(0, idx.to(getattr(v, g.name).device))
+                                  for g in fields(v)})
+            out[f.name] = v
+        return DraftTree(**out)
+
     def children(self, b: int, node: int) -> list[int]:
         """Node ids of all created children of ``node`` in tree ``b`` (kept or not)."""
         n = int(self.n_nodes[b])

@@ -15,6 +15,13 @@ or into another thread).
   draws from the draft stream, so the accept uniform at a node is the uniform that gave
   the first tail token its Gumbel noise when ``Y`` was drawn there.
 
+* ``"batch_shift_rows"`` (batched decoding, read by ``rheoplan.models.row_cache``): every row
+  of a batched transformers forward attends to the next row's committed entries instead of
+  its own (mixed-up row masks).
+* ``"batch_keep_first_rows"`` (batched decoding, read by ``rheoplan.decode``): when rows
+  finish, the models keep the first rows of the batch instead of the rows still decoding
+  (the bookkeeping error of rows leaving a batch: a live row gets a finished row's state).
+
 docs/method.md ("Mutation controls") says which test detects which switch.
 """
 
@@ -24,8 +31,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterator
 
-#: every switch, in the order of the controls (a), (b), (c)
-MUTATIONS = ("skip_pruned_sampled", "raw_q_ratio", "reuse_draft_stream")
+#: every switch: the controls (a), (b), (c), then the two batched-decoding controls
+MUTATIONS = ("skip_pruned_sampled", "raw_q_ratio", "reuse_draft_stream", "batch_shift_rows",
+             "batch_keep_first_rows")
 
 _ACTIVE: ContextVar[frozenset[str]] = ContextVar("rheoplan_mutations", default=frozenset())
 

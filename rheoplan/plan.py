@@ -19,7 +19,8 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
               tree: TreeConfig, sampling: SamplingConfig, prefix_len=None,
               seed: int = 0, step: int = 0, sampler: SamplerFn | None = None,
               passes: Sequence | None = None, instruments: Sequence[Instrument] = (),
-              backend: str = "auto", device: torch.device | str | None = None) -> DraftTree:
+              backend: str = "auto", device: torch.device | str | None = None,
+              stream_keys: Sequence[int] | None = None) -> DraftTree:
     """Build, prune and linearise ``B = len(root_tokens)`` draft trees.
 
     ``draft(tree, nodes [B, n]) -> logits [B, n, V]`` is called once per depth.
@@ -29,6 +30,9 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
     run that backend's implementation, your own passes run as written. ``device`` is
     where the draft runs and, for ``'triton'``, where the planner's tensors live (default:
     the CPU, or CUDA for ``'triton'`` when present); the other backends plan on the CPU.
+    ``stream_keys`` gives tree ``b`` the stream id ``stream_keys[b]`` for its draft draws
+    (default: ``b``; the walk must use the same id, ``rheoplan.verify.walk(key=)``);
+    ``step`` may be one int per tree (rows of a batch at different steps of their decodes).
 
     Example:
         >>> import torch
@@ -50,10 +54,19 @@ def plan_tree(draft: DraftFn, root_tokens: Sequence[int] | torch.Tensor, *,
     if prefix_len is None:
         prefix_len = torch.zeros(B, dtype=torch.int64)
     prefix_len = torch.as_tensor(prefix_len, dtype=torch.int64).reshape(-1).expand(B)
+    if stream_keys is not None:
+        stream_keys = [int(k) for k in stream_keys]
+        if len(stream_keys) != B:
+            raise ValueError(f"stream_keys has {len(stream_keys)} ids for {B} trees: allowed one id per tree")
+    if not isinstance(step, int):
+        step = [int(x) for x in step]
+        if len(step) != B:
+            raise ValueError(f"step has {len(step)} entries for {B} trees: allowed an int or one per tree")
     m = tree.effective_rheostat(sampling)
     t0 = empty_tree(B, tree.capacity, tree.max_expanded, tree.support, roots, prefix_len, m, tree.slots,
                     device=dev)
     ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=draft,
-                      sampler=sampler or gumbel_sampler(Streams(seed), step), step=step,
+                      sampler=sampler or gumbel_sampler(Streams(seed), step, stream_keys),
+                      step=step if isinstance(step, int) else max(step),  # (instruments name files by it)
                       instruments=list(instruments))
     return run_pipeline(lower(DEFAULT_PIPELINE if passes is None else passes, backend), t0, ctx)

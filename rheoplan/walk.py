@@ -45,8 +45,11 @@ class StepWalk:
 
 
 def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, streams: Streams, step: int,
-                backend: str, history: Sequence[int] | None = None, processors: Sequence = ()) -> StepWalk:
-    """Walk tree 0 of ``tree`` given ``fw`` (the target's ``TreeLogits``) with ``backend``.
+                backend: str, history: Sequence[int] | None = None, processors: Sequence = (),
+                b: int = 0, key: int | None = None) -> StepWalk:
+    """Walk tree ``b`` (default 0) of ``tree`` given ``fw`` (the target's ``TreeLogits`` of
+    that tree) with ``backend``; ``key`` is the tree's stream id (default ``b``, as in
+    ``rheoplan.verify.walk``). The device walk handles a one-tree batch only.
 
     ``history`` / ``processors``: a context-dependent target law (repetition penalty,
     logits processors; ``rheoplan.verify.walk``). The device walk runs when the backend is
@@ -57,26 +60,30 @@ def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, st
     there too.
     """
     context_free = history is None and not processors
+    if backend == "triton" and tree.batch > 1:
+        raise ValueError(f"backend='triton' walks one tree per call, got a batch of {tree.batch}: "
+                         "allowed backend='reference' or 'numba' for batched decoding")
     if backend == "triton" and context_free and not active("raw_q_ratio") and _has_all_logits(fw):
-        return _walk_device(tree, fw, sampling, verifier, streams, step)
+        return _walk_device(tree, fw, sampling, verifier, streams, step, 0 if key is None else int(key))
     # the reference walk reads the tree and draws its noise on the host (a device tree of the
     # 'triton' planner comes over in one copy); logits of a GPU target come over per node
     tree = tree.to("cpu")
     # Each output projection reads the whole lm_head, so rows are projected in batches: every
     # row at once when the adapter measured that cheaper (``prefers_all_logits``), else the
     # path the walk most likely takes, then the nodes it visits off that path one by one.
-    path = likely_path(tree)
+    path = likely_path(tree, b)
     if fw.prefers_all_logits(len(path)) and _has_all_logits(fw):
         rows = fw.all_logits().cpu()
         read = rows.__getitem__
     else:
         fw.prefetch(path)
         read = lambda i: fw.logits(i).cpu()  # noqa: E731
-    res = walk(tree, 0, read, sampling, verifier, streams, step, history=history, processors=processors)
+    res = walk(tree, b, read, sampling, verifier, streams, step, key=key, history=history,
+               processors=processors)
     lin = tree.linear
-    trials = sum(1 for i in res.path if int(lin.n_children[0, i]) > 0)
+    trials = sum(1 for i in res.path if int(lin.n_children[b, i]) > 0)
     return StepWalk(list(res.path), list(res.nodes), list(res.emitted), res.visited, trials,
-                    int(lin.n[0]) - 1)
+                    int(lin.n[b]) - 1)
 
 
 def likely_path(tree: DraftTree, b: int = 0) -> list[int]:
@@ -112,7 +119,7 @@ def phantom_y(tree: DraftTree) -> torch.Tensor:
     return y
 
 
-def _walk_device(tree, fw, sampling, verifier, streams, step) -> StepWalk:
+def _walk_device(tree, fw, sampling, verifier, streams, step, key: int = 0) -> StepWalk:
     from rheoplan.kernels.verify.triton import WalkNoise, verify_walk
 
     lin = tree.linear
@@ -129,7 +136,7 @@ def _walk_device(tree, fw, sampling, verifier, streams, step) -> StepWalk:
     p = torch.where(bad, 1.0 / V, target_probs(logits, sampling, check=False))
     # the walk draws its accept uniforms and residual noise in the kernel, from the very
     # streams rheoplan.verify.walk reads: no [L, V] noise tensor, no extra launch
-    noise = WalkNoise(streams.seed, step, lin.node, torch.zeros(1, dtype=torch.int64, device=dev),
+    noise = WalkNoise(streams.seed, step, lin.node, torch.full((1,), key, dtype=torch.int64, device=dev),
                       streams.purpose_key(Purpose.VERIFY_ACCEPT), streams.purpose_key(Purpose.VERIFY_RESIDUAL))
     out = verify_walk(p[None], None, None, lin.token, lin.first_child, lin.n_children, lin.exp_row,
                       tree.sup_token, tree.sup_q, tree.sup_n, phantom_y(tree), tree.rheostat,

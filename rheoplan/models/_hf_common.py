@@ -1,6 +1,7 @@
 """Helpers shared by the Hugging Face adapters: masks, cache surgery, base-model calls.
 
-Everything here is batch 1. Cache tensors are ``[1, kv_heads, seq, head_dim]``; the
+Everything here is batch 1 but ``run_base_rows`` (``rheoplan.models.row_cache`` holds the
+batched cache). Cache tensors are ``[1, kv_heads, seq, head_dim]``; the
 sequence dimension is ``-2``.
 """
 
@@ -103,6 +104,19 @@ def run_base(base: torch.nn.Module, cache, input_ids: torch.Tensor, position_ids
     out = base(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask,
                use_cache=True, **{_cache_kwarg(base): cache}, **attention_kwargs)
     return out.last_hidden_state[0]
+
+
+def run_base_rows(base: torch.nn.Module, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  allowed: torch.Tensor, **attention_kwargs) -> torch.Tensor:
+    """``run_base`` for B rows: ``input_ids`` / ``position_ids`` ``[B, q]``, ``allowed`` the
+    bool mask ``[B, q, cached + q]``; returns hidden ``[B, q, H]``. Every query row must
+    allow at least one column (a fully masked row would be NaN in some kernels)."""
+    dtype = next(base.parameters()).dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask[:, None],
+               use_cache=True, **{_cache_kwarg(base): cache}, **attention_kwargs)
+    return out.last_hidden_state
 
 
 def _layer_tensors(cache) -> list[tuple[object, str, str]]:

@@ -21,9 +21,22 @@ calls these methods:
 After the decode the loop calls ``target.close()`` on a target adapter it built itself.
 Custom adapters subclass ``TargetModel`` / ``DraftModel`` (the abstract methods are the
 ones every adapter needs; the others have defaults).
+
+Batched decoding (``plan_and_decode`` with several prompts) talks to the ``*_rows``
+methods instead: ``start_rows(prompts)``, per depth ``draft.node_logits_rows(tree,
+nodes)`` (one call for every row; ``tree`` holds B trees, row ``b`` is tree ``b``),
+``target.forward_trees(linear)`` (one verify forward for all rows, one ``TreeLogits`` per
+row back), ``commit_rows``, ``keep_rows(rows)`` (rows that finished leave the batch) and
+``add_rows(prompts)`` (waiting prompts join it).
+Their defaults run a shallow copy of the adapter per row through the batch-1 methods
+(B calls, correct for any adapter whose ``start`` resets all its state); ``HFTarget``,
+``HFDraft``, ``Eagle3Draft`` and ``FunctionalDraft`` override them with one call for the
+whole batch.
 """
 
 from __future__ import annotations
+
+import copy
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -89,6 +102,62 @@ class TargetModel(ABC):
     def commit(self, path: list[int]) -> None:
         """Keep in the cache linear nodes ``path`` (root first, then accepted nodes)."""
 
+    # -- batched decoding (see the module docstring); defaults: one copy per row ----------
+
+    def start_rows(self, prompts: list[list[int]]) -> None:
+        """Reset for a batch: row ``b`` caches ``prompts[b]`` but its last token."""
+        self._row_adapters = [copy.copy(self) for _ in prompts]
+        for row, ids in zip(self._row_adapters, prompts):
+            row._row_adapters = None
+            row.start(ids)
+
+    def forward_trees(self, linear: LinearTree) -> list[TreeLogits]:
+        """Verify forward of every tree of ``linear`` (tree ``b`` = row ``b``); one
+        ``TreeLogits`` per row. Default: one batch-1 forward per row."""
+        rows = self._rows_started("forward_trees")
+        if linear.n.shape[0] != len(rows):
+            raise ValueError(f"linear holds {linear.n.shape[0]} trees for {len(rows)} rows")
+        return [r.forward_tree(_linear_rows(linear, [b])) for b, r in enumerate(rows)]
+
+    def commit_rows(self, paths: list[list[int]]) -> None:
+        """Row ``b`` keeps linear nodes ``paths[b]`` of its last verified tree."""
+        rows = self._rows_started("commit_rows")
+        if len(paths) != len(rows):
+            raise ValueError(f"paths holds {len(paths)} paths for {len(rows)} rows")
+        for r, p in zip(rows, paths):
+            r.commit(p)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only rows ``rows`` (in that order); the others leave the batch."""
+        have = self._rows_started("keep_rows")
+        self._row_adapters = [have[r] for r in rows]
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        """Rows joining the batch between steps (continuous batching), after the current ones."""
+        have = self._rows_started("add_rows")
+        new = [copy.copy(self) for _ in prompts]
+        for row, ids in zip(new, prompts):
+            row._row_adapters = None
+            row.start(ids)
+        self._row_adapters = have + new
+
+    def prompt_features_rows_for(self, model: Any) -> list[torch.Tensor | None]:
+        """``prompt_features_for(model)`` of every row (default: each row adapter's)."""
+        return [r.prompt_features_for(model) for r in self._rows_started("prompt_features_rows_for")]
+
+    def memory_estimate(self, batch: int, width: int, tree_len: int) -> int | None:
+        """Bytes a batched decode of ``batch`` rows needs at most with a cache ``width``
+        columns wide and verify trees of ``tree_len`` nodes, or None when the adapter
+        cannot tell (default). ``plan_and_decode`` refuses a batch whose estimate exceeds
+        the free memory of the target's device before any model work."""
+        return None
+
+    def _rows_started(self, what: str) -> list["TargetModel"]:
+        rows = getattr(self, "_row_adapters", None)
+        if rows is None:
+            raise RuntimeError(f"{what}() called before start_rows()")
+        return rows
+
     def prompt_features_for(self, model: Any) -> torch.Tensor | None:
         """The EAGLE-3 features of the prompt (``[len(prompt) - 1, width]``) when this
         adapter captured them in ``start`` from ``model`` itself, else None (default).
@@ -143,6 +212,63 @@ class DraftModel(ABC):
         ``emitted`` (accepted drafted tokens then the bonus token). ``features`` holds the
         target's features at the root and each accepted node, for heads that need them."""
 
+    # -- batched decoding (see the module docstring); defaults: one copy per row ----------
+
+    def start_rows(self, prompts: list[list[int]]) -> None:
+        """Reset for a batch: row ``b``'s root is the last token of ``prompts[b]``."""
+        self._row_adapters = [copy.copy(self) for _ in prompts]
+        for row, ids in zip(self._row_adapters, prompts):
+            row._row_adapters = None
+            row.start(ids)
+
+    def take_prompt_features_rows(self, target: TargetModel, rows: list[int] | None = None) -> None:
+        """``take_prompt_features`` for rows ``rows`` (default: every row), from the batched
+        ``target``. Default: each row copy takes its row's features; nothing for an adapter
+        with its own ``start_rows``."""
+        have = getattr(self, "_row_adapters", None)
+        if have is None:
+            return
+        feats = target.prompt_features_rows_for(getattr(self, "features_from", None))
+        for b in range(len(have)) if rows is None else rows:
+            have[b].take_prompt_features(_Features(feats[b]))
+
+    def node_logits_rows(self, tree: DraftTree, nodes: list[list[int]]) -> list[torch.Tensor]:
+        """Draft logits ``[len(nodes[b]), V]`` at nodes ``nodes[b]`` of tree ``b``, for every
+        row (a row with no nodes gets ``[0, V]``). Default: one batch-1 call per row."""
+        rows = self._rows_started("node_logits_rows")
+        out = []
+        for b, (row, nb) in enumerate(zip(rows, nodes)):
+            out.append(row.node_logits(tree.rows([b]), nb) if nb else
+                       torch.zeros(0, self.vocab_size, device=self.device))
+        return out
+
+    def commit_rows(self, tree: DraftTree, path_nodes: list[list[int]], emitted: list[list[int]],
+                    features: list[list[torch.Tensor | None]]) -> None:
+        """``commit`` of every row (tree ``b`` of ``tree``)."""
+        rows = self._rows_started("commit_rows")
+        for b, row in enumerate(rows):
+            row.commit(tree.rows([b]), path_nodes[b], emitted[b], features[b])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only rows ``rows`` (in that order); the others leave the batch."""
+        have = self._rows_started("keep_rows")
+        self._row_adapters = [have[r] for r in rows]
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        """Rows joining the batch between steps (continuous batching), after the current ones."""
+        have = self._rows_started("add_rows")
+        new = [copy.copy(self) for _ in prompts]
+        for row, ids in zip(new, prompts):
+            row._row_adapters = None
+            row.start(ids)
+        self._row_adapters = have + new
+
+    def _rows_started(self, what: str) -> list["DraftModel"]:
+        rows = getattr(self, "_row_adapters", None)
+        if rows is None:
+            raise RuntimeError(f"{what}() called before start_rows()")
+        return rows
+
     def check_vocab_map(self, target_vocab_size: int) -> None:
         """Raise ``ValueError`` if the draft's own vocabulary map (e.g. an EAGLE-3 head's
         draft-to-target ids) does not fit a target of ``target_vocab_size`` tokens.
@@ -160,6 +286,36 @@ class DraftModel(ABC):
 
     def close(self) -> None:
         """Release what the adapter holds; default: nothing."""
+
+
+def _linear_rows(linear: LinearTree, rows: list[int]) -> LinearTree:
+    """Trees ``rows`` of a ``LinearTree`` as a batch of their own."""
+    from dataclasses import fields
+
+    idx = torch.as_tensor(rows, dtype=torch.int64, device=linear.n.device)
+    return LinearTree(**{f.name: getattr(linear, f.name).index_select(0, idx) for f in fields(linear)})
+
+
+class _Features(TargetModel):
+    """What a row copy of a draft sees of a batched target in ``take_prompt_features``:
+    only its row's prompt features."""
+
+    vocab_size = 0
+
+    def __init__(self, features: torch.Tensor | None) -> None:
+        self._f = features
+
+    def prompt_features_for(self, model: Any) -> torch.Tensor | None:
+        return self._f
+
+    def start(self, prompt_ids):  # pragma: no cover - never decoded
+        raise NotImplementedError
+
+    def forward_tree(self, linear):  # pragma: no cover
+        raise NotImplementedError
+
+    def commit(self, path):  # pragma: no cover
+        raise NotImplementedError
 
 
 # -- argument checks shared by every adapter ----------------------------------------------

@@ -272,6 +272,25 @@ class FunctionalDraft(DraftModel):
         prefix = self.context + [host.token[0]]
         return self.lm([tuple(prefix + host.path_tokens(v)) for v in nodes])
 
+    def node_logits_rows(self, tree: DraftTree, nodes: list[list[int]]) -> list[torch.Tensor]:
+        """Every row's nodes in one call of the function (rows are copies made by
+        ``start_rows``; row ``b``'s context is its own)."""
+        rows = self._rows_started("node_logits_rows")
+        paths, counts = [], []
+        for b, (row, nb) in enumerate(zip(rows, nodes)):
+            if int(tree.token[b, 0]) != row.root:
+                raise ValueError(f"row {b}: tree root token {int(tree.token[b, 0])} differs from the "
+                                 f"draft's root {row.root}")
+            n = int(tree.n_nodes[b])
+            nb = [int(v) for v in nb]
+            bad = [v for v in nb if not 0 <= v < n]
+            if bad:
+                raise ValueError(f"row {b}: nodes {bad} are outside the tree's created nodes [0, {n})")
+            paths += [tuple(row.context + [row.root] + tree.path_tokens(b, v)) for v in nb]
+            counts.append(len(nb))
+        out = self.lm(paths) if paths else torch.zeros(0, self.vocab_size)
+        return list(torch.split(out, counts))
+
     def commit(self, tree: DraftTree, path_nodes: list[int], emitted: list[int],
                features: list[torch.Tensor | None]) -> None:
         path_nodes = check_emitted(tree, path_nodes, emitted)

@@ -23,6 +23,7 @@ from rheoplan.models.base import DraftModel, check_draft_call, check_emitted, ch
 from rheoplan.models._hf_common import (
     base_model, cache_length, new_cache, output_head, run_base, commit_cache,
 )
+from rheoplan.models.row_cache import RowCache
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -126,6 +127,140 @@ class HFDraft(DraftModel):
         for v, row in zip(new, logits):
             self._slot[v] = base_len + row_of[v]
             self._logits[v] = row
+
+    # -- batched decoding: one forward per depth for every row (rheoplan.models.row_cache) ----
+
+    def start_rows(self, prompts: list[list[int]]) -> None:
+        """Reset for a batch; each row's prompt runs lazily with its first root, as in batch 1."""
+        ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
+        self.cache = None  # the batch-1 state is not used in batch mode
+        self._rows = RowCache(self.model, len(ids), self.device)
+        self._r_cached = [0] * len(ids)  #: committed entries of each row in the cache
+        self._r_pending = [p[:-1] for p in ids]
+        self._r_root = [p[-1] for p in ids]
+        self._r_slot: list[dict[int, int]] = [{} for _ in ids]  #: node -> cache column, this step
+        self._r_logits: list[dict[int, torch.Tensor]] = [{} for _ in ids]
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        """Rows joining the batch (between steps), appended after the current rows; their
+        prompts run lazily with their first roots."""
+        rc = self._row_started("add_rows")
+        ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
+        rc.extend(RowCache(self.model, len(ids), self.device))
+        self._r_cached += [0] * len(ids)
+        self._r_pending += [p[:-1] for p in ids]
+        self._r_root += [p[-1] for p in ids]
+        self._r_slot += [{} for _ in ids]
+        self._r_logits += [{} for _ in ids]
+
+    def _row_started(self, what: str) -> RowCache:
+        rows = getattr(self, "_rows", None)
+        if rows is None:
+            raise RuntimeError(f"{what}() called before start_rows()")
+        return rows
+
+    @torch.no_grad()
+    def node_logits_rows(self, tree: DraftTree, nodes: list[list[int]]) -> list[torch.Tensor]:
+        rc = self._row_started("node_logits_rows")
+        B = rc.batch
+        if tree.batch != B or len(nodes) != B:
+            raise ValueError(f"tree holds {tree.batch} trees and nodes {len(nodes)} rows for {B} rows")
+        news, pend = [], []
+        for b in range(B):
+            if int(tree.token[b, 0]) != self._r_root[b]:
+                raise ValueError(f"row {b}: tree root token {int(tree.token[b, 0])} differs from the "
+                                 f"draft's root {self._r_root[b]}; was commit_rows() called after the last step?")
+            committed = self._r_cached[b] + len(self._r_pending[b])
+            if int(tree.prefix_len[b]) != committed:
+                raise ValueError(f"row {b}: tree.prefix_len={int(tree.prefix_len[b])} but the draft has "
+                                 f"{committed} committed tokens before the root")
+            nb = [int(v) for v in nodes[b]]
+            bad = [v for v in nb if not 0 <= v < int(tree.n_nodes[b])]
+            if bad:
+                raise ValueError(f"row {b}: nodes {bad} are outside the tree's created nodes")
+            new = [v for v in dict.fromkeys(nb) if v not in self._r_logits[b]]
+            if 0 in new and nb[0] != 0:
+                raise ValueError(f"row {b}: nodes={nb}: the root must come first in the call that forwards it")
+            news.append(new)
+            pend.append(self._r_pending[b] if 0 in new else [])
+        q = max(len(p) + len(n) for p, n in zip(pend, news))
+        if q > 0:
+            self._forward_rows(rc, tree, news, pend, q)
+        return [torch.stack([self._r_logits[b][int(v)] for v in nodes[b]]) if len(nodes[b]) else
+                torch.zeros(0, self.vocab_size, device=self.device) for b in range(B)]
+
+    def _forward_rows(self, rc: RowCache, tree: DraftTree, news: list[list[int]], pend: list[list[int]],
+                      q: int) -> None:
+        """Forward each row's pending chain (with its root) then its new nodes, padded to ``q``
+        queries; the pending tokens become committed entries at once."""
+        B, S0 = rc.batch, rc.width
+        tokens = torch.zeros(B, q, dtype=torch.int64)
+        positions = torch.zeros(B, q, dtype=torch.int64)
+        block = torch.zeros(B, q, q, dtype=torch.bool)
+        extra = torch.zeros(B, q, S0, dtype=torch.bool)
+        for b in range(B):
+            P, new = len(pend[b]), news[b]
+            committed = self._r_cached[b] + len(self._r_pending[b])
+            for k, tok in enumerate(pend[b]):
+                tokens[b, k] = tok
+                positions[b, k] = self._r_cached[b] + k
+                block[b, k, :k + 1] = True
+            row_of = {v: P + r for r, v in enumerate(new)}
+            for r, v in enumerate(new):
+                i = P + r
+                block[b, i, :P] = True
+                a = v
+                while a >= 0:
+                    if a in row_of:
+                        block[b, i, row_of[a]] = True
+                    elif a in self._r_slot[b]:
+                        extra[b, i, self._r_slot[b][a]] = True
+                    else:
+                        raise ValueError(f"row {b}: node {v}'s ancestor {a} was not forwarded yet in this "
+                                         "step; parents must be passed before their children")
+                    a = int(tree.parent[b, a]) if a > 0 else -1
+                tokens[b, i] = int(tree.token[b, v])
+                positions[b, i] = committed + int(tree.depth[b, v])
+            for i in range(P + len(new), q):
+                block[b, i, i] = True  # padding query: sees only itself
+        hidden = rc.forward(self.base, tokens, positions, block, extra)
+        rc.keep([[S0 + k for k in range(len(p))] for p in pend])
+        for b in range(B):
+            P, new = len(pend[b]), news[b]
+            if P:
+                self._r_cached[b] += P
+                self._r_pending[b] = []
+            if new:
+                logits = fit_vocab(self.head(hidden[b, P:P + len(new)]), self.vocab_size)
+                for r, v in enumerate(new):
+                    self._r_slot[b][v] = S0 + P + r
+                    self._r_logits[b][v] = logits[r]
+
+    def commit_rows(self, tree: DraftTree, path_nodes: list[list[int]], emitted: list[list[int]],
+                    features: list[list[torch.Tensor | None]]) -> None:
+        rc = self._row_started("commit_rows")
+        keep = []
+        for b in range(rc.batch):
+            sub = tree.rows([b])
+            nodes = check_emitted(sub, path_nodes[b], emitted[b])
+            done = [v for v in nodes if v in self._r_slot[b]]
+            if done != nodes[:len(done)]:
+                raise AssertionError(f"row {b}: forwarded path nodes {done} are not a prefix of {nodes}")
+            keep.append([self._r_slot[b][v] for v in done])
+            self._r_cached[b] += len(done)
+            path_tokens = [int(tree.token[b, 0])] + [int(t) for t in emitted[b][:-1]]
+            self._r_pending[b] = self._r_pending[b] + path_tokens[len(done):]
+            self._r_root[b] = int(emitted[b][-1])
+            self._r_slot[b], self._r_logits[b] = {}, {}
+        rc.keep(keep)
+        rc.maybe_compact()
+
+    def keep_rows(self, rows: list[int]) -> None:
+        rc = self._row_started("keep_rows")
+        for name in ("_r_cached", "_r_pending", "_r_root", "_r_slot", "_r_logits"):
+            have = getattr(self, name)
+            setattr(self, name, [have[r] for r in rows])
+        rc.select(rows)
 
     def commit(self, tree: DraftTree, path_nodes: list[int], emitted: list[int],
                features: list[torch.Tensor | None]) -> None:

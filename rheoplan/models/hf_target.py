@@ -31,6 +31,7 @@ from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
     run_base, commit_cache,
 )
+from rheoplan.models.row_cache import RowCache
 from rheoplan.models.tree_attention import (
     TreeAttentionArgs, check_tree_attention_available, tree_attention_active,
 )
@@ -66,7 +67,11 @@ class _FeatureCapture:
 
     def take(self) -> torch.Tensor:
         """Concatenated captures ``[q, len(indices) * H]`` of the last forward."""
-        out = torch.cat([self.seen[i][0] for i in self.indices], dim=-1)
+        return self.take_rows()[0]
+
+    def take_rows(self) -> torch.Tensor:
+        """Concatenated captures ``[B, q, len(indices) * H]`` of the last (batched) forward."""
+        out = torch.cat([self.seen[i] for i in self.indices], dim=-1)
         self.seen.clear()
         return out
 
@@ -311,6 +316,152 @@ class HFTarget(TargetModel):
             self._projection_timings = projection_timings(
                 self.head, self.vocab_size, hidden.shape[-1], device=hidden.device, dtype=hidden.dtype)
         return self._projection_timings
+
+    # -- batched decoding: one forward for every row (rheoplan.models.row_cache) ------------
+
+    def start_rows(self, prompts: list[list[int]]) -> None:
+        """Prefill every row's prompt but its last token in one forward (left padding:
+        the shorter prompts' first columns are holes)."""
+        ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
+        self.cache = None  # the batch-1 state is not used in batch mode
+        self._tree = None
+        self._row_tree: LinearTree | None = None
+        self._row_tree_start = 0  #: the cache column where the last verified trees start
+        self._rows, self._row_prefix, self._row_prompt_features = self._prefill_rows(ids)
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        """Rows joining the batch (after ``commit_rows`` / ``keep_rows``): their prompts are
+        prefilled in one forward of their own, then appended after the current rows."""
+        if getattr(self, "_rows", None) is None:
+            raise RuntimeError("add_rows() called before start_rows()")
+        if self._row_tree is not None:
+            raise RuntimeError("add_rows() called between forward_trees() and commit_rows()")
+        ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
+        rc, prefix, feats = self._prefill_rows(ids)
+        self._rows.extend(rc)
+        self._row_prefix += prefix
+        if self._row_prompt_features is not None and feats is not None:
+            self._row_prompt_features += feats
+
+    @torch.no_grad()
+    def _prefill_rows(self, ids: list[list[int]]):
+        B = len(ids)
+        rc = RowCache(self.model, B, self.device)
+        prefix = [len(p) - 1 for p in ids]
+        n = max(prefix)
+        feats = None
+        if n == 0:
+            if self._capture is not None:
+                width = len(self.capture_layers) * self.base.config.hidden_size
+                feats = [torch.zeros(0, width, device=self.device) for _ in ids]
+            return rc, prefix, feats
+        tok = torch.zeros(B, n, dtype=torch.int64)
+        pos = torch.zeros(B, n, dtype=torch.int64)
+        real = torch.zeros(B, n, dtype=torch.bool)
+        for b, p in enumerate(ids):
+            k = len(p) - 1
+            tok[b, n - k:] = torch.tensor(p[:-1])
+            pos[b, n - k:] = torch.arange(k)
+            real[b, n - k:] = True
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        # a padding query sees only itself (a fully masked row would be NaN in some kernels)
+        block = (causal[None] & real[:, None, :]) | (torch.eye(n, dtype=torch.bool)[None] & ~real[:, :, None])
+        rc.forward(self.base, tok, pos, block)
+        rc.keep([list(range(n - k, n)) for k in prefix])
+        if self._capture is not None:
+            f = self._capture.take_rows()
+            feats = [f[b, n - k:] for b, k in enumerate(prefix)]
+        return rc, prefix, feats
+
+    def prompt_features_rows_for(self, model) -> list[torch.Tensor | None]:
+        """Per row, what ``prompt_features_for`` gives in batch 1."""
+        if (model is not self.model or self.capture_layers is None or self._row_prompt_features is None
+                or list(self.capture_layers) != eagle3_layers(len(self.base.layers))):
+            return [None] * len(self._row_prefix)
+        return list(self._row_prompt_features)
+
+    @torch.no_grad()
+    def forward_trees(self, linear: LinearTree) -> list[HFTreeLogits]:
+        """One verify forward of every row's tree (trees padded to the largest with
+        masked-out dummy nodes); one ``HFTreeLogits`` per row."""
+        rows = getattr(self, "_rows", None)
+        if rows is None:
+            raise RuntimeError("forward_trees() called before start_rows()")
+        if self._tree_attention:
+            raise ValueError("use_tree_attention is on: the Triton tree-attention verify forward "
+                             "runs one row; allowed for batched decoding: use_tree_attention(False)")
+        B = rows.batch
+        if linear.n.shape[0] != B:
+            raise ValueError(f"linear holds {linear.n.shape[0]} trees for {B} rows")
+        if self._row_tree is not None:
+            rows.drop_tail(self._row_tree_start)  # a second verify of the same step replaces the first
+        n = linear.n.cpu()
+        L = int(n.max())
+        real = torch.arange(L)[None, :] < n[:, None]  # [B, L]
+        pos = torch.where(real, linear.position[:, :L].cpu(), 0)
+        tok = torch.where(real, linear.token[:, :L].cpu(), 0)
+        for b in range(B):
+            if int(pos[b, 0]) != self._row_prefix[b]:
+                raise ValueError(f"row {b}: linear.position[{b}, 0]={int(pos[b, 0])} but the target "
+                                 f"caches {self._row_prefix[b]} tokens of that row before its root")
+        if int(tok.min()) < 0 or int(tok.max()) >= self.vocab_size:
+            raise ValueError(f"linear.token holds ids outside [0, {self.vocab_size}) in its real slots")
+        anc = linear.ancestor_mask[:, :L, :L].cpu()
+        block = (anc & real[:, :, None] & real[:, None, :]) | (torch.eye(L, dtype=torch.bool)[None] & ~real[:, :, None])
+        self._row_tree_start = rows.width
+        hidden = rows.forward(self.base, tok, pos, block)
+        feats = self._capture.take_rows() if self._capture is not None else None
+        self._row_tree = linear
+        choice = self._projection_choice(hidden)
+        return [HFTreeLogits(hidden[b, :int(n[b])], self.head, None if feats is None else feats[b, :int(n[b])],
+                             choice) for b in range(B)]
+
+    def commit_rows(self, paths: list[list[int]]) -> None:
+        if getattr(self, "_row_tree", None) is None:
+            raise RuntimeError("commit_rows() called before forward_trees()")
+        if len(paths) != self._rows.batch:
+            raise ValueError(f"paths holds {len(paths)} paths for {self._rows.batch} rows")
+        from rheoplan.models.base import _linear_rows
+
+        s0 = self._row_tree_start
+        cols = []
+        for b, p in enumerate(paths):
+            p = check_commit_path(_linear_rows(self._row_tree, [b]), p)
+            cols.append([s0 + j for j in p])
+            self._row_prefix[b] += len(p)
+        self._rows.keep(cols)
+        self._row_tree = None
+        self._rows.maybe_compact()
+
+    def keep_rows(self, rows: list[int]) -> None:
+        if getattr(self, "_rows", None) is None:
+            raise RuntimeError("keep_rows() called before start_rows()")
+        if self._row_tree is not None:
+            self._rows.drop_tail(self._row_tree_start)
+            self._row_tree = None
+        self._row_prefix = [self._row_prefix[r] for r in rows]
+        if self._row_prompt_features is not None:
+            self._row_prompt_features = [self._row_prompt_features[r] for r in rows]
+        self._rows.select(rows)
+
+    def memory_estimate(self, batch: int, width: int, tree_len: int) -> int:
+        """Bytes a batched decode needs at most: the KV cache of ``batch`` rows ``width``
+        columns wide (committed tokens, tree and holes) and one verify forward's largest
+        activations (hidden states, the MLP, the attention scores, the logits of
+        every node). A rough upper estimate from the model config, to refuse a batch
+        that cannot fit before any model work."""
+        cfg = self.base.config
+        elem = next(self.model.parameters()).element_size()
+        layers = int(cfg.num_hidden_layers)
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        inter = int(getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+        kv = 2 * layers * kv_heads * head_dim * batch * width * elem
+        act = batch * tree_len * (4 * cfg.hidden_size + 2 * inter) * elem
+        scores = batch * heads * tree_len * width * 4  # float32 mask + scores
+        logits = batch * tree_len * self.vocab_size * 4
+        return int(kv + act + 2 * scores + logits)
 
     def commit(self, path: list[int]) -> None:
         if self._tree is None:

@@ -113,8 +113,11 @@ MATRIX = [
     ("prompt_float_id", K(prompt_ids=[0, 1.5]), TypeError, [r"\[1\.5\]", "int token ids"]),
     ("prompt_str", K(prompt_ids="01"), TypeError, [r"prompt_ids='01'", "sequence of int"]),
     ("prompt_int", K(prompt_ids=3), TypeError, [r"prompt_ids=3", "sequence of int"]),
+    # a [B, n] tensor is a batch (docs/batch.md): its padding must be given
     ("prompt_2d_tensor", K(prompt_ids=torch.zeros(2, 2, dtype=torch.long)), ValueError,
-     [r"prompt_ids has shape \(2, 2\)", "1-D"]),
+     [r"prompt_ids is a \[2, 2\] tensor without attention_mask"]),
+    ("prompt_3d_tensor", K(prompt_ids=torch.zeros(1, 2, 2, dtype=torch.long)), ValueError,
+     [r"prompt_ids has shape \(1, 2, 2\)", "1-D"]),
     ("prompt_float_tensor", K(prompt_ids=torch.tensor([0.0, 1.0])), TypeError,
      [r"prompt_ids has dtype torch.float32", "integer tensor"]),
     ("prompt_empty_tensor", K(prompt_ids=torch.zeros(0, dtype=torch.long)), ValueError, [r"prompt_ids=\[\]"]),

@@ -27,6 +27,7 @@ only sees differences, so this matches EAGLE's own numbering up to a constant.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -51,6 +52,20 @@ def _embedding_weight(target_embed: Any) -> torch.Tensor:
         raise TypeError("target_embed must be an nn.Embedding or a [vocab, H] tensor, got "
                         f"{type(target_embed).__name__}")
     return w.detach()
+
+
+@dataclass
+class _Row:
+    """One row of a batched ``Eagle3Draft`` (what ``_reset`` holds for batch 1)."""
+
+    prompt: list[int]
+    committed: int  #: tokens committed before the root
+    root: int
+    pending_tokens: list[int]
+    pending_feats: list[torch.Tensor] | None = None  #: None = prompt features not read yet
+    slot: dict[int, int] = field(default_factory=dict)  #: tree node -> flat kv column (root: -1)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Eagle3Draft(DraftModel):
@@ -385,6 +400,191 @@ class Eagle3Draft(DraftModel):
         self._committed += len(path_nodes)
         self.root = int(emitted[-1])
         self._reset_step()
+
+    # -- batched decoding: every row's pairs in one head call per depth -------------------
+    # The head is a one-sequence module, so the batch is flattened: one k/v cache
+    # [kv_heads, S, head_dim] holds every row's committed pairs, ``_owner [S]`` says whose each
+    # column is (-1: a hole, e.g. this step's tree entries, dropped at commit as in batch 1),
+    # and the queries of all rows go through one call with a block mask (a row sees its own
+    # committed columns, its ancestors and itself). Holes are compacted away when they are
+    # more than half of the columns.
+
+    def start_rows(self, prompts: list[list[int]]) -> None:
+        ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
+        self._reset()
+        self._bkv = None
+        self._owner = torch.zeros(0, dtype=torch.int64)
+        self._brows = [self._new_row(p) for p in ids]
+
+    def _new_row(self, ids: list[int]) -> _Row:
+        return _Row(ids, len(ids) - 1, ids[-1], ids[1:] if len(ids) > 1 else ids[:1])
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        rows = self._brows_started("add_rows")
+        rows += [self._new_row(check_prompt_ids(p, self.vocab_size)) for p in prompts]
+
+    def _brows_started(self, what: str) -> list[_Row]:
+        rows = getattr(self, "_brows", None)
+        if rows is None:
+            raise RuntimeError(f"{what}() called before start_rows()")
+        return rows
+
+    def take_prompt_features_rows(self, target: TargetModel, rows: list[int] | None = None) -> None:
+        have = self._brows_started("take_prompt_features_rows")
+        src = self.features_from
+        model = src.model if isinstance(src, HFTarget) else src
+        feats = target.prompt_features_rows_for(model)
+        for b in range(len(have)) if rows is None else rows:
+            if feats[b] is not None:
+                have[b].pending_feats = self._prompt_feats(have[b].prompt, feats[b])
+
+    def _prompt_feats(self, prompt: list[int], features: torch.Tensor) -> list[torch.Tensor]:
+        n = len(prompt)
+        if features.dim() != 2 or features.shape[0] != n - 1:
+            raise ValueError(f"features has shape {tuple(features.shape)}, expected "
+                             f"({n - 1}, 3*target_hidden_size) for a {n}-token prompt")
+        if n == 1:
+            width = 3 * self.head.config.target_hidden_size
+            return [torch.zeros(width, device=self._param.device, dtype=self._param.dtype)]
+        return list(features.to(self._param.device, self._param.dtype))
+
+    def _ensure_row_features(self, row: _Row) -> None:
+        if row.pending_feats is not None:
+            return
+        src = self.features_from
+        if src is None or isinstance(src, HFTarget) or hasattr(src, "prompt_features"):
+            raise RuntimeError("a batched Eagle3Draft reads each row's prompt features from the "
+                               "batched target (plan_and_decode does this) or from the target model "
+                               "(features_from=model): pass features_from=<the target model>")
+        n_layers = len(getattr(getattr(src, "base_model", src), "layers", ()))
+        probe = HFTarget(src, capture_layers=self.capture_layers(n_layers))
+        try:
+            probe.start(row.prompt)
+            row.pending_feats = self._prompt_feats(row.prompt, probe.prompt_features())
+        finally:
+            probe.close()
+
+    @torch.no_grad()
+    def node_logits_rows(self, tree: DraftTree, nodes: list[list[int]]) -> list[torch.Tensor]:
+        rows = self._brows_started("node_logits_rows")
+        if tree.batch != len(rows) or len(nodes) != len(rows):
+            raise ValueError(f"tree holds {tree.batch} trees and nodes {len(nodes)} rows for {len(rows)} rows")
+        dev = self._param.device
+        S = 0 if self._bkv is None else self._bkv[0].shape[1]
+        owner = self._owner
+        toks, hids, poss, items = [], [], [], []  # items: (row, node or None, own column)
+        vis: list[list[int]] = []  # per query: visible columns (< S: cache, >= S: this call)
+        for b, (row, nb) in enumerate(zip(rows, nodes)):
+            if int(tree.token[b, 0]) != row.root:
+                raise ValueError(f"row {b}: tree root token {int(tree.token[b, 0])} differs from the "
+                                 f"draft's root {row.root}; was commit_rows() called after the last step?")
+            if int(tree.prefix_len[b]) != row.committed:
+                raise ValueError(f"row {b}: tree.prefix_len={int(tree.prefix_len[b])} but the draft has "
+                                 f"{row.committed} committed tokens before the root")
+            nb = [int(v) for v in nb]
+            bad = [v for v in nb if not 0 <= v < int(tree.n_nodes[b])]
+            if bad:
+                raise ValueError(f"row {b}: nodes {bad} are outside the tree's created nodes")
+            new = [v for v in dict.fromkeys(nb) if v not in row.logits]
+            if not new:
+                continue
+            mine = (owner == b).nonzero().flatten().tolist()
+            if 0 in new:
+                if new != [0]:
+                    raise ValueError(f"row {b}: nodes={nb}: the root must be forwarded alone (its "
+                                     "children consume its output hidden)")
+                self._ensure_row_features(row)
+                P = len(row.pending_tokens)
+                first = S + len(items)
+                for k, (tok, f) in enumerate(zip(row.pending_tokens, row.pending_feats)):
+                    toks.append(tok)
+                    hids.append(self.head.fuse(f))
+                    poss.append(row.committed - P + 1 + k)
+                    vis.append(mine + list(range(first, first + k + 1)))
+                    items.append((b, 0 if k == P - 1 else None, first + k))
+                continue
+            for v in new:
+                p = int(tree.parent[b, v])
+                if p not in row.hidden:
+                    raise ValueError(f"row {b}: node {v}'s parent {p} was not forwarded in an earlier "
+                                     "call of this step; parents must be passed before their children")
+                cols = list(mine)
+                a = p
+                while a > 0:
+                    cols.append(row.slot[a])
+                    a = int(tree.parent[b, a])
+                cols.append(S + len(items))
+                toks.append(int(tree.token[b, v]))
+                hids.append(row.hidden[p])
+                poss.append(row.committed + int(tree.depth[b, v]))
+                vis.append(cols)
+                items.append((b, v, S + len(items)))
+        if items:
+            Q = len(items)
+            allowed = torch.zeros(Q, S + Q, dtype=torch.bool)
+            for i, cols in enumerate(vis):
+                allowed[i, cols] = True
+            tok = torch.tensor(toks, dtype=torch.int64, device=self.embed.device)
+            emb = self.embed[tok].to(dev, self._param.dtype)
+            hidden = torch.stack(hids).to(dev, self._param.dtype)
+            pos = torch.tensor(poss, dtype=torch.int64, device=dev)
+            out, self._bkv = self.head(emb, hidden, pos, self._bkv, allowed.to(dev))
+            new_owner = torch.full((Q,), -1, dtype=torch.int64)
+            want = [i for i, (_, v, _) in enumerate(items) if v is not None]
+            logits = self.head.target_logits(out[want]) if want else None
+            for r, i in enumerate(want):
+                b, v, col = items[i]
+                row = rows[b]
+                row.hidden[v] = out[i]
+                row.logits[v] = logits[r]
+                row.slot[v] = -1 if v == 0 else col
+            for i, (b, v, col) in enumerate(items):
+                if v is None or v == 0:  # a pending pair: committed at once (batch 1: _prefix)
+                    new_owner[i] = b
+            for b in {b for b, v, _ in items if v == 0}:  # rows whose pending pairs ran
+                rows[b].pending_tokens, rows[b].pending_feats = [], []
+            self._owner = torch.cat([owner, new_owner])
+        return [torch.stack([rows[b].logits[int(v)] for v in nodes[b]]) if len(nodes[b]) else
+                torch.zeros(0, self.vocab_size, device=dev) for b in range(len(rows))]
+
+    def commit_rows(self, tree: DraftTree, path_nodes: list[list[int]], emitted: list[list[int]],
+                    features: list[list[torch.Tensor | None]]) -> None:
+        rows = self._brows_started("commit_rows")
+        dev, dt = self._param.device, self._param.dtype
+        for b, row in enumerate(rows):
+            nodes = check_emitted(tree.rows([b]), path_nodes[b], emitted[b])
+            feats = features[b]
+            if len(feats) != len(nodes) or any(f is None for f in feats):
+                raise ValueError(f"row {b}: features must hold one target feature tensor per path node "
+                                 f"({len(nodes)}), got {len(feats)} entries; build the target with "
+                                 "capture_layers='eagle3'")
+            self._ensure_row_features(row)  # a step that never ran the draft still owes them
+            row.pending_tokens = row.pending_tokens + [int(t) for t in emitted[b]]
+            row.pending_feats = row.pending_feats + [f.to(dev, dt) for f in feats]
+            row.committed += len(nodes)
+            row.root = int(emitted[b][-1])
+            row.slot, row.hidden, row.logits = {}, {}, {}
+        self._maybe_compact()
+
+    def keep_rows(self, rows: list[int]) -> None:
+        have = self._brows_started("keep_rows")
+        remap = torch.full((len(have) + 1,), -1, dtype=torch.int64)
+        for new, old in enumerate(rows):
+            remap[old] = new
+        self._owner = torch.where(self._owner >= 0, remap[self._owner.clamp(min=0)], -1)
+        self._brows = [have[r] for r in rows]
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Drop hole columns when they are at least 64 and more than half of the cache."""
+        if self._bkv is None:
+            return
+        keep = (self._owner >= 0).nonzero().flatten()
+        S = self._owner.numel()
+        if S - keep.numel() >= max(64, keep.numel()):
+            idx = keep.to(self._bkv[0].device)
+            self._bkv = (self._bkv[0].index_select(1, idx), self._bkv[1].index_select(1, idx))
+            self._owner = self._owner[keep]
 
 
 def load_eagle3_checkpoint(path: str | os.PathLike, target: Any = None, *,

@@ -1,0 +1,379 @@
+"""Batched decoding: ``plan_and_decode`` with several prompts (docs/batch.md).
+
+* exactness per row: every row of a batch emits the tokens of a batch of one decoding
+  that row with the same stream id (functional models, transformers models, every draft
+  kind, greedy and sampled); greedy rows equal transformers' ``generate`` (float32);
+* statistics through the real loop: each row's law is the target law (functional models,
+  with the rows' joint law the product of their laws; a tiny transformers Llama at batch 4
+  with different prompt lengths and EOS in some rows), and the mutation controls
+  ``batch_shift_rows`` / ``batch_keep_first_rows`` (``rheoplan.mutation``) are caught;
+* continuous batching (``max_batch_size``): rows joining a running batch still equal their
+  batch of one;
+* bad input: a clear error naming the parameter and the row, before any model work.
+
+Chi-square verdicts as in test_decode.py (ALPHA per case; Bonferroni over the rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _decode_models import greedy_reference, hf_as_functional, tiny_llama
+from rheoplan import SamplingConfig, TreeConfig
+from rheoplan.decode import DecodeResult, plan_and_decode
+from rheoplan.models.functional import hashed_context_lm
+from rheoplan.testing import chi_square, exact_law, mutation, target_law, total_variation
+
+ALPHA = 1e-3
+SEED0 = 5000
+GREEDY = SamplingConfig(temperature=0)
+TREE = TreeConfig(depth=3, frontier=2, slots=2, budget=5, rheostat=1, support=6)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _rows_alone(target, draft, prompts, limits, **kw) -> list[list[int]]:
+    """Each row decoded in a batch of one with its own stream id."""
+    return [plan_and_decode(target, draft, [p], max_new_tokens=n, stream_ids=[b], **kw)[0].tokens
+            for b, (p, n) in enumerate(zip(prompts, limits))]
+
+
+def _truncate_at_eos(law, eos):
+    """The law of the emitted tokens when the decode stops at the first EOS (included)."""
+    out: dict[tuple[int, ...], float] = {}
+    for seq, p in law.items():
+        cut = next((j + 1 for j, t in enumerate(seq) if t in eos), len(seq))
+        out[seq[:cut]] = out.get(seq[:cut], 0.0) + p
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Rows are independent of their batch: row b == a batch of one with stream id b
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("with_draft", [True, False], ids=["tree", "autoregressive"])
+def test_functional_rows_equal_batch_of_one(backend, with_draft):
+    tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
+    prompts, limits = [[0, 1], [2, 3, 4], [5], [1, 1]], [5, 8, 3, 6]
+    draft = drf if with_draft else None
+    for seed in range(3):
+        rs = plan_and_decode(tgt, draft, prompts, max_new_tokens=limits, seed=seed, tree=TREE,
+                             backend=backend, eos_token_id=4)
+        assert isinstance(rs, list) and all(isinstance(r, DecodeResult) for r in rs)
+        alone = _rows_alone(tgt, draft, prompts, limits, seed=seed, tree=TREE, backend=backend, eos_token_id=4)
+        assert [r.tokens for r in rs] == alone
+        # a single sequence is stream 0: row 0 of the batch
+        single = plan_and_decode(tgt, draft, prompts[0], max_new_tokens=limits[0], seed=seed, tree=TREE,
+                                 backend=backend, eos_token_id=4)
+        assert isinstance(single, DecodeResult) and single.tokens == rs[0].tokens
+        for r, n in zip(rs, limits):
+            assert (r.stopped_by == "eos") == (4 in r.tokens)
+            assert len(r.tokens) == n or r.tokens[-1] == 4
+
+
+def test_same_seed_and_row_give_the_same_tokens_whatever_the_other_rows():
+    tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
+    a = plan_and_decode(tgt, drf, [[0, 1], [2, 3]], max_new_tokens=10, seed=7, tree=TREE)
+    b = plan_and_decode(tgt, drf, [[0, 1], [2, 3]], max_new_tokens=10, seed=7, tree=TREE)
+    c = plan_and_decode(tgt, drf, [[5, 5, 5], [2, 3], [1]], max_new_tokens=[3, 10, 4], seed=7, tree=TREE,
+                        stream_ids=[9, 1, 4])
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert c[1].tokens == a[1].tokens  # same prompt, seed and stream id 1, other rows differ
+    d = plan_and_decode(tgt, drf, [[0, 1], [2, 3]], max_new_tokens=10, seed=8, tree=TREE)
+    assert [r.tokens for r in d] != [r.tokens for r in a]
+
+
+@pytest.fixture(scope="module")
+def llamas():
+    target = tiny_llama(2, vocab=32, hidden=32, layers=4, head_scale=20.0)
+    draft = tiny_llama(3, vocab=32, hidden=32, layers=2, head_scale=20.0)
+    return target, draft
+
+
+def _eagle3(target):
+    from rheoplan.models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Head
+
+    cfg = Eagle3Config(vocab_size=32, draft_vocab_size=24, hidden_size=32, intermediate_size=64,
+                       num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(5)
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+        head.set_vocab_map(torch.randperm(32)[:24].sort().values)
+    return Eagle3Draft(head.eval(), target.get_input_embeddings(), features_from=target)
+
+
+PROMPTS = [[1, 2, 3, 4], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1], [3, 3]]
+LIMITS = [12, 16, 5, 14]
+TREE_HF = TreeConfig(depth=3, frontier=2, slots=3, budget=6, rheostat=1, support=32)
+
+
+@pytest.mark.parametrize("draft_kind", ["none", "llama", "eagle3"])
+def test_greedy_rows_equal_generate_and_batch_of_one(llamas, draft_kind):
+    """float32: every greedy row equals transformers' greedy ``generate`` of that prompt."""
+    target, draft = llamas
+    drf = {"none": None, "llama": draft, "eagle3": _eagle3(target) if draft_kind == "eagle3" else None}[draft_kind]
+    rs = plan_and_decode(target, drf, PROMPTS, max_new_tokens=LIMITS, sampling=GREEDY, tree=TREE_HF, seed=0)
+    for p, n, r in zip(PROMPTS, LIMITS, rs):
+        assert r.tokens == greedy_reference(target, p, n)
+    # the adapter built inside the loop removed its capture hooks
+    assert sum(len(layer._forward_pre_hooks) for layer in target.model.layers) == 0
+
+
+@pytest.mark.parametrize("draft_kind", ["llama", "eagle3"])
+def test_sampled_rows_equal_batch_of_one_hf(llamas, draft_kind):
+    """T = 1 through the batched KV caches (target and draft): the same tokens as each row alone."""
+    target, draft = llamas
+    drf = draft if draft_kind == "llama" else _eagle3(target)
+    kw = dict(sampling=SamplingConfig(), tree=TREE_HF, seed=11, eos_token_id=5)
+    rs = plan_and_decode(target, drf, PROMPTS, max_new_tokens=LIMITS, **kw)
+    assert [r.tokens for r in rs] == _rows_alone(target, drf, PROMPTS, LIMITS, **kw)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_continuous_batching_rows_equal_batch_of_one_functional(backend):
+    """max_batch_size=2 over 6 prompts: waiting prompts join as rows finish (at different
+    steps of the others' decodes); each row still draws from its own stream, counting its
+    own steps, so it equals its batch of one."""
+    tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
+    prompts, limits = [[0, 1], [2, 3, 4], [5], [1, 1], [3], [4, 4, 4]], [5, 12, 3, 7, 2, 9]
+    kw = dict(seed=3, tree=TREE, backend=backend, eos_token_id=4)
+    seen: list[int] = []
+    rs = plan_and_decode(tgt, drf, prompts, max_new_tokens=limits, max_batch_size=2,
+                         callback=lambda row, toks: seen.append(row), **kw)
+    assert [r.tokens for r in rs] == _rows_alone(tgt, drf, prompts, limits, **kw)
+    assert seen.index(5) > seen.index(1)  # the last prompt waited
+
+
+@pytest.mark.parametrize("draft_kind", ["llama", "eagle3"])
+def test_continuous_batching_rows_equal_batch_of_one_hf(llamas, draft_kind):
+    """Rows joining a running batch (prefilled on their own, appended to the batched caches)."""
+    target, draft = llamas
+    drf = draft if draft_kind == "llama" else _eagle3(target)
+    prompts, limits = PROMPTS + [[4], [5, 6, 7]], LIMITS + [3, 8]
+    kw = dict(sampling=SamplingConfig(), tree=TREE_HF, seed=11, eos_token_id=5)
+    rs = plan_and_decode(target, drf, prompts, max_new_tokens=limits, max_batch_size=3, **kw)
+    assert [r.tokens for r in rs] == _rows_alone(target, drf, prompts, limits, **kw)
+    greedy = plan_and_decode(target, drf, prompts, max_new_tokens=limits, max_batch_size=2, sampling=GREEDY,
+                             tree=TREE_HF, seed=0)
+    assert [r.tokens for r in greedy] == [greedy_reference(target, p, n) for p, n in zip(prompts, limits)]
+
+
+def test_batched_eagle3_equals_its_batch_1_code_row_by_row(llamas):
+    """``Eagle3Draft``'s batched methods (one flat head call per depth for every row) give the
+    tokens of the default row-by-row methods, which run its batch-1 code on a copy per row."""
+    from rheoplan.models.base import DraftModel
+    from rheoplan.models.eagle3 import Eagle3Draft
+
+    class RowCopies(Eagle3Draft):
+        start_rows, add_rows, keep_rows = DraftModel.start_rows, DraftModel.add_rows, DraftModel.keep_rows
+        commit_rows, node_logits_rows = DraftModel.commit_rows, DraftModel.node_logits_rows
+        take_prompt_features_rows = DraftModel.take_prompt_features_rows
+
+    target, _ = llamas
+    batched = _eagle3(target)
+    copies = RowCopies(batched.head, target.get_input_embeddings(), features_from=target)
+    prompts, limits = PROMPTS + [[4], [5, 6, 7]], [30, 40, 12, 25, 5, 16]
+    for max_batch in (None, 2):
+        kw = dict(max_new_tokens=limits, seed=4, tree=TREE_HF, max_batch_size=max_batch)
+        a = plan_and_decode(target, batched, prompts, **kw)
+        b = plan_and_decode(target, copies, prompts, **kw)
+        assert [r.tokens for r in a] == [r.tokens for r in b]
+        assert [r.mean_accepted_length for r in a] == [r.mean_accepted_length for r in b]
+
+
+def test_padded_tensor_with_attention_mask_equals_lists(llamas):
+    target, draft = llamas
+    n = max(len(p) for p in PROMPTS)
+    ids = torch.zeros(len(PROMPTS), n, dtype=torch.int64)
+    mask = torch.zeros(len(PROMPTS), n, dtype=torch.int64)
+    for b, p in enumerate(PROMPTS):  # left padding, as a transformers tokenizer makes it
+        ids[b, n - len(p):] = torch.tensor(p)
+        mask[b, n - len(p):] = 1
+    kw = dict(max_new_tokens=6, sampling=SamplingConfig(), tree=TREE_HF, seed=2)
+    a = plan_and_decode(target, draft, ids, attention_mask=mask, **kw)
+    b = plan_and_decode(target, draft, PROMPTS, **kw)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+
+
+def test_callback_gets_row_and_tokens():
+    tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
+    seen: dict[int, list[int]] = {}
+    rs = plan_and_decode(tgt, drf, [[0, 1], [2]], max_new_tokens=[4, 9], seed=3, tree=TREE,
+                         callback=lambda row, toks: seen.setdefault(row, []).extend(toks))
+    assert seen == {0: rs[0].tokens, 1: rs[1].tokens}
+    # rows leave the batch: row 0 takes fewer steps than row 1
+    assert len(rs[0].steps) <= len(rs[1].steps)
+
+
+def test_cost_model_prices_the_live_batch(monkeypatch):
+    """The cost passes see every live row's tree: the batched verify cost is asked with the
+    number of live rows, which falls as rows finish."""
+    from rheoplan.costmodel import CostModel, Timings
+
+    sizes = []
+    real = Timings.verify_batch
+
+    def recording(self, batch, row_tokens, ctx):
+        sizes.append(batch)
+        return real(self, batch, row_tokens, ctx)
+
+    monkeypatch.setattr(Timings, "verify_batch", recording)
+    tm = Timings((1, 64), (1.0, 60.0), (1.2, 70.0), 0, 1000, (1, 64), (0.1, 0.5), 0.05, 0.05)
+    tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
+    rs = plan_and_decode(tgt, drf, [[0, 1], [2], [3]], max_new_tokens=[2, 12, 6], seed=3, tree=TREE,
+                         cost_model=CostModel(tm))
+    assert [len(r.tokens) for r in rs] == [2, 12, 6]
+    assert sizes and sizes[0] == 3 and min(sizes) == 1 and sorted(sizes, reverse=True) == sizes
+    assert all(st.predicted_tokens is not None for r in rs for st in r.steps)
+
+
+# --------------------------------------------------------------------------------------
+# Statistics through the real loop
+# --------------------------------------------------------------------------------------
+
+
+def _batched_samples(target, draft, prompts, limits, runs, *, tree, sampling, eos=None, mutations=()):
+    """``runs`` batched decodes (seeds SEED0 + r); per row, the emitted tuples."""
+    out = [[] for _ in prompts]
+    with mutation(*mutations):
+        for r in range(runs):
+            rs = plan_and_decode(target, draft, prompts, max_new_tokens=limits, sampling=sampling, tree=tree,
+                                 seed=SEED0 + r, eos_token_id=eos)
+            for b, res in enumerate(rs):
+                out[b].append(tuple(res.tokens))
+    return out
+
+
+@pytest.mark.parametrize("case", ["tree", "autoregressive", "autoregressive_keep_first_rows"])
+def test_functional_batch_rows_follow_the_target_law(case, record_property):
+    """Each row's law is the exact law (``exact_law`` == ``target_law``), and rows 0 and 1 are
+    independent (their joint law is the product). Mutation control: rows leaving the batch
+    keep the wrong rows' state (``batch_keep_first_rows``; row 0 stops after one token)."""
+    V, runs = 4, 600
+    tgt, drf = hashed_context_lm(V, seed=11), hashed_context_lm(V, seed=12, sharpness=0.5)
+    s = SamplingConfig()
+    cfg = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=V)
+    prompts, limits = [[0, 1], [2, 3], [1, 0]], [1, 2, 2]
+    mutations = ("batch_keep_first_rows",) if case.endswith("keep_first_rows") else ()
+    draft = drf if case == "tree" else None
+    samples = _batched_samples(tgt, draft, prompts, limits, runs, tree=cfg, sampling=s, mutations=mutations)
+    pvals = []
+    for b, (p, n) in enumerate(zip(prompts, limits)):
+        law = target_law(tgt, p, n, s)
+        if case == "tree":
+            assert total_variation(exact_law(tgt, drf, p, n, tree=cfg, sampling=s), law) < 1e-9
+        pvals.append(chi_square(law, samples[b]).pvalue)
+    # independence: the pair (row 0's token, row 1's first token) against the product law
+    l0, l1 = target_law(tgt, prompts[0], 1, s), target_law(tgt, prompts[1], 1, s)
+    joint = {a + c: pa * pc for a, pa in l0.items() for c, pc in l1.items()}
+    pvals.append(chi_square(joint, [x + y[:1] for x, y in zip(samples[0], samples[1])]).pvalue)
+    record_property("pvalues", pvals)
+    if mutations:
+        assert min(pvals) < 1e-6, pvals
+    else:
+        assert min(pvals) >= ALPHA / len(pvals), pvals
+
+
+@pytest.mark.slow
+@pytest.mark.no_ir_lint
+@pytest.mark.parametrize("mutations", [(), ("batch_shift_rows",)], ids=["exact", "batch_shift_rows"])
+def test_hf_batch_of_4_matches_the_target_law(mutations, record_property):
+    """Batch 4 through HFTarget/HFDraft's batched caches: rows of different prompt lengths,
+    EOS (token 5) ends some rows early; each row's law is the target's own (a plain full-path
+    forward, ``hf_as_functional``), truncated at EOS. Mutation control: every row attends to
+    its neighbour's cache entries (``batch_shift_rows``)."""
+    # hidden 32 and a scaled head: the neighbour's entries move a row's next-token law by a
+    # total variation of up to ~0.2 (about 0.05 with the 16-wide model), which 400 runs detect
+    target, draft = tiny_llama(0, layers=2, hidden=32, head_scale=10.0), tiny_llama(1)
+    s = SamplingConfig()
+    cfg = TreeConfig(depth=3, frontier=2, slots=2, budget=5, rheostat=1, support=6)
+    prompts, limits, eos = [[0, 1], [2], [3, 4, 1, 2], [1, 0, 2]], [2, 2, 2, 2], {5}
+    runs = 400
+    samples = _batched_samples(target, draft, prompts, limits, runs, tree=cfg, sampling=s, eos=eos,
+                               mutations=mutations)
+    fn = hf_as_functional(target)
+    pvals = []
+    for b, (p, n) in enumerate(zip(prompts, limits)):
+        law = _truncate_at_eos(target_law(fn, p, n, s), eos)
+        res = chi_square(law, samples[b])
+        if not mutations:
+            assert res.unexpected == 0, (b, res)
+        pvals.append(res.pvalue)
+    record_property("pvalues", pvals)
+    assert any(len(x) < 2 for x in samples[0] + samples[1])  # EOS stopped some rows early
+    if mutations:
+        assert min(pvals) < 1e-6, pvals
+    else:
+        assert min(pvals) >= ALPHA / len(pvals), pvals
+
+
+def test_batch_shift_rows_breaks_greedy_parity(llamas):
+    """The mutation control of the greedy tests: mixed-up row masks change the tokens."""
+    target, draft = llamas
+    with mutation("batch_shift_rows"):
+        rs = plan_and_decode(target, draft, PROMPTS, max_new_tokens=LIMITS, sampling=GREEDY, tree=TREE_HF, seed=0)
+    assert any(r.tokens != greedy_reference(target, p, n) for p, n, r in zip(PROMPTS, LIMITS, rs))
+
+
+# --------------------------------------------------------------------------------------
+# Bad input: a clear error naming the parameter and the row, before any model work
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompts,kw,err,match", [
+    (torch.tensor([[0, 1, 2], [3, 4, 5]]), {}, ValueError, r"attention_mask"),
+    ([[0, 1], []], {}, ValueError, r"row 1.*empty"),
+    ([[0, 1], [2, 9]], {}, ValueError, r"row 1.*out of range"),
+    (torch.tensor([[0.0, 1.0], [2.0, 3.0]]), {"attention_mask": torch.ones(2, 2)}, TypeError, r"dtype"),
+    (torch.tensor([[0, 1], [2, 3]]), {"attention_mask": torch.ones(2, 2)}, TypeError, r"attention_mask.*dtype"),
+    (torch.tensor([[0, 1], [2, 3]]), {"attention_mask": torch.tensor([[1, 1], [0, 0]])}, ValueError,
+     r"row 1 is empty"),
+    (torch.tensor([[0, 1, 2], [2, 3, 1]]), {"attention_mask": torch.tensor([[1, 1, 1], [1, 0, 1]])}, ValueError,
+     r"attention_mask row 1 has padding between tokens"),
+    (torch.tensor([[0, 1], [2, 3]]), {"attention_mask": torch.ones(2, 3, dtype=torch.int64)}, ValueError,
+     r"attention_mask has shape"),
+    ([[0, 1], [2]], {"attention_mask": [[1, 1], [0, 1]]}, ValueError, r"attention_mask .*list"),
+    ([[0, 1], [2]], {"max_new_tokens": [3, 4, 5]}, ValueError, r"max_new_tokens has 3 entries for 2"),
+    ([[0, 1], [2]], {"max_new_tokens": [3, 0]}, ValueError, r"max_new_tokens\[1\] \(row 1\)"),
+    ([[0, 1], [2]], {"stream_ids": [0, 0]}, ValueError, r"stream_ids repeats 0"),
+    ([[0, 1], [2]], {"stream_ids": [0]}, ValueError, r"stream_ids has 1 entries for 2"),
+    ([0, 1], {"stream_ids": [3]}, ValueError, r"stream_ids .*one sequence"),
+    ([[0, 1], [2, "a"]], {}, TypeError, r"row 1"),
+    ([[0, 1], [2]], {"backend": "triton"}, ValueError, r"backend='triton'"),
+    ([[0, 1], [2]], {"max_batch_size": 0}, ValueError, r"max_batch_size=0 is out of range"),
+    ([0, 1], {"max_batch_size": 2}, ValueError, r"max_batch_size .*one sequence"),
+])
+def test_bad_batch_input_is_refused_before_any_model_work(prompts, kw, err, match):
+    calls = []
+    lm = hashed_context_lm(6, seed=1)
+    fn = lm.fn
+    lm.fn = lambda paths: calls.append(len(paths)) or fn(paths)
+    kw = {"max_new_tokens": 4, **kw}
+    with pytest.raises(err, match=match):
+        plan_and_decode(lm, lm, prompts, tree=TREE, seed=0, **kw)
+    assert calls == []
+
+
+def test_batch_larger_than_memory_is_refused_before_any_model_work(llamas, monkeypatch):
+    import rheoplan.decode as decode
+
+    target, draft = llamas
+    calls = []
+    handle = target.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        monkeypatch.setattr(decode, "_free_memory", lambda device: 64 * 1024)  # 64 KiB free
+        with pytest.raises(ValueError, match=r"prompt_ids has 4 rows: the batch needs about .* GiB"):
+            plan_and_decode(target, draft, PROMPTS, max_new_tokens=8, tree=TREE_HF, seed=0)
+        assert calls == []
+        with pytest.raises(ValueError, match=r"max_batch_size=2: the batch needs about"):
+            plan_and_decode(target, draft, PROMPTS, max_new_tokens=8, tree=TREE_HF, seed=0, max_batch_size=2)
+        assert calls == []
+        monkeypatch.setattr(decode, "_free_memory", lambda device: 1 << 40)
+        plan_and_decode(target, None, PROMPTS, max_new_tokens=1, seed=0)
+    finally:
+        handle.remove()
