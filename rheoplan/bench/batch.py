@@ -45,6 +45,7 @@ from rheoplan.bench.decode import load_prompts, machine_info
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.decode import plan_and_decode
 from rheoplan.loading import auto_tree, encode_prompt, load_cost_model, load_default, model_dtype
+from rheoplan.models import hashed_context_lm
 
 METHODS = ("generate", "rowwise", "batched")
 #: prompts in rheoplan/data/prompts_heldout.txt (``load_prompts`` checks the range too)
@@ -63,8 +64,6 @@ def check_batched_decode() -> None:
     """Raise ``BatchedDecodeUnavailable`` unless ``plan_and_decode`` decodes a list of
     prompts into one ``DecodeResult`` per row (tried on a tiny functional model: no
     SmolLM2 work happens before the answer is known)."""
-    from rheoplan.models import hashed_context_lm
-
     lm = hashed_context_lm(vocab_size=4, seed=0)
     why = None
     try:

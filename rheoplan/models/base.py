@@ -37,9 +37,8 @@ whole batch.
 from __future__ import annotations
 
 import copy
-
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 import torch
@@ -290,8 +289,6 @@ class DraftModel(ABC):
 
 def _linear_rows(linear: LinearTree, rows: list[int]) -> LinearTree:
     """Trees ``rows`` of a ``LinearTree`` as a batch of their own."""
-    from dataclasses import fields
-
     idx = torch.as_tensor(rows, dtype=torch.int64, device=linear.n.device)
     return LinearTree(**{f.name: getattr(linear, f.name).index_select(0, idx) for f in fields(linear)})
 

@@ -25,8 +25,8 @@ import torch
 
 from rheoplan.costmodel import ProjectionTimings, projection_timings
 from rheoplan.ir import LinearTree
-from rheoplan.models.base import (HostTree, TargetModel, TreeLogits, check_commit_path, check_prompt_ids,
-                                  linear_on_host)
+from rheoplan.models.base import (HostTree, TargetModel, TreeLogits, _linear_rows, check_commit_path,
+                                  check_prompt_ids, linear_on_host)
 from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
     run_base, commit_cache,
@@ -421,8 +421,6 @@ class HFTarget(TargetModel):
             raise RuntimeError("commit_rows() called before forward_trees()")
         if len(paths) != self._rows.batch:
             raise ValueError(f"paths holds {len(paths)} paths for {self._rows.batch} rows")
-        from rheoplan.models.base import _linear_rows
-
         s0 = self._row_tree_start
         cols = []
         for b, p in enumerate(paths):

@@ -74,6 +74,23 @@ def test_functional_rows_equal_batch_of_one(backend, with_draft):
             assert len(r.tokens) == n or r.tokens[-1] == 4
 
 
+def test_batched_loop_equals_the_oracles_reference_loop():
+    """``rheoplan.testing.functional_decode_batch`` (the loop the statistical oracle tests
+    check against the exact law) gives run ``r`` stream id ``r``, as the batched loop gives
+    row ``r``: for every seed the two emit the same tokens, row by row. So each row of a
+    batch has the law the oracle proves for one decode (``exact_law == target_law``)."""
+    from rheoplan.testing import functional_decode_batch
+
+    tgt, drf = hashed_context_lm(5, seed=3), hashed_context_lm(5, seed=4, sharpness=0.5)
+    cfg = TreeConfig(depth=2, frontier=2, slots=3, budget=4, rheostat=1, support=5)
+    s = SamplingConfig(temperature=0.8, top_k=4)
+    assert total_variation(exact_law(tgt, drf, (0, 1), 2, tree=cfg, sampling=s), target_law(tgt, (0, 1), 2, s)) < 1e-9
+    for seed in range(20):
+        rows = plan_and_decode(tgt, drf, [[0, 1]] * 4, max_new_tokens=6, seed=seed, tree=cfg, sampling=s)
+        want = functional_decode_batch(tgt, drf, [0, 1], 6, 4, tree=cfg, sampling=s, seed=seed)
+        assert [tuple(r.tokens) for r in rows] == want
+
+
 def test_same_seed_and_row_give_the_same_tokens_whatever_the_other_rows():
     tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
     a = plan_and_decode(tgt, drf, [[0, 1], [2, 3]], max_new_tokens=10, seed=7, tree=TREE)
