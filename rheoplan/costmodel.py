@@ -105,6 +105,15 @@ class Timings:
     #: ``batch_verify[i][j]``: one verify forward of ``batch_sizes[i]`` rows x
     #: ``batch_row_sizes[j]`` tokens over ``ctx_lo`` cached tokens per row (ms)
     batch_verify: tuple[tuple[float, ...], ...] = ()
+    #: measured by a short batched decode per ``batch_sizes`` entry (empty: modelled from the
+    #: batch-1 numbers): one batched draft call (all rows, ``batch_draft_width`` frontier
+    #: nodes per row on average), ...
+    batch_draft_ms: tuple[float, ...] = ()
+    batch_draft_width: float = 1.0
+    #: ... the loop's bookkeeping per tree step of the whole batch, ...
+    batch_overhead_ms: tuple[float, ...] = ()
+    #: ... and per plain autoregressive step of the whole batch
+    batch_ar_overhead_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.sizes or len(self.sizes) != len(self.verify_lo) or len(self.sizes) != len(self.verify_hi):
@@ -127,8 +136,14 @@ class Timings:
                     len(r) != len(self.batch_row_sizes) for r in self.batch_verify):
                 raise ValueError(f"Timings: batch_verify must be {len(self.batch_sizes)} rows (batch_sizes) of "
                                  f"{len(self.batch_row_sizes)} latencies (batch_row_sizes)")
+        steps = (self.batch_draft_ms, self.batch_overhead_ms, self.batch_ar_overhead_ms)
+        if any(steps) and (not self.batch_sizes or any(len(x) != len(self.batch_sizes) for x in steps)):
+            raise ValueError(f"Timings: batch_draft_ms, batch_overhead_ms and batch_ar_overhead_ms must hold one "
+                             f"latency per batch size ({len(self.batch_sizes)}), all three or none")
+        if not (self.batch_draft_width >= 1 and math.isfinite(self.batch_draft_width)):
+            raise ValueError(f"Timings: batch_draft_width={self.batch_draft_width} must be >= 1")
         vals = list(self.verify_lo) + list(self.verify_hi) + list(self.draft_ms) + [self.overhead_ms, self.ar_overhead_ms]
-        vals += [v for r in self.batch_verify for v in r]
+        vals += [v for r in self.batch_verify for v in r] + [v for x in steps for v in x]
         if any(not (v >= 0 and math.isfinite(v)) for v in vals):
             raise ValueError("Timings: every latency must be finite and >= 0 ms")
 
@@ -173,19 +188,38 @@ class Timings:
         return max(v, 1e-3)
 
     def draft_batch(self, batch: int, row_width: int) -> float:
-        """One draft call over ``batch`` rows of ``row_width`` frontier nodes each (ms):
-        modelled as one call over ``batch * row_width`` frontier rows, ``c_d(B * w)``
-        (the batched draft runs every row's frontier through one call per depth)."""
-        return self.draft(batch * row_width)
+        """One draft call over ``batch`` rows of ``row_width`` frontier nodes each (ms).
+
+        Measured (``batch_draft_ms``): the call at ``B`` rows, interpolated in ``B``, plus the
+        batch-1 curve's slope from the measured mean width to ``row_width`` (both at ``B``
+        rows). Not measured: one call over ``B * w`` frontier rows, ``c_d(B * w)`` (the
+        batched draft runs every row's frontier through one call per depth)."""
+        if batch == 1 or not self.batch_draft_ms:
+            return self.draft(batch * row_width)
+        v = _interp(self.batch_sizes, self.batch_draft_ms, batch)
+        v += self.draft(batch * row_width) - self.draft(batch * self.batch_draft_width)
+        return max(v, 1e-3)
 
     def overhead_batch(self, batch: int) -> float:
-        """``c_o`` of a tree step with ``batch`` rows (ms): each row is planned, walked and
-        committed, so ``batch * c_o`` (an upper bound when the loop vectorises some of it)."""
+        """``c_o`` of a tree step with ``batch`` rows (ms): measured (``batch_overhead_ms``,
+        interpolated in ``B``), else ``batch * c_o`` (each row planned, walked and committed
+        on its own: an upper bound where the loop vectorises some of it)."""
+        if batch == 1:
+            return self.overhead_ms
+        if self.batch_overhead_ms:
+            return max(_interp(self.batch_sizes, self.batch_overhead_ms, batch), 0.0)
         return batch * self.overhead_ms
 
     def ar_step_batch(self, batch: int, ctx: int) -> float:
-        """A plain autoregressive step of ``batch`` rows (ms): ``c_v(B, 1) + B * c_o'``."""
-        return self.verify_batch(batch, 1, ctx) + batch * self.ar_overhead_ms
+        """A plain autoregressive step of ``batch`` rows (ms): ``c_v(B, 1)`` plus the
+        measured bookkeeping (``batch_ar_overhead_ms``), else ``B * c_o'``."""
+        if batch == 1:
+            return self.ar_step(ctx)
+        if self.batch_ar_overhead_ms:
+            oh = max(_interp(self.batch_sizes, self.batch_ar_overhead_ms, batch), 0.0)
+        else:
+            oh = batch * self.ar_overhead_ms
+        return self.verify_batch(batch, 1, ctx) + oh
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -193,11 +227,12 @@ class Timings:
     @classmethod
     def from_dict(cls, d: dict) -> "Timings":
         known = {f: d[f] for f in cls.__dataclass_fields__ if f in d}
-        optional = {"batch_sizes", "batch_row_sizes", "batch_verify"}  # absent in batch-1 records
+        optional = {f for f in cls.__dataclass_fields__ if f.startswith("batch_")}  # absent in batch-1 records
         missing = sorted(set(cls.__dataclass_fields__) - set(known) - optional)
         if missing:
             raise ValueError(f"Timings: missing fields {missing}")
-        for k in ("sizes", "verify_lo", "verify_hi", "draft_widths", "draft_ms", "batch_sizes", "batch_row_sizes"):
+        for k in ("sizes", "verify_lo", "verify_hi", "draft_widths", "draft_ms", "batch_sizes", "batch_row_sizes",
+                  "batch_draft_ms", "batch_overhead_ms", "batch_ar_overhead_ms"):
             if k in known:
                 known[k] = tuple(known[k])
         if "batch_verify" in known:

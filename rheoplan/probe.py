@@ -29,7 +29,7 @@ from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write, remeasure_requested
 from rheoplan.decode import plan_and_decode
 from rheoplan.ir import empty_tree
-from rheoplan.models import as_draft, as_target
+from rheoplan.models import as_draft, as_target, hashed_context_lm
 from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache, output_head
 from rheoplan.models.base import DraftModel
 from rheoplan.models.hf_target import HFTarget
@@ -297,6 +297,47 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
     return tuple(grid)
 
 
+def batched_decode_unavailable() -> str | None:
+    """None when ``plan_and_decode`` decodes a list of prompts into one result per row
+    (batched decoding), else why not (tried on a tiny functional model, no real work)."""
+    lm = hashed_context_lm(vocab_size=4, seed=0)
+    try:
+        out = plan_and_decode(lm, lm, [[0, 1], [1, 2, 3]], max_new_tokens=2, seed=0,
+                              tree=TreeConfig(depth=1, frontier=1, slots=2, budget=2, support=4))
+    except (TypeError, ValueError) as exc:
+        return f"it raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    if not isinstance(out, list) or len(out) != 2:
+        return f"it returned {type(out).__name__}, not one result per row"
+    return None
+
+
+def _per_call_draft_ms(steps, depth: int) -> float:
+    """Median draft time per call (ms) of drafted steps: one call per depth."""
+    return statistics.median([1e3 * s.t_draft / max(1, depth) for s in steps if s.drafted] or [0.0])
+
+
+def measure_batch_steps(model, draft, prompt_ids: Sequence[int], *, tree, sampling, batch_sizes: Sequence[int],
+                        steps: int = 8) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """Per batch size ``B`` in ``batch_sizes`` (each > 1): a short batched decode of ``B``
+    copies of ``prompt_ids`` with the fixed tree ``tree`` and one without a draft, giving
+    ``(draft ms per batched call, bookkeeping ms per tree step, per autoregressive step)``
+    of the whole batch (medians over the steps while every row was live, the first step
+    left out: it runs the prompts through the draft). Needs batched decoding
+    (``batched_decode_unavailable() is None``)."""
+    draft_ms, tree_oh, ar_oh = [], [], []
+    for B in batch_sizes:
+        rows = [list(prompt_ids) for _ in range(B)]
+        res = plan_and_decode(model, draft, rows, max_new_tokens=steps, sampling=sampling, tree=tree, seed=0)
+        live = min(len(r.steps) for r in res)  # steps while every row was in the batch
+        st = res[0].steps[1:live] or res[0].steps[:1]
+        draft_ms.append(_per_call_draft_ms(st, tree.depth))
+        tree_oh.append(_overhead_ms_of(st))
+        ar = plan_and_decode(model, None, rows, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
+        live = min(len(r.steps) for r in ar)
+        ar_oh.append(_overhead_ms_of(ar[0].steps[1:live] or ar[0].steps[:1]))
+    return tuple(draft_ms), tuple(tree_oh), tuple(ar_oh)
+
+
 def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=None,
                     ctx: tuple[int, int] = (64, 512), sizes: Sequence[int] = VERIFY_SIZES,
                     reps: int = 3, steps: int = 24, model_id: str | None = None,
@@ -311,7 +352,10 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
       ``batch_sizes=()`` to skip it: batches are then priced as one row of ``B * n`` tokens);
     * ``c_d(w)``, ``c_o``: a short real decode of ``steps`` tokens with the fixed tree
       ``tree`` (median draft-call time per frontier width; median bookkeeping per step);
-    * ``c_o'``: the same for a plain autoregressive decode.
+    * ``c_o'``: the same for a plain autoregressive decode;
+    * where ``plan_and_decode`` takes a list of prompts: the batched draft call and the
+      bookkeeping per step at each batch size > 1 (``measure_batch_steps``); otherwise
+      they are modelled from the batch-1 numbers (``Timings.draft_batch``).
 
     Takes a few seconds the first time on a CPU; the cache makes later loads instant.
     """
@@ -322,7 +366,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     batch_sizes, batch_row_sizes = tuple(batch_sizes), tuple(batch_row_sizes)
     key = cache_key("timings", mid, dev, dtype=dt, draft=draft_id,
                     tree=f"{tree.depth}x{tree.frontier}x{tree.slots}",
-                    batch="x".join(map(str, batch_sizes)) + "/" + "x".join(map(str, batch_row_sizes)))
+                    batch="x".join(map(str, batch_sizes)) + "/" + "x".join(map(str, batch_row_sizes)),
+                    batched_loop=batch_sizes != () and batched_decode_unavailable() is None)
     if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:
@@ -365,10 +410,19 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     if not widths:
         widths = {w: [1e3 * s] for w, s in timed.calls}
     ar = plan_and_decode(model, None, ids, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
+    stepped: dict = {}
+    if grid and batched_decode_unavailable() is None:
+        more = [b for b in batch_sizes if b > 1]
+        d, o, a = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
+        one = [b for b in batch_sizes if b == 1]  # batch 1: the batch-1 decodes above
+        pick = lambda first, rest: tuple([first] * len(one) + list(rest))  # noqa: E731
+        stepped = dict(batch_draft_ms=pick(_per_call_draft_ms(res.steps[1:] or res.steps, tree.depth), d),
+                       batch_draft_width=(1 + (tree.depth - 1) * tree.frontier) / max(1, tree.depth),
+                       batch_overhead_ms=pick(_overhead_ms(res), o), batch_ar_overhead_ms=pick(_overhead_ms(ar), a))
     tm = Timings(tuple(sizes), lo_hi[0], lo_hi[1], ctx[0], ctx[1],
                  tuple(sorted(widths)), tuple(statistics.median(widths[w]) for w in sorted(widths)),
                  _overhead_ms(res), _overhead_ms(ar),
-                 batch_sizes if grid else (), batch_row_sizes if grid else (), grid)
+                 batch_sizes if grid else (), batch_row_sizes if grid else (), grid, **stepped)
     if use_cache:
         cache_write(TIMINGS_CACHE, key, tm.to_dict())
     print(f"cost model: measured latencies ({_describe(tm)})", file=log)
@@ -393,7 +447,11 @@ def _overhead_ms(res) -> float:
     """Median per-step bookkeeping of a decode: the step's wall time less its draft calls
     and verify forward (plan, walk, commit, the loop itself); the first step is left out
     (it runs the prompt through the draft)."""
-    steps = res.steps[1:] or res.steps
+    return _overhead_ms_of(res.steps[1:] or res.steps)
+
+
+def _overhead_ms_of(steps) -> float:
+    """``_overhead_ms`` over the given steps."""
     return 1e3 * statistics.median([max(0.0, s.t_step - s.t_draft - s.t_verify_forward) for s in steps])
 
 
@@ -406,4 +464,7 @@ def _describe(tm: Timings) -> str:
         n = tm.batch_row_sizes[-1]
         b = ", ".join(f"{B}:{row[0]:.1f}/{row[-1]:.1f}" for B, row in zip(tm.batch_sizes, tm.batch_verify))
         out += f"; batched verify ms by rows at 1/{n} tokens per row [{b}]"
+    if tm.batch_draft_ms:
+        d = ", ".join(f"{B}:{x:.1f}/{o:.1f}" for B, x, o in zip(tm.batch_sizes, tm.batch_draft_ms, tm.batch_overhead_ms))
+        out += f"; batched draft call / overhead ms by rows [{d}]"
     return out

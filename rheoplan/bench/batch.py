@@ -45,7 +45,7 @@ from rheoplan.bench.decode import load_prompts, machine_info
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.decode import plan_and_decode
 from rheoplan.loading import auto_tree, encode_prompt, load_cost_model, load_default, model_dtype
-from rheoplan.models import hashed_context_lm
+from rheoplan.probe import batched_decode_unavailable
 
 METHODS = ("generate", "rowwise", "batched")
 #: prompts in rheoplan/data/prompts_heldout.txt (``load_prompts`` checks the range too)
@@ -62,18 +62,9 @@ class BatchedDecodeUnavailable(ValueError):
 
 def check_batched_decode() -> None:
     """Raise ``BatchedDecodeUnavailable`` unless ``plan_and_decode`` decodes a list of
-    prompts into one ``DecodeResult`` per row (tried on a tiny functional model: no
-    SmolLM2 work happens before the answer is known)."""
-    lm = hashed_context_lm(vocab_size=4, seed=0)
-    why = None
-    try:
-        out = plan_and_decode(lm, lm, [[0, 1], [1, 2, 3]], max_new_tokens=2, seed=0,
-                              tree=TreeConfig(depth=1, frontier=1, slots=2, budget=2, support=4))
-    except (TypeError, ValueError) as exc:
-        why = f"it raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    else:
-        if not isinstance(out, list) or len(out) != 2:
-            why = f"it returned {type(out).__name__}, not one result per row"
+    prompts into one ``DecodeResult`` per row (``rheoplan.probe.batched_decode_unavailable``:
+    tried on a tiny functional model, before any SmolLM2 work)."""
+    why = batched_decode_unavailable()
     if why is not None:
         raise BatchedDecodeUnavailable(
             "--methods batched needs plan_and_decode to accept a list of prompts (batched decoding, "
@@ -280,6 +271,9 @@ def plot(rows: list[dict], path: Path) -> Path:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
         ax.set_xscale("log", base=2)
+        sizes = sorted({r["batch_size"] for r in rows})
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.minorticks_off()
         ax.set_xlabel("batch size")
         ax.set_ylabel("tokens/s")
         ax.set_title(f"{d}, T={t}", fontsize=9)

@@ -107,6 +107,9 @@ def test_measure_timings_on_a_tiny_model_and_cache(cache):
     assert all(v > 0 for v in tm.verify_lo + tm.verify_hi + tm.draft_ms)
     assert set(tm.draft_widths) <= {1, 2} and tm.overhead_ms >= 0 and tm.ar_overhead_ms >= 0
     assert (tm.batch_sizes, tm.batch_row_sizes) == (probe.BATCH_SIZES, probe.BATCH_ROW_SIZES)
+    # the batched steps are measured where plan_and_decode takes a list of prompts
+    measured = probe.batched_decode_unavailable() is None
+    assert len(tm.batch_overhead_ms) == (len(tm.batch_sizes) if measured else 0)
     assert len(tm.batch_verify) == len(tm.batch_sizes) and tm.verify_batch(16, 2, 4) > 0
     assert "measured" in log.getvalue() and "batched verify" in log.getvalue()
     again = probe.measure_timings(model, draft, [1, 2, 3], tree=tree, ctx=(4, 12), sizes=(1, 2, 4),
@@ -141,3 +144,23 @@ def test_measure_batch_verify_grid_on_a_tiny_model():
                        (dict(batch_sizes=(0, 1)), "batch_sizes"), (dict(ctx=0), "ctx=0")):
         with pytest.raises(ValueError, match=match):
             probe.measure_batch_verify(model, **bad)
+
+
+def test_measure_batch_steps_takes_medians_of_the_live_steps(monkeypatch):
+    from rheoplan.decode import DecodeResult, StepStats
+
+    tree = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8)
+    seen = []
+
+    def fake(model, draft, rows, *, max_new_tokens, **kw):
+        seen.append((draft is None, len(rows), max_new_tokens))
+        # step times in s: draft 4 ms (2 calls), verify 10 ms, whole step 20 ms -> 6 ms bookkeeping;
+        # the first step (prompt through the draft) and row 1's extra steps are left out
+        st = lambda t_step: StepStats(1, 1, 2, 1, 1, t_draft=0.004, t_verify_forward=0.010, t_step=t_step)  # noqa: E731
+        steps = [st(0.5)] + [st(0.020)] * 3
+        return [DecodeResult(tokens=[0], steps=steps), DecodeResult(tokens=[0], steps=steps + [st(9.0)] * 5)][:len(rows)]
+
+    monkeypatch.setattr(probe, "plan_and_decode", fake)
+    d, o, a = probe.measure_batch_steps(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,), steps=8)
+    assert seen == [(False, 2, 8), (True, 2, 4)]
+    assert d == pytest.approx((2.0,)) and o == pytest.approx((6.0,)) and a == pytest.approx((6.0,))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _bench_models import tiny_llama
-from rheoplan import cli
+from rheoplan import cli, probe
 from rheoplan.bench import batch as bench
 from rheoplan.config import TreeConfig
 from rheoplan.costmodel import CostModel, Timings
@@ -60,14 +60,14 @@ def test_batched_method_needs_a_plan_and_decode_that_takes_a_list(monkeypatch):
     def one_prompt_only(target, draft, prompt_ids, **kw):
         raise TypeError("prompt_ids=[[0, 1], [1, 2, 3]] holds a list: allowed token ids")
 
-    monkeypatch.setattr(bench, "plan_and_decode", one_prompt_only)
+    monkeypatch.setattr(probe, "plan_and_decode", one_prompt_only)
     with pytest.raises(bench.BatchedDecodeUnavailable, match=r"--methods batched needs plan_and_decode to accept a "
                                                               r"list of prompts .*raised TypeError"):
         bench.check_batched_decode()
-    monkeypatch.setattr(bench, "plan_and_decode", lambda *a, **k: DecodeResult(tokens=[1]))
+    monkeypatch.setattr(probe, "plan_and_decode", lambda *a, **k: DecodeResult(tokens=[1]))
     with pytest.raises(bench.BatchedDecodeUnavailable, match="returned DecodeResult, not one result per row"):
         bench.check_batched_decode()
-    monkeypatch.setattr(bench, "plan_and_decode", lambda t, d, rows, **k: [DecodeResult(tokens=[1]) for _ in rows])
+    monkeypatch.setattr(probe, "plan_and_decode", lambda t, d, rows, **k: [DecodeResult(tokens=[1]) for _ in rows])
     bench.check_batched_decode()  # a batched plan_and_decode passes
 
 
