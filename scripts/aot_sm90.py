@@ -89,7 +89,7 @@ def cases():
     for S, logit in ((128, "*bf16"), (128, "*fp32"), (256, "*bf16")):
         ptrs = dict(f32, logits_ptr=logit, noise_ptr="*fp64")
         yield (f"slot_expansion S={S} logits {logit[1:]}", slot.slot_expansion_kernel, ptrs, {"INV_T": "fp32"},
-               dict(S=S, S_BLOCK=S, S_TILE=32 if S <= 128 else 16, M=1, K=10, PROXY=0, BLOCK=1024),
+               dict(S=S, S_BLOCK=S, S_TILE=32 if S <= 128 else 16, M=1, K=10, PROXY=0, BLOCK=1024, PROBS=False),
                4 if S <= 128 else 8)
     for write_ids in (True, False):
         yield (f"topk write_ids={write_ids} BLOCK=64", plan.topk_kernel, {"score_ptr": "*fp32", "out_ptr":
@@ -100,15 +100,17 @@ def cases():
         yield (f"linearize budget={budget}", plan.linearize_kernel, {"kept_ptr": "*i1", "mask_ptr": "*i1"}, {},
                dict(W=(L + 63) // 64, D=8, BLOCK_M=min(1024, 4 * bl), BLOCK_L=bl,
                     COL_TILE=min(bl, max(1, min(64, 4096 // bl)))), 8 if bl >= 256 else 4)
+    vptr = {"p_ptr": "*fp32", "q_ptr": "*fp32", "u_ptr": "*fp64", "g_ptr": "*fp32", "mass_ptr": "*fp64",
+            "best_ptr": "*fp64", "law_ptr": "*fp64"}
+    yield ("verify support_law ot", verify.support_law_kernel, vptr, {}, dict(M=1, K=10, CODE=2, S_BLOCK=128), 4)
     for p_type in ("*fp32", "*fp64"):
-        yield (f"coupling_rows ot p {p_type[1:]}", verify.coupling_kernel,
-               {"p_ptr": p_type, "q_ptr": "*fp32", "u_ptr": "*fp64", "g_ptr": "*fp32", "law_ptr": "*fp64"}, {},
-               dict(M=1, K=10, CODE=2, S_BLOCK=128, BLOCK=1024), 4)
+        yield (f"verify node_mass ot p {p_type[1:]}", verify.node_mass_kernel, dict(vptr, p_ptr=p_type), {},
+               dict(M=1, K=10, CODE=2, S_BLOCK=128, BLOCK=1024, DENSE=False), 4)
     for noise in (False, True):
-        yield (f"walk ot noise_in_kernel={noise}", verify.walk_kernel,
-               {"p_ptr": "*fp32", "q_ptr": "*fp32", "u_ptr": "*fp64", "g_ptr": "*fp32", "law_ptr": "*fp64"},
+        yield (f"verify node_draw ot noise_in_kernel={noise}", verify.node_draw_kernel, vptr,
                {"seed_arg": "i64", "step_arg": "i32"},
-               dict(M=1, K=10, CODE=2, S_BLOCK=128, C_BLOCK=16, BLOCK=1024, NOISE=noise, PA=2, PR=3), 4)
+               dict(M=1, K=10, CODE=2, S_BLOCK=128, BLOCK=1024, NB_BLOCK=8, NOISE=noise, PA=2, PR=3, DENSE=False), 4)
+    yield ("verify walk (table)", verify.walk_kernel, vptr, {}, dict(C_BLOCK=16, NB_BLOCK=8), 4)
     yield ("philox streams (gumbel)", philox_triton.streams_uniform_kernel, {"out_ptr": "*fp64"},
            {"seed": "i64", "step": "i32", "purpose": "i32", "n": "i32"}, dict(GUMBEL=True, BLOCK=256), 4)
 

@@ -2,8 +2,8 @@
 
 * ``topk_kernel``: rank of every candidate node = number of candidates that beat it
   (score desc, id asc, NaN last), by pairwise comparison in tiles; rank < k selects it,
-  and the rank is its output slot. Frontier (depth == level) and pruning (ids >= 1)
-  are the same kernel.
+  and the rank is its output slot. Frontier (depth == level: the level's id range only,
+  ids being depth-major) and pruning (ids >= 1) are the same kernel.
 * ``linearize_kernel``: linear index = prefix count of kept ids; parents through a
   scratch id -> linear map; ancestor words level by level (a node's words are its
   parent's plus its own bit); first_child / n_children from sibling contiguity; one
@@ -37,28 +37,41 @@ def topk_kernel(score_ptr, depth_ptr, n_nodes_ptr, out_ptr, count_ptr, M, level,
     b = tl.program_id(0).to(tl.int64)
     # both loops stop at the tree's node count, not the capacity M
     n = tl.minimum(tl.load(n_nodes_ptr + b), M)
-    lo = 0 if WRITE_IDS else 1
     total = 0
-    if not WRITE_IDS:
+    if WRITE_IDS:
+        # ids are depth-major (an IR invariant, planner/lint.py), so the nodes at `level` are
+        # the ids [lo, hi): one counting pass, then the pairwise ranking over that level only
+        # (O(width^2), not O(n^2) over the whole tree)
+        lo = tl.full((), 0, tl.int32)
+        hi = tl.full((), 0, tl.int32)
+        for s in range(0, n, BLOCK):
+            v = s + tl.arange(0, BLOCK)
+            d = tl.load(depth_ptr + b * M + v, mask=v < n, other=level + 1)
+            lo += tl.sum(((v < n) & (d < level)).to(tl.int32), axis=0)
+            hi += tl.sum(((v < n) & (d <= level)).to(tl.int32), axis=0)
+    else:
         tl.store(out_ptr + b * M, True)  # the root is always kept (also when n = 0)
-    for si in range(0, n, BLOCK):
+        lo = tl.full((), 1, tl.int32)  # pruning ranks every drafted node
+        hi = n.to(tl.int32)
+    for si in range(lo, hi, BLOCK):
         i = si + tl.arange(0, BLOCK)
-        s_i = tl.load(score_ptr + b * M + i, mask=i < n, other=0.0)
-        d_i = tl.load(depth_ptr + b * M + i, mask=i < n, other=-1)
-        cand_i = (i < n) & (i >= lo) & ((d_i == level) | (tl.full([BLOCK], level, tl.int32) < 0))
+        s_i = tl.load(score_ptr + b * M + i, mask=i < hi, other=0.0)
+        d_i = tl.load(depth_ptr + b * M + i, mask=i < hi, other=-1)
+        # the depth test stays: were ids not depth-major, a node would be missed, never a wrong one taken
+        cand_i = (i < hi) & ((d_i == level) | (tl.full([BLOCK], level, tl.int32) < 0))
         rank = tl.zeros([BLOCK], dtype=tl.int32)
-        for sj in range(0, n, BLOCK):
+        for sj in range(lo, hi, BLOCK):
             j = sj + tl.arange(0, BLOCK)
-            s_j = tl.load(score_ptr + b * M + j, mask=j < n, other=0.0)
-            d_j = tl.load(depth_ptr + b * M + j, mask=j < n, other=-1)
-            cand_j = (j < n) & (j >= lo) & ((d_j == level) | (tl.full([BLOCK], level, tl.int32) < 0))
+            s_j = tl.load(score_ptr + b * M + j, mask=j < hi, other=0.0)
+            d_j = tl.load(depth_ptr + b * M + j, mask=j < hi, other=-1)
+            cand_j = (j < hi) & ((d_j == level) | (tl.full([BLOCK], level, tl.int32) < 0))
             beat = _beats(s_j[None, :], j[None, :], s_i[:, None], i[:, None]) & cand_j[None, :]
             rank += tl.sum(beat.to(tl.int32), axis=1)
         sel = (cand_i & (rank < k)) != 0
         if WRITE_IDS:
             tl.store(out_ptr + b * k + rank, i.to(tl.int64), mask=sel)
         else:
-            tl.store(out_ptr + b * M + i, sel | (i == 0), mask=i < n)
+            tl.store(out_ptr + b * M + i, sel, mask=i < hi)
         total += tl.sum(sel.to(tl.int32), axis=0)
     tl.store(count_ptr + b, total.to(tl.int64))
 

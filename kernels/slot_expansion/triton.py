@@ -1,8 +1,9 @@
 """Triton slot-expansion kernel: one program per expanded node (same signature as
 ``reference.slot_expansion``).
 
-Per program: softmax statistics over V in blocks; the exact top-S by a 31-step binary
-search on the float32 bit pattern of q (monotone for q >= 0) for the S-th largest value,
+Per program: softmax statistics over V in blocks; the exact top-S by a radix select on
+the float32 bit pattern of q (monotone for q >= 0) for the S-th largest value (three
+digits, one histogram pass over V each),
 a compaction pass (entries above it, then the lowest ids equal to it, in id order) and
 a ranking of the S candidates by pairwise comparison (q desc, id asc); then tail mass,
 proxy, tail law, the Gumbel-max draw from the injected noise, and the K children.
@@ -27,6 +28,29 @@ def _q_block(logits_ptr, row, offs, V, INV_T, mx, ssum, PROBS: tl.constexpr):
     if PROBS:  # the input already is the draft law (the planner computes it with torch)
         return tl.where(offs < V, x, -1.0)
     return tl.where(offs < V, tl.exp(x * INV_T - mx) / ssum, -1.0)  # -1 marks padding
+
+
+@triton.jit
+def _radix_digit(logits_ptr, row, offs0, V, INV_T, mx, ssum, prefix, above, SHIFT: tl.constexpr,
+                 WIDTH: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr, PROBS: tl.constexpr):
+    """One digit (bits ``SHIFT .. SHIFT + WIDTH - 1``) of the S-th largest bit pattern:
+    among the entries whose higher digits equal ``prefix``'s, the largest digit d with
+    ``above + #{digit >= d} >= S`` (0 if none, as the bit search: fewer than S entries give
+    t = 0). Returns (prefix with that digit, above + #{digit > d})."""
+    NBINS: tl.constexpr = 1 << WIDTH
+    hist = tl.zeros([2 * NBINS], tl.int32)
+    for start in range(0, V, BLOCK):
+        q = _q_block(logits_ptr, row, start + offs0, V, INV_T, mx, ssum, PROBS)
+        bits = q.to(tl.int32, bitcast=True)
+        same = (q >= 0) & ((bits >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH)))
+        # entries outside the prefix go to bin NBINS, never read: no masked histogram needed
+        hist += tl.histogram(tl.where(same, (bits >> SHIFT) & (NBINS - 1), NBINS), 2 * NBINS)
+    b = tl.arange(0, 2 * NBINS)
+    cnt = tl.where(b < NBINS, hist, 0)
+    at_least = tl.sum(cnt, axis=0) - tl.cumsum(cnt, axis=0) + cnt  # #{digit >= b}
+    d = tl.max(tl.where((above + at_least >= S) & (b < NBINS), b, 0), axis=0)
+    above = above + tl.sum(tl.where(b > d, cnt, 0), axis=0)
+    return prefix | (d << SHIFT), above
 
 
 @triton.jit
@@ -57,22 +81,16 @@ def slot_expansion_kernel(logits_ptr, parent_score_ptr, noise_ptr, cand_tok_ptr,
     ssum = tl.sum(s_v * tl.exp(mx_v - mx_safe), axis=0)
     mx = mx_safe
     # -- S-th largest bit pattern: largest t with #{bits >= t} >= S ----------------------
+    # radix select on the 31-bit pattern (q >= 0), three digits of 11, 10, 10 bits: one pass
+    # over V per digit (a histogram of the digit among the entries that share the digits
+    # chosen so far), not one pass per bit
     t = tl.full((), 0, tl.int32)
-    for i in range(0, 31):
-        cand = t | (1 << (30 - i))
-        cnt_v = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, V, BLOCK):
-            q = _q_block(logits_ptr, row, start + offs0, V, INV_T, mx, ssum, PROBS)
-            bits = q.to(tl.int32, bitcast=True)
-            cnt_v += ((bits >= cand) & (q >= 0)).to(tl.int32)
-        t = tl.where(tl.sum(cnt_v, axis=0) >= S, cand, t)
+    above = tl.full((), 0, tl.int32)  # entries whose chosen digits are larger than t's
+    t, above = _radix_digit(logits_ptr, row, offs0, V, INV_T, mx, ssum, t, above, 20, 11, S, BLOCK, PROBS)
+    t, above = _radix_digit(logits_ptr, row, offs0, V, INV_T, mx, ssum, t, above, 10, 10, S, BLOCK, PROBS)
+    t, above = _radix_digit(logits_ptr, row, offs0, V, INV_T, mx, ssum, t, above, 0, 10, S, BLOCK, PROBS)
     # -- compaction in id order: all above t, then the first (S - above) equal to t -------
-    above_v = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
-        q = _q_block(logits_ptr, row, start + offs0, V, INV_T, mx, ssum, PROBS)
-        bits = q.to(tl.int32, bitcast=True)
-        above_v += ((bits > t) & (q >= 0)).to(tl.int32)
-    above = tl.sum(above_v, axis=0)
+    # (``above`` = #{bits > t}: the radix passes counted it)
     taken = 0
     eq_seen = 0
     for start in range(0, V, BLOCK):

@@ -82,16 +82,19 @@ def _cache_kwarg(base: torch.nn.Module) -> str:
 
 
 def run_base(base: torch.nn.Module, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-             allowed: torch.Tensor | None, **attention_kwargs) -> torch.Tensor:
+             allowed: torch.Tensor | None, all_allowed: bool | None = None, **attention_kwargs) -> torch.Tensor:
     """One forward of the decoder stack; appends to ``cache``; returns hidden ``[q, H]``.
 
     ``allowed`` is the bool mask ``[q, cached + q]`` (rows: new tokens, columns: cached then
     new entries); it is passed as a 4D additive mask so any tree shape works. ``None`` passes
     no mask: only for an attention implementation that gets its mask another way (the tree
     attention kernel reads ``attention_kwargs["rheoplan_tree"]``, which transformers hands
-    down to every attention call).
+    down to every attention call). ``all_allowed``: whether every entry of ``allowed`` is
+    True, when the caller knows it (None: read from ``allowed``, a device-to-host sync).
     """
-    if allowed is None or bool(allowed.all()):
+    if all_allowed is None:
+        all_allowed = allowed is None or bool(allowed.all())
+    if allowed is None or all_allowed:
         # None: the tree-attention kernel reads its mask elsewhere. All allowed (a one-token
         # step): no mask lets attention take its unmasked path, as ``generate`` does,
         # instead of adding a [q, kv] mask of zeros.

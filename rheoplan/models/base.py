@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 import torch
@@ -329,20 +329,25 @@ def check_prompt_ids(prompt_ids, vocab_size: int) -> list[int]:
     return ids
 
 
-def check_draft_call(tree: DraftTree, nodes, root: int | None, committed: int | None) -> list[int]:
+def check_draft_call(tree: DraftTree, nodes, root: int | None, committed: int | None,
+                     host: "HostDraft | None" = None) -> list[int]:
     """Validate a ``node_logits`` call against the draft's state: the tree's root token and
     prefix length must be the draft's, and the nodes must exist. Returns the nodes as ints.
-    ``committed=None`` skips the prefix check (models that keep no cache)."""
+    ``committed=None`` skips the prefix check (models that keep no cache). ``host``: the
+    tree as already read on the host (``draft_on_host``), so the check reads nothing more."""
     if root is None:
         raise RuntimeError("node_logits() called before start()")
-    if int(tree.token[0, 0]) != root:
-        raise ValueError(f"tree root token {int(tree.token[0, 0])} differs from the draft's root "
+    if host is None:
+        root_tok, prefix, n_created = int(tree.token[0, 0]), int(tree.prefix_len[0]), int(tree.n_nodes[0])
+    else:
+        root_tok, prefix, n_created = host.token[0], host.prefix_len, host.n_nodes
+    if root_tok != root:
+        raise ValueError(f"tree root token {root_tok} differs from the draft's root "
                          f"{root}; was commit() called after the last step?")
-    if committed is not None and int(tree.prefix_len[0]) != committed:
-        raise ValueError(f"tree.prefix_len[0]={int(tree.prefix_len[0])} but the draft has "
+    if committed is not None and prefix != committed:
+        raise ValueError(f"tree.prefix_len[0]={prefix} but the draft has "
                          f"{committed} committed tokens before the root")
-    nodes = [int(v) for v in nodes]
-    n_created = int(tree.n_nodes[0])
+    nodes = host.nodes if host is not None else [int(v) for v in nodes]
     bad = [v for v in nodes if not 0 <= v < n_created]
     if bad:
         raise ValueError(f"nodes {bad} are outside the tree's created nodes [0, {n_created})")
@@ -351,18 +356,98 @@ def check_draft_call(tree: DraftTree, nodes, root: int | None, committed: int | 
 
 def check_emitted(tree: DraftTree, path_nodes: list[int], emitted: list[int]) -> list[int]:
     """Validate ``DraftModel.commit`` arguments; return the path's creation ids as ints."""
+    host = draft_on_host(tree, [])  # one transfer for every check below
     path_nodes = [int(v) for v in path_nodes]
-    n = int(tree.n_nodes[0])
+    n = host.n_nodes
     if not path_nodes or path_nodes[0] != 0:
         raise ValueError(f"path_nodes={path_nodes} must start with the root (node 0)")
     for a, c in zip(path_nodes, path_nodes[1:]):
-        if not 0 < c < n or int(tree.parent[0, c]) != a:
+        if not 0 < c < n or host.parent[c] != a:
             raise ValueError(f"path_nodes={path_nodes}: node {c} is not a created child of {a}")
     if len(emitted) != len(path_nodes):
         raise ValueError(f"emitted has {len(emitted)} tokens, expected len(path_nodes)="
                          f"{len(path_nodes)} (accepted drafted tokens then the bonus token)")
-    accepted = [int(tree.token[0, v]) for v in path_nodes[1:]]
+    accepted = [host.token[v] for v in path_nodes[1:]]
     if accepted != [int(t) for t in emitted[:-1]]:
         raise ValueError(f"emitted[:-1]={list(emitted[:-1])} differs from the tokens of "
                          f"path_nodes[1:]={accepted}")
     return path_nodes
+
+
+# -- what an adapter reads of a tree on the host: one transfer each -------------------------
+
+
+@dataclass(frozen=True)
+class HostTree:
+    """Tree 0 of a ``LinearTree`` as an adapter reads it on the host (``linear_on_host``)."""
+
+    n: int  #: real linear nodes (root included)
+    position0: int  #: the root's position (= the committed prefix length)
+    token: list[int]  #: tokens of the ``n`` real nodes
+    parent: list[int]  #: their parents' linear indices (-1 for the root)
+
+    def path(self, i: int) -> list[int]:
+        """Linear indices from the root to node ``i`` (both included).
+
+        Example: parents ``[-1, 0, 0, 1]`` and ``i = 3`` -> ``[0, 1, 3]``.
+        """
+        out = []
+        while i >= 0:
+            out.append(i)
+            i = self.parent[i]
+        return out[::-1]
+
+
+def linear_on_host(linear: LinearTree) -> HostTree:
+    """``n``, the root's position, the tokens and the parents of tree 0 in one
+    device-to-host transfer (a target reads them once per verify forward, not per node)."""
+    L = linear.token.shape[1]
+    flat = torch.cat([linear.n[:1], linear.position[0, :1], linear.token[0], linear.parent[0]]).tolist()
+    n = int(flat[0])
+    return HostTree(n, int(flat[1]), flat[2:2 + n], flat[2 + L:2 + L + n])
+
+
+def check_commit_path(tree: HostTree | LinearTree, path: Sequence[int]) -> list[int]:
+    """Validate a committed path of linear indices: root first, each the child of the last.
+    Read from a ``HostTree`` it costs no device transfer."""
+    host = tree if isinstance(tree, HostTree) else linear_on_host(tree)
+    path = [int(i) for i in path]
+    n = host.n
+    if not path or path[0] != 0:
+        raise ValueError(f"path={path} must start with the root (linear index 0)")
+    for a, c in zip(path, path[1:]):
+        if not 0 < c < n:
+            raise ValueError(f"path={path}: linear index {c} is outside [1, {n})")
+        if host.parent[c] != a:
+            raise ValueError(f"path={path}: node {c} is not a child of {a} "
+                             f"(its parent is {host.parent[c]})")
+    return path
+
+
+@dataclass(frozen=True)
+class HostDraft:
+    """Tree 0 of a ``DraftTree`` and a draft call's nodes as read on the host (``draft_on_host``)."""
+
+    n_nodes: int  #: nodes created so far (root included)
+    prefix_len: int  #: committed tokens before the root
+    token: list[int]  #: tokens of the created nodes
+    parent: list[int]  #: their parents' creation ids (-1 for the root)
+    nodes: list[int]  #: the call's node ids
+
+    def path_tokens(self, node: int) -> list[int]:
+        """Tokens from the root's child down to ``node`` (``DraftTree.path_tokens``)."""
+        out = []
+        while node > 0:
+            out.append(self.token[node])
+            node = self.parent[node]
+        return out[::-1]
+
+
+def draft_on_host(tree: DraftTree, nodes) -> HostDraft:
+    """What a draft whose model runs on the host reads of ``tree`` for one ``node_logits``
+    call, in one device-to-host transfer (nodes given as a tensor travel with it)."""
+    M = tree.token.shape[1]
+    nodes_t = torch.as_tensor(nodes, dtype=torch.int64).to(tree.token.device).reshape(-1)
+    flat = torch.cat([tree.n_nodes[:1], tree.prefix_len[:1], tree.token[0], tree.parent[0], nodes_t]).tolist()
+    n = int(flat[0])
+    return HostDraft(n, int(flat[1]), flat[2:2 + n], flat[2 + M:2 + M + n], flat[2 + 2 * M:])

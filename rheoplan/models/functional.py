@@ -22,8 +22,9 @@ from typing import Callable, Sequence
 import torch
 
 from rheoplan.ir import DraftTree, LinearTree
-from rheoplan.models.base import (DraftModel, TargetModel, TreeLogits, check_draft_call, check_emitted,
-                                  check_prompt_ids)
+from rheoplan.models.base import (DraftModel, HostTree, TargetModel, TreeLogits,  # noqa: F401
+                                  check_commit_path, check_draft_call, check_emitted, check_prompt_ids,
+                                  draft_on_host, linear_on_host)
 
 Path = tuple[int, ...]
 LogitsFn = Callable[[list[Path]], torch.Tensor]
@@ -170,33 +171,19 @@ def linear_path_indices(linear: LinearTree, i: int, b: int = 0) -> list[int]:
     return out[::-1]
 
 
-def check_commit_path(linear: LinearTree, path: Sequence[int]) -> list[int]:
-    """Validate a committed path of linear indices: root first, each the child of the last."""
-    path = [int(i) for i in path]
-    n = int(linear.n[0])
-    if not path or path[0] != 0:
-        raise ValueError(f"path={path} must start with the root (linear index 0)")
-    for a, c in zip(path, path[1:]):
-        if not 0 < c < n:
-            raise ValueError(f"path={path}: linear index {c} is outside [1, {n})")
-        if int(linear.parent[0, c]) != a:
-            raise ValueError(f"path={path}: node {c} is not a child of {a} "
-                             f"(its parent is {int(linear.parent[0, c])})")
-    return path
-
-
 class _FunctionalTreeLogits(TreeLogits):
-    """Lazy per-node logits of one verify forward (the fn runs only at visited nodes)."""
+    """Lazy per-node logits of one verify forward (the fn runs only at visited nodes).
+    The tree's tokens and parents were read in one transfer (``HostTree``): a path costs
+    no device read."""
 
-    def __init__(self, lm: FunctionalLM, context: list[int], linear: LinearTree) -> None:
-        self._lm, self._context, self._linear = lm, context, linear
-        self._n = int(linear.n[0])
+    def __init__(self, lm: FunctionalLM, context: list[int], host: HostTree) -> None:
+        self._lm, self._context, self._host = lm, context, host
+        self._n = host.n
         self._memo: dict[int, torch.Tensor] = {}
 
     def path(self, i: int) -> tuple[int, ...]:
         """The full token path of linear node ``i`` (context + root .. node)."""
-        toks = [int(self._linear.token[0, j]) for j in linear_path_indices(self._linear, i)]
-        return tuple(self._context + toks)
+        return tuple(self._context + [self._host.token[j] for j in self._host.path(i)])
 
     def logits(self, i: int) -> torch.Tensor:
         if not 0 <= i < self._n:
@@ -227,7 +214,7 @@ class FunctionalTarget(TargetModel):
         self.lm = lm
         self.vocab_size = lm.vocab_size
         self.context: list[int] = []  #: committed tokens before the current root
-        self._linear: LinearTree | None = None
+        self._linear: HostTree | None = None  #: the last verified tree, as read on the host
 
     def start(self, prompt_ids: list[int]) -> None:
         ids = check_prompt_ids(prompt_ids, self.vocab_size)
@@ -235,18 +222,19 @@ class FunctionalTarget(TargetModel):
         self._linear = None
 
     def forward_tree(self, linear: LinearTree) -> _FunctionalTreeLogits:
-        pos0 = int(linear.position[0, 0])
-        if pos0 != len(self.context):
-            raise ValueError(f"linear.position[0, 0]={pos0} but {len(self.context)} tokens are "
+        # the model is a host function of token paths: one transfer per verify, not per node
+        host = linear_on_host(linear)
+        if host.position0 != len(self.context):
+            raise ValueError(f"linear.position[0, 0]={host.position0} but {len(self.context)} tokens are "
                              "committed before the root; was commit() called after the last step?")
-        self._linear = linear
-        return _FunctionalTreeLogits(self.lm, list(self.context), linear)
+        self._linear = host
+        return _FunctionalTreeLogits(self.lm, list(self.context), host)
 
     def commit(self, path: list[int]) -> None:
         if self._linear is None:
             raise RuntimeError("commit() called before forward_tree()")
         path = check_commit_path(self._linear, path)
-        self.context += [int(self._linear.token[0, j]) for j in path]
+        self.context += [self._linear.token[j] for j in path]
         self._linear = None
 
 
@@ -277,8 +265,12 @@ class FunctionalDraft(DraftModel):
         return tuple(self.context + [int(tree.token[0, 0])] + tree.path_tokens(0, node))
 
     def node_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        nodes = check_draft_call(tree, nodes, self.root, None)
-        return self.lm([self.node_path(tree, v) for v in nodes])
+        # the model is a host function of token paths: the call's tokens come over in one
+        # transfer (``draft_on_host``), not node by node
+        host = draft_on_host(tree, nodes)
+        nodes = check_draft_call(tree, nodes, self.root, None, host=host)
+        prefix = self.context + [host.token[0]]
+        return self.lm([tuple(prefix + host.path_tokens(v)) for v in nodes])
 
     def node_logits_rows(self, tree: DraftTree, nodes: list[list[int]]) -> list[torch.Tensor]:
         """Every row's nodes in one call of the function (rows are copies made by
@@ -302,6 +294,6 @@ class FunctionalDraft(DraftModel):
     def commit(self, tree: DraftTree, path_nodes: list[int], emitted: list[int],
                features: list[torch.Tensor | None]) -> None:
         path_nodes = check_emitted(tree, path_nodes, emitted)
-        accepted = [int(tree.token[0, v]) for v in path_nodes[1:]]
-        self.context += [int(tree.token[0, 0])] + accepted
+        # check_emitted made sure emitted[:-1] are the tokens of path_nodes[1:]
+        self.context += [self.root] + [int(t) for t in emitted[:-1]]
         self.root = int(emitted[-1])

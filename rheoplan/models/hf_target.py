@@ -25,12 +25,12 @@ import torch
 
 from rheoplan.costmodel import ProjectionTimings, projection_timings
 from rheoplan.ir import LinearTree
-from rheoplan.models.base import TargetModel, TreeLogits, _linear_rows, check_prompt_ids
+from rheoplan.models.base import (HostTree, TargetModel, TreeLogits, _linear_rows, check_commit_path,
+                                  check_prompt_ids, linear_on_host)
 from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
     run_base, commit_cache,
 )
-from rheoplan.models.functional import check_commit_path
 from rheoplan.models.row_cache import RowCache
 from rheoplan.models.tree_attention import (
     TreeAttentionArgs, check_tree_attention_available, tree_attention_active,
@@ -190,7 +190,7 @@ class HFTarget(TargetModel):
         self.capture_layers = capture_layers
         self.cache = None
         self._prompt_features: torch.Tensor | None = None
-        self._tree: LinearTree | None = None  #: last verified tree (its entries sit after the prefix)
+        self._tree: HostTree | None = None  #: last verified tree, read on the host (its entries follow the prefix)
         self._prefix = 0  #: committed entries in the cache
         self._tree_attention = False  #: verify forward through the Triton tree-attention kernel
         self._tree_attention_tf32 = False
@@ -244,7 +244,7 @@ class HFTarget(TargetModel):
         tok = torch.tensor(ids[:-1], dtype=torch.int64, device=self.device)
         pos = torch.arange(n, dtype=torch.int64, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        run_base(self.base, self.cache, tok, pos, causal)
+        run_base(self.base, self.cache, tok, pos, causal, all_allowed=n == 1)  # causal: all allowed iff one token
         self._prompt_features = self._features()
 
     def prompt_features(self) -> torch.Tensor:
@@ -279,18 +279,21 @@ class HFTarget(TargetModel):
         if self._tree is not None:
             # A second verify of the same step (no commit in between) replaces the first.
             crop_cache(self.cache, self._prefix)
-        n = int(linear.n[0])
+        # one device-to-host transfer per verify: n (the forward's shape), the root's position and
+        # the tokens (checked before any model work) and the parents (commit's check reads them)
+        host = linear_on_host(linear)
+        n = host.n
         if n < 1:
             raise ValueError(f"linear.n[0]={n}: a tree holds at least its root")
-        pos = linear.position[0, :n].to(self.device)
-        if int(pos[0]) != self._prefix:
-            raise ValueError(f"linear.position[0, 0]={int(pos[0])} but the target caches "
+        if host.position0 != self._prefix:
+            raise ValueError(f"linear.position[0, 0]={host.position0} but the target caches "
                              f"{self._prefix} tokens before the root; positions must be "
                              "prefix_len + depth")
-        tok = linear.token[0, :n].to(self.device)
-        if int(tok.min()) < 0 or int(tok.max()) >= self.vocab_size:
+        if min(host.token) < 0 or max(host.token) >= self.vocab_size:
             raise ValueError(f"linear.token holds ids outside [0, {self.vocab_size}) in its first "
                              f"n={n} slots")
+        pos = linear.position[0, :n].to(self.device)
+        tok = linear.token[0, :n].to(self.device)
         if self._tree_attention:
             # The Triton kernel reads the ancestor words; no dense [n, prefix + n] mask is built.
             words = (n + 63) // 64
@@ -301,8 +304,9 @@ class HFTarget(TargetModel):
                 hidden = run_base(self.base, self.cache, tok, pos, None, rheoplan_tree=args)
         else:
             allowed = prefix_and_block_mask(self._prefix, linear.ancestor_mask[0, :n, :n].to(self.device))
-            hidden = run_base(self.base, self.cache, tok, pos, allowed)
-        self._tree = linear
+            # the root alone sees everything; with a child it cannot see that child
+            hidden = run_base(self.base, self.cache, tok, pos, allowed, all_allowed=n == 1)
+        self._tree = host
         return HFTreeLogits(hidden, self.head, self._features(), self._projection_choice(hidden))
 
     def _projection_choice(self, hidden: torch.Tensor) -> ProjectionTimings | str:

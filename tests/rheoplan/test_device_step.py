@@ -6,8 +6,9 @@ and the Triton launches of a step are the planner's, the noise's and the walk's.
 Counted with ``rheoplan.testing.device`` (see there how a sync is counted on the CPU:
 explicit conversions, since the interpreter has no device). The models here are
 device-clean on purpose (a bigram table gathered by token tensors, no host reads), so
-the count is the decode loop's own; the functional and HF adapters read token ids on
-the host and add their own syncs."""
+the count is the decode loop's own. The HF and functional targets read their tree once
+per verify (a step stays at 3); the functional draft, a host function of token paths,
+once per call and per commit (the last tests here)."""
 
 from __future__ import annotations
 
@@ -93,11 +94,17 @@ def test_triton_step_syncs_and_launches(verifier, m, T):
     assert syncs.count == 2 * n, syncs.where
     k = launches.by_kernel
     # per depth: frontier top-k, slot expansion (expand), Philox noise (assign: none when m = K)
-    # then prune top-k, linearize, and the walk (its noise drawn inside it)
+    # then prune top-k, linearize, and the walk's kernels (its noise drawn inside them)
     draws = D if cfg.effective_rheostat(s) < cfg.slots else 0  # greedy: m = K, nothing drawn
     assert k["topk_kernel"] == n * (D + 1)
     assert k["slot_expansion_kernel"] == n * D
     assert k["linearize_kernel"] == n
+    # the walk: every node's draw in parallel (the proposal laws and the mass pass only where a
+    # proposal is tested),
+    # then the walk over the per-node table
+    tests = verifier != "onehot" and cfg.effective_rheostat(s) < cfg.slots
+    assert k["support_law_kernel"] == k["node_mass_kernel"] == (n if tests else 0)
+    assert k["node_draw_kernel"] == n
     assert k["walk_kernel"] == n
     assert k["streams_uniform_kernel"] == n * draws  # the walk draws its noise in-kernel
     assert launches.total == sum(k.values())
@@ -154,6 +161,68 @@ def _eagle3_head(draft_vocab):
         if draft_vocab < V:
             head.set_vocab_map(torch.randperm(V)[:draft_vocab].sort().values)
     return head.eval()
+
+
+def _adapter_cfg():
+    return TreeConfig(depth=3, frontier=2, slots=3, budget=6, rheostat=1, support=8, verifier="ot")
+
+
+@pytest.mark.interpreter
+@pytest.mark.no_ir_lint
+def test_triton_step_syncs_hf_target():
+    """A transformers target (``HFTarget``, built by the decode with the Triton tree attention)
+    reads its tree on the host once per verify forward (the node count that shapes the
+    forward, the checks before model work, the parents that commit checks): with a
+    device-clean draft a step makes 3 syncs, the readiness bound."""
+    from _decode_models import tiny_llama
+
+    s = SamplingConfig(temperature=1.0)
+    with count_host_syncs() as syncs, count_triton_launches() as launches:
+        res = plan_and_decode(tiny_llama(3, vocab=V, layers=2), BigramDraft(), [0, 1, 2], max_new_tokens=5,
+                              tree=_adapter_cfg(), sampling=s, seed=4, backend="triton")
+    n = len(res.steps)
+    assert syncs.count == 3 * n, syncs.where
+    assert launches.by_kernel["tree_attention_kernel"] == 2 * n  # one per layer per verify
+    ref = plan_and_decode(tiny_llama(3, vocab=V, layers=2), BigramDraft(), [0, 1, 2], max_new_tokens=5,
+                          tree=_adapter_cfg(), sampling=s, seed=4, backend="reference")
+    assert res.tokens == ref.tokens
+
+
+@pytest.mark.interpreter
+@pytest.mark.no_ir_lint
+def test_triton_step_syncs_functional_adapters():
+    """The functional adapters' models are host functions of token paths, so they read the
+    tree on the host, but in one transfer per call: the target once per verify (a step
+    stays at 3 syncs with a device-clean draft), the draft once per ``node_logits`` call
+    (one per depth) and once per ``commit``."""
+    from rheoplan.models.functional import FunctionalDraft, FunctionalTarget, hashed_context_lm
+
+    s = SamplingConfig(temperature=1.0)
+    tgt = lambda: FunctionalTarget(hashed_context_lm(V, seed=31, sharpness=1.5))  # noqa: E731
+    with count_host_syncs() as syncs:
+        res = plan_and_decode(tgt(), BigramDraft(), [0, 1, 2], max_new_tokens=6, tree=_adapter_cfg(), sampling=s,
+                              seed=4, backend="triton")
+    assert syncs.count == 3 * len(res.steps), syncs.where
+
+    draft = FunctionalDraft(hashed_context_lm(V, seed=32, sharpness=1.5))
+    calls = {"node_logits": 0, "commit": 0}
+    for name in calls:
+        real = getattr(draft, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        setattr(draft, name, counted)
+    with count_host_syncs() as syncs:
+        res = plan_and_decode(tgt(), draft, [0, 1, 2], max_new_tokens=6, tree=_adapter_cfg(), sampling=s, seed=4,
+                              backend="triton")
+    n = len(res.steps)
+    assert calls["node_logits"] == 3 * n  # the root, then one call per depth
+    assert syncs.count == 3 * n + calls["node_logits"] + calls["commit"], syncs.where
+    ref = plan_and_decode(tgt(), FunctionalDraft(hashed_context_lm(V, seed=32, sharpness=1.5)), [0, 1, 2],
+                          max_new_tokens=6, tree=_adapter_cfg(), sampling=s, seed=4, backend="reference")
+    assert res.tokens == ref.tokens
 
 
 @pytest.mark.interpreter

@@ -68,6 +68,21 @@ def test_triton_matches_reference(device):
 
 
 @pytest.mark.interpreter
+def test_triton_frontier_ranks_the_level_only(device):
+    """The frontier kernel ranks only the level's id range (ids are depth-major, readiness
+    item 12): with levels that straddle the kernel's 64-node blocks, every level's frontier
+    equals the reference's."""
+    from rheoplan.kernels.plan import triton as tk
+
+    t = _tree(70, depth=4, frontier=4, slots=5, seed=2)
+    assert int(t.n_nodes.min()) > 64 and t.score.shape[1] > 64
+    d = lambda x: x.to(device)  # noqa: E731
+    for level in range(t.cur_depth + 1):
+        _equal(reference.frontier_topk(t.score, t.depth, t.n_nodes, level, 4),
+               tk.frontier_topk(d(t.score), d(t.depth), d(t.n_nodes), level, 4))
+
+
+@pytest.mark.interpreter
 def test_triton_linearize_untrimmed_paths(device):
     """trim_paths=False: no host sync; the first n_paths rows equal the trimmed paths, the
     rest are -1 (readiness item 14)."""

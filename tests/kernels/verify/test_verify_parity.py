@@ -90,23 +90,74 @@ def test_triton_coupling_rows(device, verifier):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("verifier", ["rheo", "ot"])
-def test_triton_walk(device, verifier):
+@pytest.mark.parametrize("splits,dense_law", [(2, False), (3, False), (2, True)])
+def test_triton_coupling_rows_split_vocabulary(device, splits, dense_law):
+    """The vocabulary cut into chunks (one program per (row, chunk), readiness item 16):
+    the same tokens; rows of equal keys (flat p, zero noise) take the first index, as
+    torch.argmax, across chunk boundaries; the support's law lands in every chunk, placed
+    token by token (the GPU layout) or by one dense comparison (the interpreter's)."""
+    from rheoplan.kernels.verify import triton as tk
+
+    m, K = 1, 4
+    p, tok, q, n, y, u, g = _rows(8, 20, 8, m, K, seed=5)
+    p[5], g[5], y[5] = 1.0 / 20, 0.0, -1  # every key equal: X is token 0
+    ref = reference.coupling_rows(p, tok, q, n, m, K, y, "ot", u, g)
+    assert int(ref[5]) == 0
+    d = [x.to(device) for x in (p, tok, q, n, y, u, g)]
+    got = tk.coupling_rows(d[0], d[1], d[2], d[3], m, K, d[4], "ot", d[5], d[6], block=4, splits=splits,
+                           dense_law=dense_law)
+    assert torch.equal(ref, got.cpu())
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("verifier,splits,dense_law", [("rheo", None, False), ("ot", None, False), ("ot", 2, False),
+                                                      ("ot", 2, True)])
+def test_triton_walk(device, verifier, splits, dense_law):
     from rheoplan.kernels.verify import triton as tk
 
     args = _walk_args(verifier)
     ref = reference.verify_walk(*args)
-    got = tk.verify_walk(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in args), block=8)
+    got = tk.verify_walk(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in args), block=4,
+                         splits=splits, dense_law=dense_law)
     for name, a, b in zip(ref._fields, ref, got):
         assert torch.equal(a, b.cpu()), name
 
 
 @pytest.mark.interpreter
+def test_triton_walk_table_has_every_node(device):
+    """The walk's per-node table is computed for every linear node, visited or not
+    (readiness item 16: all nodes in parallel, then a walk over the table): node i's entry
+    is the token rheoplan.verify.coupling_sample draws there with node i's numbers."""
+    from rheoplan.kernels.verify import triton as tk
+    from rheoplan.verify import coupling_sample
+
+    p, u, g, token, first, nch, exp_row, stok, sq, sn, y, m, K, verifier = _walk_args("ot")
+    B, L, V = p.shape
+    E, S = stok.shape[1:]
+    erow = torch.where(exp_row >= 0, exp_row + E * torch.arange(B)[:, None], -1).reshape(-1)
+    d = lambda x: x.to(device)  # noqa: E731
+    prop, best, arg = tk._draw_nodes(d(p.reshape(B * L, V)), d(u.reshape(-1)), d(g.reshape(B * L, V)), d(erow),
+                                     d(y.reshape(-1)), d(stok.reshape(B * E, S)), d(sq.reshape(B * E, S)),
+                                     d(sn.reshape(-1)), m, K, verifier, block=4, splits=2)
+    table = torch.where(prop >= 0, prop, arg.gather(1, best.argmax(1, keepdim=True))[:, 0]).cpu().reshape(B, L)
+    visited = reference.verify_walk(p, u, g, token, first, nch, exp_row, stok, sq, sn, y, m, K, verifier).path
+    checked = 0
+    for b in range(B):
+        for i in range(int((token[b] >= 0).sum())):
+            r = int(exp_row[b, i])
+            want = (int(torch.argmax(torch.log(p[b, i]) + g[b, i])) if r < 0 else
+                    coupling_sample(p[b, i], stok[b, r], sq[b, r], int(sn[b, r]), m, K, int(y[b, r]), verifier,
+                                    float(u[b, i]), g[b, i]))
+            assert int(table[b, i]) == want, (b, i)
+            checked += int(i not in visited[b].tolist())
+    assert checked > 0  # the table covers nodes the walk never reaches
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("verifier", ["rheo", "ot"])
-def test_triton_native_dtype_and_reused_scratch(device, verifier):
+def test_triton_native_dtype(device, verifier):
     """float32 p and gumbel go in as they are (upcast in the kernel, readiness item 15): the
-    result equals the reference on the same values in float64; a second call on the reused
-    scratch (left zeroed by the first) gives the same tokens."""
+    result equals the reference on the same values in float64."""
     from rheoplan.kernels.verify import triton as tk
 
     m, K = 1, 4
@@ -114,11 +165,8 @@ def test_triton_native_dtype_and_reused_scratch(device, verifier):
     p32, g32 = p.float(), g.float()
     ref = reference.coupling_rows(p32.double(), tok, q, n, m, K, y, verifier, u, g32.double())
     d = lambda x: x.to(device)  # noqa: E731
-    for _ in range(2):
-        got = tk.coupling_rows(d(p32), d(tok), d(q), d(n), m, K, d(y), verifier, d(u), d(g32), block=8)
-        assert torch.equal(ref, got.cpu())
-    scratch = tk._law_scratch(torch.device(device), 8, 20)
-    assert not scratch.any()
+    got = tk.coupling_rows(d(p32), d(tok), d(q), d(n), m, K, d(y), verifier, d(u), d(g32), block=8)
+    assert torch.equal(ref, got.cpu())
 
 
 @pytest.mark.interpreter
