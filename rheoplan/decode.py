@@ -843,16 +843,19 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
         t_d = time.perf_counter()
         valid = nodes >= 0
         lists = [row[row >= 0].tolist() for row in nodes]
-        outs = drf.node_logits_rows(tr, lists)
+        # A draft over part of the vocabulary answers on its own columns (SubsetLogits, as
+        # draft_answer does at batch 1): no [B, n, V] scatter, softmax or top-S over V.
+        vocab = drf.vocab_ids
+        outs = drf.node_logits_rows(tr, lists) if vocab is None else drf.vocab_logits_rows(tr, lists)
         st.t_draft += time.perf_counter() - t_d
-        V = drf.vocab_size
+        V = drf.vocab_size if vocab is None else len(vocab)
         out = torch.zeros(nodes.shape[0], nodes.shape[1], V, device=outs[0].device if outs else "cpu")
         for b, (o, want) in enumerate(zip(outs, lists)):
             if o.shape[0] != len(want):
                 raise ValueError(f"draft returned {o.shape[0]} rows for {len(want)} nodes of row {b}")
             if want:
                 out[b, valid[b].to(out.device)] = o.to(out.dtype)
-        return out
+        return out if vocab is None else SubsetLogits(out, vocab.to(out.device))
 
     instruments = []
     if s.dump_ir is not None and (s.dump_steps is None or s.step in s.dump_steps):

@@ -241,6 +241,14 @@ class DraftModel(ABC):
                        torch.zeros(0, self.vocab_size, device=self.device))
         return out
 
+    def vocab_logits_rows(self, tree: DraftTree, nodes: list[list[int]]) -> list[torch.Tensor]:
+        """``node_logits_rows`` at the columns ``vocab_ids`` only (what the batched loop asks
+        for when ``vocab_ids`` is set). Default: the columns taken from ``node_logits_rows``."""
+        out = self.node_logits_rows(tree, nodes)
+        if self.vocab_ids is None:
+            return out
+        return [o[:, self.vocab_ids.to(o.device)] for o in out]
+
     def commit_rows(self, tree: DraftTree, path_nodes: list[list[int]], emitted: list[list[int]],
                     features: list[list[torch.Tensor | None]]) -> None:
         """``commit`` of every row (tree ``b`` of ``tree``)."""

@@ -189,6 +189,7 @@ def test_batched_eagle3_equals_its_batch_1_code_row_by_row(llamas):
     class RowCopies(Eagle3Draft):
         start_rows, add_rows, keep_rows = DraftModel.start_rows, DraftModel.add_rows, DraftModel.keep_rows
         commit_rows, node_logits_rows = DraftModel.commit_rows, DraftModel.node_logits_rows
+        vocab_logits_rows = DraftModel.vocab_logits_rows
         take_prompt_features_rows = DraftModel.take_prompt_features_rows
 
     target, _ = llamas

@@ -466,6 +466,15 @@ class Eagle3Draft(DraftModel):
 
     @torch.no_grad()
     def node_logits_rows(self, tree: DraftTree, nodes: list[list[int]]) -> list[torch.Tensor]:
+        rows = self.vocab_logits_rows(tree, nodes)
+        if self.vocab_ids is None:
+            return rows
+        return [SubsetLogits(r, self.vocab_ids).dense(self.vocab_size) for r in rows]
+
+    @torch.no_grad()
+    def vocab_logits_rows(self, tree: DraftTree, nodes: list[list[int]]) -> list[torch.Tensor]:
+        """``vocab_logits`` of every row: ``[len(nodes[b]), len(vocab_ids)]`` (float32), one
+        head call for all rows (their queries flattened, a block mask keeping rows apart)."""
         rows = self._brows_started("node_logits_rows")
         if tree.batch != len(rows) or len(nodes) != len(rows):
             raise ValueError(f"tree holds {tree.batch} trees and nodes {len(nodes)} rows for {len(rows)} rows")
@@ -531,7 +540,7 @@ class Eagle3Draft(DraftModel):
             out, self._bkv = self.head(emb, hidden, pos, self._bkv, allowed.to(dev))
             new_owner = torch.full((Q,), -1, dtype=torch.int64)
             want = [i for i, (_, v, _) in enumerate(items) if v is not None]
-            logits = self.head.target_logits(out[want]) if want else None
+            logits = self._project(out[want]) if want else None
             for r, i in enumerate(want):
                 b, v, col = items[i]
                 row = rows[b]
@@ -545,7 +554,8 @@ class Eagle3Draft(DraftModel):
                 rows[b].pending_tokens, rows[b].pending_feats = [], []
             self._owner = torch.cat([owner, new_owner])
         return [torch.stack([rows[b].logits[int(v)] for v in nodes[b]]) if len(nodes[b]) else
-                torch.zeros(0, self.vocab_size, device=dev) for b in range(len(rows))]
+                torch.zeros(0, self.vocab_size if self.vocab_ids is None else len(self.vocab_ids), device=dev)
+                for b in range(len(rows))]
 
     def commit_rows(self, tree: DraftTree, path_nodes: list[list[int]], emitted: list[list[int]],
                     features: list[list[torch.Tensor | None]]) -> None:
