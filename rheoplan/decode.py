@@ -514,16 +514,7 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
             st.drafted = False
             st.predicted_tokens, st.predicted_ms = 1.0, s.cost.timings.ar_step(s.prefix_len)
             return _root_only(s.root, s.prefix_len, s.tree, s.plan_device)
-        plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
-
-        def seen(d, _st=st):
-            _st.predicted_tokens, _st.predicted_ms = d.expected, d.predicted_ms
-            s.schedule.record(d.pays)
-
-        # lowered first, so the cost gate wraps the backend's fast expand (the cost passes
-        # themselves are torch passes and run as written)
-        passes = cost_pipeline(plan, lower(DEFAULT_PIPELINE if passes is None else passes, s.backend),
-                               on_decision=seen)
+        passes = _cost_passes(s, st, passes)
 
     def draft_fn(tr, nodes):
         t_d = time.perf_counter()
@@ -541,6 +532,21 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
     return plan_tree(draft_fn, [s.root], tree=s.tree, sampling=s.sampling, prefix_len=[s.prefix_len],
                      seed=s.seed, step=s.step, passes=passes, instruments=instruments, backend=s.backend,
                      device=s.plan_device)
+
+
+def _cost_passes(s, st: StepStats, passes):
+    """The pass list with the cost-aware passes (from the calibration so far) around it;
+    each decision is recorded in ``st`` and in the schedule. The list is lowered first, so
+    the cost gate wraps the backend's fast expand (the cost passes themselves are torch
+    passes and run as written)."""
+    plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
+
+    def seen(d):
+        st.predicted_tokens, st.predicted_ms = d.expected, d.predicted_ms
+        s.schedule.record(d.pays)
+
+    return cost_pipeline(plan, lower(DEFAULT_PIPELINE if passes is None else passes, s.backend),
+                         on_decision=seen)
 
 
 def draft_answer(drf: DraftModel, tree: DraftTree, nodes) -> torch.Tensor | SubsetLogits:
@@ -830,14 +836,7 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
     passes = s.passes
     if s.cost is not None:
         # the cost passes price the whole batch (tree.batch = live rows: Timings.verify_batch)
-        plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
-
-        def seen(d, _st=st):
-            _st.predicted_tokens, _st.predicted_ms = d.expected, d.predicted_ms
-            s.schedule.record(d.pays)
-
-        passes = cost_pipeline(plan, lower(DEFAULT_PIPELINE if passes is None else passes, s.backend),
-                               on_decision=seen)
+        passes = _cost_passes(s, st, passes)
 
     def draft_fn(tr, nodes):
         t_d = time.perf_counter()

@@ -75,7 +75,33 @@ class TreeLogits(ABC):
         return False
 
 
-class TargetModel(ABC):
+class _RowCopies:
+    """The batch form's row bookkeeping shared by ``TargetModel`` and ``DraftModel``: an
+    adapter without batched methods of its own serves a batch as one shallow copy of
+    itself per row (``_row_adapters``, set by ``start_rows``)."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only rows ``rows`` (in that order); the others leave the batch."""
+        have = self._rows_started("keep_rows")
+        self._row_adapters = [have[r] for r in rows]
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        """Rows joining the batch between steps (continuous batching), after the current ones."""
+        have = self._rows_started("add_rows")
+        new = [copy.copy(self) for _ in prompts]
+        for row, ids in zip(new, prompts):
+            row._row_adapters = None
+            row.start(ids)
+        self._row_adapters = have + new
+
+    def _rows_started(self, what: str) -> list:
+        rows = getattr(self, "_row_adapters", None)
+        if rows is None:
+            raise RuntimeError(f"{what}() called before start_rows()")
+        return rows
+
+
+class TargetModel(_RowCopies, ABC):
     """The model whose distribution the decode preserves.
 
     Subclasses implement ``start``, ``forward_tree`` and ``commit`` and set ``vocab_size``;
@@ -126,20 +152,6 @@ class TargetModel(ABC):
         for r, p in zip(rows, paths):
             r.commit(p)
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Keep only rows ``rows`` (in that order); the others leave the batch."""
-        have = self._rows_started("keep_rows")
-        self._row_adapters = [have[r] for r in rows]
-
-    def add_rows(self, prompts: list[list[int]]) -> None:
-        """Rows joining the batch between steps (continuous batching), after the current ones."""
-        have = self._rows_started("add_rows")
-        new = [copy.copy(self) for _ in prompts]
-        for row, ids in zip(new, prompts):
-            row._row_adapters = None
-            row.start(ids)
-        self._row_adapters = have + new
-
     def prompt_features_rows_for(self, model: Any) -> list[torch.Tensor | None]:
         """``prompt_features_for(model)`` of every row (default: each row adapter's)."""
         return [r.prompt_features_for(model) for r in self._rows_started("prompt_features_rows_for")]
@@ -150,12 +162,6 @@ class TargetModel(ABC):
         cannot tell (default). ``plan_and_decode`` refuses a batch whose estimate exceeds
         the free memory of the target's device before any model work."""
         return None
-
-    def _rows_started(self, what: str) -> list["TargetModel"]:
-        rows = getattr(self, "_row_adapters", None)
-        if rows is None:
-            raise RuntimeError(f"{what}() called before start_rows()")
-        return rows
 
     def prompt_features_for(self, model: Any) -> torch.Tensor | None:
         """The EAGLE-3 features of the prompt (``[len(prompt) - 1, width]``) when this
@@ -175,7 +181,7 @@ class TargetModel(ABC):
         decode loop calls it for adapters it built itself."""
 
 
-class DraftModel(ABC):
+class DraftModel(_RowCopies, ABC):
     """The proposal model. Subclasses implement ``start``, ``node_logits`` and ``commit``
     and set ``vocab_size``; the other members have defaults."""
 
@@ -255,26 +261,6 @@ class DraftModel(ABC):
         rows = self._rows_started("commit_rows")
         for b, row in enumerate(rows):
             row.commit(tree.rows([b]), path_nodes[b], emitted[b], features[b])
-
-    def keep_rows(self, rows: list[int]) -> None:
-        """Keep only rows ``rows`` (in that order); the others leave the batch."""
-        have = self._rows_started("keep_rows")
-        self._row_adapters = [have[r] for r in rows]
-
-    def add_rows(self, prompts: list[list[int]]) -> None:
-        """Rows joining the batch between steps (continuous batching), after the current ones."""
-        have = self._rows_started("add_rows")
-        new = [copy.copy(self) for _ in prompts]
-        for row, ids in zip(new, prompts):
-            row._row_adapters = None
-            row.start(ids)
-        self._row_adapters = have + new
-
-    def _rows_started(self, what: str) -> list["DraftModel"]:
-        rows = getattr(self, "_row_adapters", None)
-        if rows is None:
-            raise RuntimeError(f"{what}() called before start_rows()")
-        return rows
 
     def check_vocab_map(self, target_vocab_size: int) -> None:
         """Raise ``ValueError`` if the draft's own vocabulary map (e.g. an EAGLE-3 head's
