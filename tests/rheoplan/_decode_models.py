@@ -131,3 +131,23 @@ def check_cache_matches_fresh_forward(target_adapter, model, full_ids: list[int]
     got = target_adapter.forward_tree(lin).logits(0)
     want = full_logits(model, committed + [root])[-1]
     torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
+
+
+def random_eagle3_head(vocab: int, draft_vocab: int, seed: int, vocab_map: torch.Tensor | None = None,
+                       hidden: int = 32):
+    """A tiny EAGLE-3 head with random weights (std 0.3, so its drafts are far from uniform)
+    over ``draft_vocab`` of the ``vocab`` target ids, in eval mode: ``vocab_map`` (increasing
+    target ids), or, when None, a random choice drawn after the weights from the same seed."""
+    from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head
+
+    cfg = Eagle3Config(vocab_size=vocab, draft_vocab_size=draft_vocab, hidden_size=hidden,
+                       intermediate_size=2 * hidden, num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+        if vocab_map is None:
+            vocab_map = torch.randperm(vocab)[:draft_vocab].sort().values
+        head.set_vocab_map(vocab_map)
+    return head.eval()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _decode_models import (chain_lm, check_cache_matches_fresh_forward, greedy_reference,
-                            hf_as_functional, tiny_llama)
+                            hf_as_functional, random_eagle3_head, tiny_llama)
 from rheoplan import SamplingConfig, TreeConfig
 from rheoplan.decode import plan_and_decode
 from rheoplan.models.functional import hashed_context_lm
@@ -189,19 +189,9 @@ TREES = {
 def greedy_models():
     """A 4-layer target (EAGLE-3 capture needs >= 4 layers), an unrelated 2-layer draft,
     and a random EAGLE-3 head with a reduced draft vocabulary (24 of 32 ids)."""
-    from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head
-
     target = tiny_llama(2, vocab=V_GREEDY, hidden=32, layers=4, head_scale=20.0)
     draft = tiny_llama(3, vocab=V_GREEDY, hidden=32, layers=2, head_scale=20.0)
-    cfg = Eagle3Config(vocab_size=V_GREEDY, draft_vocab_size=24, hidden_size=32, intermediate_size=64,
-                       num_attention_heads=2, num_key_value_heads=1)
-    torch.manual_seed(5)
-    head = Eagle3Head(cfg)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.3)
-        head.set_vocab_map(torch.randperm(V_GREEDY)[:24].sort().values)
-    return target, draft, head.eval()
+    return target, draft, random_eagle3_head(V_GREEDY, 24, seed=5)
 
 
 def _draft(kind, models):

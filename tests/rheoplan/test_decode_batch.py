@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _decode_models import greedy_reference, hf_as_functional, tiny_llama
+from _decode_models import greedy_reference, hf_as_functional, random_eagle3_head, tiny_llama
 from rheoplan import SamplingConfig, TreeConfig
 from rheoplan.decode import DecodeResult, plan_and_decode
 from rheoplan.models.functional import hashed_context_lm
@@ -111,17 +111,10 @@ def llamas():
 
 
 def _eagle3(target):
-    from rheoplan.models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Head
+    from rheoplan.models.eagle3 import Eagle3Draft
 
-    cfg = Eagle3Config(vocab_size=32, draft_vocab_size=24, hidden_size=32, intermediate_size=64,
-                       num_attention_heads=2, num_key_value_heads=1)
-    torch.manual_seed(5)
-    head = Eagle3Head(cfg)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.3)
-        head.set_vocab_map(torch.randperm(32)[:24].sort().values)
-    return Eagle3Draft(head.eval(), target.get_input_embeddings(), features_from=target)
+    head = random_eagle3_head(32, 24, seed=5)
+    return Eagle3Draft(head, target.get_input_embeddings(), features_from=target)
 
 
 PROMPTS = [[1, 2, 3, 4], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1], [3, 3]]

@@ -12,7 +12,7 @@ import resource
 import pytest
 import torch
 
-from _decode_models import check_cache_matches_fresh_forward, tiny_llama
+from _decode_models import check_cache_matches_fresh_forward, random_eagle3_head, tiny_llama
 from rheoplan import SamplingConfig, TreeConfig
 from rheoplan.decode import plan_and_decode
 from rheoplan.models.hf_target import HFTarget
@@ -91,18 +91,11 @@ def _raise_after(n_calls: int, exc: BaseException):
 
 @pytest.fixture(scope="module")
 def pair4():
-    from rheoplan.models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Head
+    from rheoplan.models.eagle3 import Eagle3Draft
 
     target = tiny_llama(41, vocab=16, hidden=32, layers=4, head_scale=3.0)
-    cfg = Eagle3Config(vocab_size=16, draft_vocab_size=12, hidden_size=32, intermediate_size=64,
-                       num_attention_heads=2, num_key_value_heads=1)
-    torch.manual_seed(0)
-    head = Eagle3Head(cfg)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.3)
-        head.set_vocab_map(torch.arange(12) + 2)
-    eagle = Eagle3Draft(head.eval(), target.get_input_embeddings(), features_from=target)
+    head = random_eagle3_head(16, 12, seed=0, vocab_map=torch.arange(12) + 2)
+    eagle = Eagle3Draft(head, target.get_input_embeddings(), features_from=target)
     return target, {"llama": tiny_llama(42, vocab=16, hidden=32, layers=1, head_scale=3.0), "eagle3": eagle}
 
 
