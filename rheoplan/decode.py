@@ -534,6 +534,17 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
                      device=s.plan_device)
 
 
+def _cut_emitted(emitted, remaining: int, eos) -> tuple[list[int], str | None]:
+    """A step's emitted tokens cut to the ``remaining`` budget, then just after the first EOS
+    (``stop='eos'``, else None). Truncate first: an EOS past the budget is not emitted, so it
+    does not stop the decode."""
+    out = list(emitted)[:remaining]
+    for j, tok in enumerate(out):
+        if tok in eos:
+            return out[: j + 1], "eos"
+    return out, None
+
+
 def _cost_passes(s, st: StepStats, passes):
     """The pass list with the cost-aware passes (from the calibration so far) around it;
     each decision is recorded in ``st`` and in the schedule. The list is lowered first, so
@@ -583,13 +594,7 @@ def _decode(s: DecodeState) -> DecodeResult:
         res = verify_tree(t, fw, s.sampling, s.tree.verifier, s.streams, s.step, s.backend,
                           history=history, processors=s.processors)
         t3 = time.perf_counter()
-        # Truncate first: an EOS past max_new_tokens is not emitted, so it does not stop the decode.
-        emitted = list(res.emitted)[: s.remaining]
-        stop = None
-        for j, tok in enumerate(emitted):
-            if tok in s.eos:
-                emitted, stop = emitted[: j + 1], "eos"
-                break
+        emitted, stop = _cut_emitted(res.emitted, s.remaining, s.eos)
         st.tree_size = res.tree_size
         st.accepted = len(res.path) - 1
         st.emitted = len(emitted)
@@ -891,12 +896,7 @@ def _decode_rows(s: BatchState) -> list[DecodeResult]:
             ctx = row.prompt + row.result.tokens if (s.sampling.needs_context or s.processors) else None
             res = verify_tree(t, fws[b], s.sampling, s.tree.verifier, s.streams, row.step, s.backend,
                               history=ctx, processors=s.processors, b=b, key=row.key)
-            emitted = list(res.emitted)[: row.remaining]
-            stop = None
-            for j, tok in enumerate(emitted):
-                if tok in s.eos:
-                    emitted, stop = emitted[: j + 1], "eos"
-                    break
+            emitted, stop = _cut_emitted(res.emitted, row.remaining, s.eos)
             if stop is None and len(emitted) >= row.remaining:
                 stop = "max_new_tokens"
             st = replace(st0, tree_size=res.tree_size, accepted=len(res.path) - 1, emitted=len(emitted),
