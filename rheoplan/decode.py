@@ -48,7 +48,7 @@ from rheoplan.plan import plan_tree
 from rheoplan.planner.default import DEFAULT_PIPELINE, cost_pipeline
 from rheoplan.planner.linearize import linearize
 from rheoplan.rng import Streams
-from rheoplan.walk import likely_path, verify_tree  # noqa: F401  (likely_path: public since v0)
+from rheoplan.walk import likely_path, verify_roots, verify_tree
 
 
 @dataclass
@@ -892,10 +892,18 @@ def _decode_rows(s: BatchState) -> list[DecodeResult]:
         fws = tgt.forward_trees(t.linear)
         t2 = time.perf_counter()
         walks, stops, stats = [], [], []
+        # every row's likely walk projected in one call (not B lm_head reads)
+        tgt.prefetch_rows(fws, [likely_path(t, b) for b in range(len(live))])
+        with_ctx = s.sampling.needs_context or bool(s.processors)
+        # rows with nothing drafted draw their token together (one softmax over [R, V])
+        roots = [] if with_ctx else [b for b in range(len(live)) if int(t.linear.n[b]) == 1]
+        root_walks = dict(zip(roots, verify_roots(t, [fws[b] for b in roots], roots, s.sampling, s.streams,
+                                                  [live[b].step for b in roots], [live[b].key for b in roots])))
         for b, row in enumerate(live):
-            ctx = row.prompt + row.result.tokens if (s.sampling.needs_context or s.processors) else None
-            res = verify_tree(t, fws[b], s.sampling, s.tree.verifier, s.streams, row.step, s.backend,
-                              history=ctx, processors=s.processors, b=b, key=row.key)
+            ctx = row.prompt + row.result.tokens if with_ctx else None
+            res = root_walks.get(b) or verify_tree(t, fws[b], s.sampling, s.tree.verifier, s.streams, row.step,
+                                                   s.backend, history=ctx, processors=s.processors, b=b,
+                                                   key=row.key, prefetched=True)
             emitted, stop = _cut_emitted(res.emitted, row.remaining, s.eos)
             if stop is None and len(emitted) >= row.remaining:
                 stop = "max_new_tokens"

@@ -54,7 +54,9 @@ RESIDUAL_EPS = 1e-300
 def broken_rows(x: torch.Tensor) -> torch.Tensor:
     """0-d bool tensor: some row of ``x [..., V]`` has NaN or +inf, or no finite entry.
     A tensor, not a bool, so a device caller can defer the host sync."""
-    return torch.isnan(x).any() | (x == float("inf")).any() | ~torch.isfinite(x).any(dim=-1).all()
+    # one reduction instead of three passes over V: a row's max is NaN when it holds a NaN
+    # (torch's max propagates NaN), +inf when it holds +inf, -inf when nothing is finite
+    return ~torch.isfinite(x.amax(dim=-1)).all()
 
 
 def _repetition_penalty(ids: torch.Tensor, scores: torch.Tensor, penalty: float) -> torch.Tensor:

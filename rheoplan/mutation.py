@@ -21,6 +21,9 @@ or into another thread).
 * ``"batch_keep_first_rows"`` (batched decoding, read by ``rheoplan.decode``): when rows
   finish, the models keep the first rows of the batch instead of the rows still decoding
   (the bookkeeping error of rows leaving a batch: a live row gets a finished row's state).
+* ``"batch_shared_root_noise"`` (batched decoding, read by ``rheoplan.verify.walk_roots``):
+  the rows that draw their token together take the first row's Gumbel noise (each row's
+  law stays exact; the rows are no longer independent).
 
 docs/method.md ("Mutation controls") says which test detects which switch.
 """
@@ -31,9 +34,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterator
 
-#: every switch: the controls (a), (b), (c), then the two batched-decoding controls
+#: every switch: the controls (a), (b), (c), then the three batched-decoding controls
 MUTATIONS = ("skip_pruned_sampled", "raw_q_ratio", "reuse_draft_stream", "batch_shift_rows",
-             "batch_keep_first_rows")
+             "batch_keep_first_rows", "batch_shared_root_noise")
 
 _ACTIVE: ContextVar[frozenset[str]] = ContextVar("rheoplan_mutations", default=frozenset())
 

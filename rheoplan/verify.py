@@ -30,7 +30,7 @@ from rheoplan.config import SamplingConfig, VERIFIERS
 from rheoplan.distributions import RESIDUAL_EPS as _RESIDUAL_EPS, tail_law, target_probs
 from rheoplan.ir import DraftTree
 from rheoplan.mutation import active
-from rheoplan.rng import Purpose, Streams
+from rheoplan.rng import Purpose, Streams, gumbel_from_uniform
 
 
 
@@ -176,6 +176,32 @@ class WalkResult:
     visited: int  #: nodes whose target logits were read
 
 
+def gumbel_max(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A draw from ``p [..., V]`` given standard Gumbel noise ``g``: ``argmax(log p + g)``
+    (the node's own target sample when nothing was drafted below it)."""
+    return torch.argmax(torch.log(p) + g, dim=-1)
+
+
+def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams, steps: Sequence[int],
+               keys: Sequence[int], nodes: Sequence[int]) -> list[int]:
+    """``walk`` of R root-only trees at once (a batch's autoregressive rows): row ``r``
+    emits a draw of ``target_probs(logits[r])`` with the noise ``walk`` uses at that root,
+    ``streams.gumbel(steps[r], keys[r], nodes[r], VERIFY_RESIDUAL, V)``. One softmax and
+    one Gumbel-max over ``[R, V]`` instead of R; the tokens are ``walk``'s. Context-free
+    target laws only (no ``history`` / processors)."""
+    if not (len(steps) == len(keys) == len(nodes) == logits.shape[0]):
+        raise ValueError(f"walk_roots: {logits.shape[0]} rows of logits for {len(steps)} steps, "
+                         f"{len(keys)} keys and {len(nodes)} nodes")
+    if logits.shape[0] == 0:
+        return []
+    p = target_probs(logits, sampling)
+    V = p.shape[-1]
+    u = torch.stack([streams.uniform(s, k, v, Purpose.VERIFY_RESIDUAL, V) for s, k, v in zip(steps, keys, nodes)])
+    if active("batch_shared_root_noise"):
+        u = u[:1].expand_as(u)  # test-only: every row draws with the first row's noise
+    return gumbel_max(p, gumbel_from_uniform(u)).tolist()
+
+
 def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], sampling: SamplingConfig,
          verifier: str, streams: Streams, step: int, key: int | None = None,
          history: Sequence[int] | None = None, processors: Sequence = ()) -> WalkResult:
@@ -220,7 +246,7 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
         row = int(lin.exp_row[b, i])
         g = streams.gumbel(step, sk, v, Purpose.VERIFY_RESIDUAL, V)
         if row < 0:
-            x = int(torch.argmax(torch.log(p) + g))
+            x = int(gumbel_max(p, g))
         else:
             u = float(streams.uniform(step, sk, v, Purpose.VERIFY_ACCEPT, 1)[0])
             x = coupling_sample(p, tree.sup_token[b, row], tree.sup_q[b, row], int(tree.sup_n[b, row]),

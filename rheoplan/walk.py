@@ -29,7 +29,7 @@ from rheoplan.ir import DraftTree
 from rheoplan.models.base import TreeLogits
 from rheoplan.mutation import active
 from rheoplan.rng import Purpose, Streams
-from rheoplan.verify import walk
+from rheoplan.verify import walk, walk_roots
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class StepWalk:
 
 def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, streams: Streams, step: int,
                 backend: str, history: Sequence[int] | None = None, processors: Sequence = (),
-                b: int = 0, key: int | None = None) -> StepWalk:
+                b: int = 0, key: int | None = None, prefetched: bool = False) -> StepWalk:
     """Walk tree ``b`` (default 0) of ``tree`` given ``fw`` (the target's ``TreeLogits`` of
     that tree) with ``backend``; ``key`` is the tree's stream id (default ``b``, as in
     ``rheoplan.verify.walk``). The device walk handles a one-tree batch only.
@@ -58,6 +58,10 @@ def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, st
     of a context-dependent law, which live on the host). The test-only switch
     ``raw_q_ratio`` (``rheoplan.mutation``) exists only in the reference walk, so it runs
     there too.
+
+    ``prefetched``: the caller already projected what it wants projected (the batched loop's
+    ``TargetModel.prefetch_rows``, one call for every row); the walk then reads ``fw.logits``
+    node by node and projects nothing in bulk itself.
     """
     context_free = history is None and not processors
     if backend == "triton" and tree.batch > 1:
@@ -71,19 +75,39 @@ def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, st
     # Each output projection reads the whole lm_head, so rows are projected in batches: every
     # row at once when the adapter measured that cheaper (``prefers_all_logits``), else the
     # path the walk most likely takes, then the nodes it visits off that path one by one.
-    path = likely_path(tree, b)
-    if fw.prefers_all_logits(len(path)) and _has_all_logits(fw):
-        rows = fw.all_logits().cpu()
-        read = rows.__getitem__
-    else:
-        fw.prefetch(path)
+    if prefetched:
         read = lambda i: fw.logits(i).cpu()  # noqa: E731
+    else:
+        path = likely_path(tree, b)
+        if fw.prefers_all_logits(len(path)) and _has_all_logits(fw):
+            read = fw.all_logits().cpu().__getitem__
+        else:
+            fw.prefetch(path)
+            read = lambda i: fw.logits(i).cpu()  # noqa: E731
     res = walk(tree, b, read, sampling, verifier, streams, step, key=key, history=history,
                processors=processors)
     lin = tree.linear
     trials = sum(1 for i in res.path if int(lin.n_children[b, i]) > 0)
     return StepWalk(list(res.path), list(res.nodes), list(res.emitted), res.visited, trials,
                     int(lin.n[b]) - 1)
+
+
+def verify_roots(tree: DraftTree, fws: Sequence, rows: Sequence[int], sampling: SamplingConfig, streams: Streams,
+                 steps: Sequence[int], keys: Sequence[int]) -> list[StepWalk]:
+    """``verify_tree`` of trees ``rows`` of ``tree``, each only its root (nothing drafted:
+    a batch's autoregressive rows), in one ``rheoplan.verify.walk_roots`` call: the same
+    tokens as one ``verify_tree`` per row, for a context-free target law. ``fws[r]``,
+    ``steps[r]`` and ``keys[r]`` belong to tree ``rows[r]``."""
+    lin = tree.linear
+    for b in rows:
+        if int(lin.n[b]) != 1:
+            raise ValueError(f"verify_roots: tree {b} has {int(lin.n[b])} linear nodes: allowed 1 (the root)")
+    if not rows:
+        return []
+    logits = torch.stack([fw.logits(0).cpu() for fw in fws])
+    nodes = [int(lin.node[b, 0]) for b in rows]
+    tokens = walk_roots(logits, sampling, streams, steps, keys, nodes)
+    return [StepWalk([0], [v], [x], 1, 0, 0) for v, x in zip(nodes, tokens)]
 
 
 def likely_path(tree: DraftTree, b: int = 0) -> list[int]:

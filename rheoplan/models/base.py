@@ -26,7 +26,8 @@ Batched decoding (``plan_and_decode`` with several prompts) talks to the ``*_row
 methods instead: ``start_rows(prompts)``, per depth ``draft.node_logits_rows(tree,
 nodes)`` (one call for every row; ``tree`` holds B trees, row ``b`` is tree ``b``),
 ``target.forward_trees(linear)`` (one verify forward for all rows, one ``TreeLogits`` per
-row back), ``commit_rows``, ``keep_rows(rows)`` (rows that finished leave the batch) and
+row back), ``target.prefetch_rows(logits, paths)`` (every row's likely walk projected at
+once), ``commit_rows``, ``keep_rows(rows)`` (rows that finished leave the batch) and
 ``add_rows(prompts)`` (waiting prompts join it).
 Their defaults run a shallow copy of the adapter per row through the batch-1 methods
 (B calls, correct for any adapter whose ``start`` resets all its state); ``HFTarget``,
@@ -143,6 +144,16 @@ class TargetModel(_RowCopies, ABC):
         if linear.n.shape[0] != len(rows):
             raise ValueError(f"linear holds {linear.n.shape[0]} trees for {len(rows)} rows")
         return [r.forward_tree(_linear_rows(linear, [b])) for b, r in enumerate(rows)]
+
+    def prefetch_rows(self, logits: list[TreeLogits], paths: list[list[int]]) -> None:
+        """Hint for a batch: row ``b``'s walk likely visits linear nodes ``paths[b]`` of
+        ``logits[b]`` (a ``forward_trees`` result). An adapter whose projection reads the
+        whole output matrix per call projects every row's nodes in one call. Default: each
+        row's ``prefetch``."""
+        if len(logits) != len(paths):
+            raise ValueError(f"paths holds {len(paths)} paths for {len(logits)} rows")
+        for fw, p in zip(logits, paths):
+            fw.prefetch(p)
 
     def commit_rows(self, paths: list[list[int]]) -> None:
         """Row ``b`` keeps linear nodes ``paths[b]`` of its last verified tree."""

@@ -123,9 +123,12 @@ class HFTreeLogits(TreeLogits):
             return
         with torch.no_grad():
             out = self._head(self._hidden[todo]).to(torch.float32)
-        for i, row in zip(todo, out):
+        self._store(todo, out)
+
+    def _store(self, nodes: list[int], out: torch.Tensor) -> None:
+        for i, row in zip(nodes, out):
             self._memo[i] = row
-        self.n_projected += len(todo)
+        self.n_projected += len(nodes)
 
     def all_logits(self) -> torch.Tensor:
         """Logits ``[n, V]`` at every node in one projection (for measurement and tests)."""
@@ -415,6 +418,38 @@ class HFTarget(TargetModel):
         choice = self._projection_choice(hidden)
         return [HFTreeLogits(hidden[b, :int(n[b])], self.head, None if feats is None else feats[b, :int(n[b])],
                              choice) for b in range(B)]
+
+    def prefetch_rows(self, logits: list[HFTreeLogits], paths: list[list[int]]) -> None:
+        """Project every row's likely path in ONE lm_head call (B single-row calls would
+        read the 49k x H output matrix B times: at batch 16 that was a quarter of a step,
+        py-spy in docs/batch.md). Every node of every row is projected instead when the
+        measured ``c_p`` (``ProjectionTimings``) says all ``N`` rows cost no more than the
+        ``P`` path rows plus one single-row projection per row that can leave its path."""
+        if len(logits) != len(paths):
+            raise ValueError(f"paths holds {len(paths)} paths for {len(logits)} rows")
+        if not logits:
+            return
+        if any(fw._head is not self.head for fw in logits):
+            raise ValueError("prefetch_rows() takes the TreeLogits of this target's forward_trees()")
+        for fw, p in zip(logits, paths):
+            for i in p:
+                fw._check(int(i))
+        choice = logits[0]._projection
+        sizes = [fw.n for fw in logits]
+        off = sum(1 for n, p in zip(sizes, paths) if n > len(set(p)))
+        if isinstance(choice, str):
+            every = choice == "all"
+        else:
+            N, P = sum(sizes), sum(len(set(p)) for p in paths)
+            every = off > 0 and choice.cost(N) <= choice.cost(P) + off * choice.cost(1)
+        want = [list(range(n)) if every else [int(i) for i in dict.fromkeys(p)] for n, p in zip(sizes, paths)]
+        want = [[i for i in w if i not in fw._memo] for fw, w in zip(logits, want)]
+        if not any(want):
+            return
+        with torch.no_grad():
+            out = self.head(torch.cat([fw._hidden[w] for fw, w in zip(logits, want)])).to(torch.float32)
+        for fw, w, part in zip(logits, want, out.split([len(w) for w in want])):
+            fw._store(w, part)
 
     def commit_rows(self, paths: list[list[int]]) -> None:
         if getattr(self, "_row_tree", None) is None:

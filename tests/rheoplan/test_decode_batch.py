@@ -260,17 +260,21 @@ def _batched_samples(target, draft, prompts, limits, runs, *, tree, sampling, eo
     return out
 
 
-@pytest.mark.parametrize("case", ["tree", "autoregressive", "autoregressive_keep_first_rows"])
+@pytest.mark.parametrize("case", ["tree", "autoregressive", "autoregressive_keep_first_rows",
+                                  "autoregressive_shared_root_noise"])
 def test_functional_batch_rows_follow_the_target_law(case, record_property):
     """Each row's law is the exact law (``exact_law`` == ``target_law``), and rows 0 and 1 are
-    independent (their joint law is the product). Mutation control: rows leaving the batch
-    keep the wrong rows' state (``batch_keep_first_rows``; row 0 stops after one token)."""
+    independent (their joint law is the product). Mutation controls: rows leaving the batch
+    keep the wrong rows' state (``batch_keep_first_rows``; row 0 stops after one token);
+    the rows drawing together share one row's noise (``batch_shared_root_noise``: every
+    row's own law is still exact, only the independence test can see it)."""
     V, runs = 4, 600
     tgt, drf = hashed_context_lm(V, seed=11), hashed_context_lm(V, seed=12, sharpness=0.5)
     s = SamplingConfig()
     cfg = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=V)
     prompts, limits = [[0, 1], [2, 3], [1, 0]], [1, 2, 2]
-    mutations = ("batch_keep_first_rows",) if case.endswith("keep_first_rows") else ()
+    mutations = {"autoregressive_keep_first_rows": ("batch_keep_first_rows",),
+                 "autoregressive_shared_root_noise": ("batch_shared_root_noise",)}.get(case, ())
     draft = drf if case == "tree" else None
     samples = _batched_samples(tgt, draft, prompts, limits, runs, tree=cfg, sampling=s, mutations=mutations)
     pvals = []

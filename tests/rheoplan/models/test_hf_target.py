@@ -239,3 +239,72 @@ def test_projection_choice_is_checked_before_the_forward(llama):
     with pytest.raises(ValueError, match=r"projection='sometimes': allowed one of \('auto', 'all', 'lazy'\)"):
         target.forward_tree(make_linear([3, 4], [-1, 0], prefix_len=2))
     assert target.cache is not None and target.cached_len == 2
+
+
+def _two_rows(target):
+    """A started two-row batch (prompts [1, 2, 3] and [5, 6]) and its verify forward:
+    row 0 a root with two children, row 1 a root alone; returns the rows' TreeLogits."""
+    from dataclasses import fields
+
+    from rheoplan.ir import LinearTree
+
+    target.start_rows([[1, 2, 3], [5, 6]])
+    a = make_linear([3, 4, 5], [-1, 0, 0], prefix_len=2)
+    b = make_linear([6], [-1], prefix_len=1, pad=2)
+
+    def cat(x, y):
+        if x.dim() == 3 and x.shape[1:] != y.shape[1:]:  # paths [1, P, D+1]: pad to one shape
+            P, D = max(x.shape[1], y.shape[1]), max(x.shape[2], y.shape[2])
+            x, y = (torch.nn.functional.pad(t, (0, D - t.shape[2], 0, P - t.shape[1]), value=-1) for t in (x, y))
+        return torch.cat([x, y])
+
+    linear = LinearTree(**{f.name: cat(getattr(a, f.name), getattr(b, f.name)) for f in fields(a)})
+    return target.forward_trees(linear)
+
+
+def _count_head_calls(target):
+    calls = []
+    target.head.register_forward_hook(lambda mod, args, out: calls.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+    return calls
+
+
+def test_prefetch_rows_projects_every_row_in_one_call(llama):
+    from rheoplan.costmodel import ProjectionTimings
+
+    target = HFTarget(llama)
+    target.projection = "lazy"
+    want0, want1 = full_logits(llama, [1, 2, 3, 4])[-1], full_logits(llama, [5, 6])[-1]
+    fws = _two_rows(target)
+    calls = _count_head_calls(target)
+    target.prefetch_rows(fws, [[0, 1], [0]])
+    assert calls == [3]  # both rows' likely paths, one lm_head call
+    assert [fw.n_projected for fw in fws] == [2, 1]
+    got0, got1 = fws[0].logits(1), fws[1].logits(0)
+    assert calls == [3]  # memoised
+    torch.testing.assert_close(got0, want0, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got1, want1, atol=ATOL, rtol=0)
+    fws[0].logits(2)  # off the likely path: one more single-row projection
+    assert calls == [3, 1]
+    # measured costs decide between the paths and every node: flat -> every node of every row
+    for projection, want in [(ProjectionTimings((1, 64), (1.0, 1.0)), [3, 1]),
+                             (ProjectionTimings((1, 64), (1.0, 640.0)), [2, 1]), ("all", [3, 1])]:
+        target = HFTarget(llama)
+        target.projection = "auto" if isinstance(projection, ProjectionTimings) else projection
+        target._projection_timings = projection if isinstance(projection, ProjectionTimings) else None
+        fws = _two_rows(target)
+        calls = _count_head_calls(target)
+        target.prefetch_rows(fws, [[0, 1], [0]])
+        assert calls == [sum(want)] and [fw.n_projected for fw in fws] == want
+
+
+def test_prefetch_rows_errors(llama):
+    target = HFTarget(llama)
+    fws = _two_rows(target)
+    with pytest.raises(ValueError, match="paths holds 1 paths for 2 rows"):
+        target.prefetch_rows(fws, [[0]])
+    with pytest.raises(IndexError, match=r"linear node 3 is outside \[0, 3\)"):
+        target.prefetch_rows(fws, [[0, 3], [0]])
+    other = HFTarget(llama)
+    other.head = torch.nn.Linear(1, 1)
+    with pytest.raises(ValueError, match="TreeLogits of this target"):
+        other.prefetch_rows(fws, [[0], [0]])
