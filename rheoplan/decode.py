@@ -424,7 +424,8 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise TypeError(f"cost_model={cost_model!r} is a {type(cost_model).__name__}: allowed None or a "
                         "rheoplan.costmodel.CostModel")
-    tgt = as_target(target)
+    # One sequence without a draft needs no EAGLE-3 features: no capture hooks on its forwards
+    tgt = as_target(target) if batched or draft is not None else as_target(target, capture_layers=None)
     drf = None
     try:
         drf = as_draft(draft) if draft is not None else None

@@ -153,6 +153,7 @@ def process_scores(logits: torch.Tensor, sampling: SamplingConfig, input_ids=Non
         raise ValueError("target logits are empty: allowed [V] or [n, V] with V >= 1")
     if check and bool(broken_rows(x)):
         raise ValueError(BROKEN_TARGET)
+    checked = x
     ids = None
     if sampling.needs_context or processors:
         if input_ids is None:
@@ -190,7 +191,9 @@ def process_scores(logits: torch.Tensor, sampling: SamplingConfig, input_ids=Non
         if sampling.typical_p < 1.0:
             x = _typical(x, sampling.typical_p)
     x = x.to(torch.float32)
-    if check and bool(broken_rows(x)):
+    # nothing processed the checked scores (no processor, no warper: T = 1 sampling or
+    # greedy with no context rule): they are still the checked tensor, no second pass over V
+    if check and x is not checked and bool(broken_rows(x)):
         names = [_name(p) for p in custom_penalty[:1] + processors]
         raise ValueError("the processed target scores contain NaN or +inf, or no token is left: "
                          f"check the logits processors {names}")

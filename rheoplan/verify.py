@@ -52,16 +52,18 @@ def _proposal(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, n: 
     return law
 
 
-def _speculative(p: torch.Tensor, law: torch.Tensor, e: int) -> tuple[float, torch.Tensor | None]:
-    """Accept probability of proposal ``e`` against ``p`` under proposal ``law``, and the
-    normalised residual ``norm(max(0, p - law))`` (None when it has no mass: accept = 1)."""
+def _speculative(p: torch.Tensor, law: torch.Tensor, e: int) -> tuple[float, torch.Tensor | None, float]:
+    """Accept probability of proposal ``e`` against ``p`` under proposal ``law``, the
+    residual ``max(0, p - law)`` and its mass (residual None when it has no mass: accept =
+    1). The caller normalises (``residual / mass``) only if it needs the residual law: an
+    accepted proposal does not."""
     resid = torch.clamp(p - law, min=0.0)
     mass = float(resid.sum())
     if mass <= _RESIDUAL_EPS:
-        return 1.0, None
+        return 1.0, None, mass
     le = float(law[e])
     a = 1.0 if le <= 0.0 else min(1.0, float(p[e]) / le)
-    return a, resid / mass
+    return a, resid, mass
 
 
 def _ot_proposal(law: torch.Tensor, sup_token: torch.Tensor, K: int, y: int) -> tuple[int, torch.Tensor]:
@@ -75,12 +77,14 @@ def _ot_proposal(law: torch.Tensor, sup_token: torch.Tensor, K: int, y: int) -> 
     return e, et
 
 
-def _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier):
-    """(proposal token, accept probability, residual law or None); proposal None = X ~ p."""
+def _coupling_terms(p, sup_token, sup_q, sup_n, m, K, y_token, verifier):
+    """(proposal token, accept probability, residual, its mass): ``X`` is the proposal with
+    the accept probability, else a draw of ``residual / mass``. Proposal None: ``X ~ p``
+    (residual = ``p``, mass None: already a law); residual None: accept = 1."""
     _check_verifier(verifier)
     p = p.to(torch.float64)
     if verifier == "onehot" or m >= K or y_token is None or int(y_token) < 0:
-        return None, 0.0, p
+        return None, 0.0, p, None
     n = int(sup_n)
     y = int(y_token)
     law = _proposal(p, sup_token, sup_q, n, m, raw_q=active("raw_q_ratio"))
@@ -88,8 +92,26 @@ def _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier):
         e = y
     else:
         e, law = _ot_proposal(law, sup_token, K, y)
-    a, resid = _speculative(p, law, e)
-    return e, a, resid
+    a, resid, mass = _speculative(p, law, e)
+    return e, a, resid, mass
+
+
+def _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier):
+    """(proposal token, accept probability, residual law or None); proposal None = X ~ p."""
+    e, a, resid, mass = _coupling_terms(p, sup_token, sup_q, sup_n, m, K, y_token, verifier)
+    return e, a, resid if resid is None or mass is None else resid / mass
+
+
+def _coupling_draw(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, u_accept: float,
+                   draw: Callable[[torch.Tensor], int]) -> int:
+    """``coupling_sample``'s rule with the residual draw ``draw(residual law) -> token``
+    called only when it is needed (a rejected or absent proposal): the walk then draws
+    its residual noise only at the nodes that use it, and normalises no residual it does
+    not draw from."""
+    e, a, resid, mass = _coupling_terms(p, sup_token, sup_q, sup_n, m, K, y_token, verifier)
+    if e is not None and (resid is None or float(u_accept) < a):
+        return int(e)
+    return draw(resid if mass is None else resid / mass)
 
 
 def coupling_law(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tensor, sup_n: int,
@@ -131,10 +153,8 @@ def coupling_sample(p: torch.Tensor, sup_token: torch.Tensor, sup_q: torch.Tenso
     ``residual_gumbel`` i.i.d. standard Gumbel ``[V]``. Kernels must match this bit for bit
     given the same ``u_accept`` and ``residual_gumbel``.
     """
-    e, a, resid = _coupling_parts(p, sup_token, sup_q, sup_n, m, K, y_token, verifier)
-    if e is not None and (resid is None or float(u_accept) < a):
-        return int(e)
-    return int(torch.argmax(torch.log(resid) + residual_gumbel.to(torch.float64)))
+    return _coupling_draw(p, sup_token, sup_q, sup_n, m, K, y_token, verifier, u_accept,
+                          lambda r: int(torch.argmax(torch.log(r) + residual_gumbel.to(torch.float64))))
 
 
 def node_y(tree: DraftTree, b: int, row: int) -> int:
@@ -244,13 +264,17 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
         V = p.shape[-1]
         v = int(lin.node[b, i])
         row = int(lin.exp_row[b, i])
-        g = streams.gumbel(step, sk, v, Purpose.VERIFY_RESIDUAL, V)
+        # the residual noise (V numbers) is drawn only where a draw from p or from a
+        # residual happens: an accepted proposal needs none
+        def draw(r, v=v, V=V):
+            return int(gumbel_max(r, streams.gumbel(step, sk, v, Purpose.VERIFY_RESIDUAL, V)))
+
         if row < 0:
-            x = int(gumbel_max(p, g))
+            x = draw(p)
         else:
             u = float(streams.uniform(step, sk, v, Purpose.VERIFY_ACCEPT, 1)[0])
-            x = coupling_sample(p, tree.sup_token[b, row], tree.sup_q[b, row], int(tree.sup_n[b, row]),
-                                tree.rheostat, tree.slots, node_y(tree, b, row), verifier, u, g)
+            x = _coupling_draw(p, tree.sup_token[b, row], tree.sup_q[b, row], int(tree.sup_n[b, row]),
+                               tree.rheostat, tree.slots, node_y(tree, b, row), verifier, u, draw)
         emitted.append(x)
         c = kept_children(tree, b, i).get(x)
         if c is None:

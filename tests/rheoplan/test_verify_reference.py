@@ -223,3 +223,48 @@ def test_walk_greedy_parity_one_step():
         for x in r.emitted:
             assert x == int(torch.argmax(tgt([ctx])[0]))
             ctx = ctx + (x,)
+
+
+def test_walk_draws_residual_noise_only_where_used():
+    """An accepted proposal draws no residual noise, and the walk's tokens are those of
+    ``coupling_sample`` with the dense noise at every node (the path the walk took before
+    it drew lazily)."""
+    from rheoplan.rng import Purpose
+
+    class Counting(Streams):
+        def __init__(self, seed):
+            super().__init__(seed)
+            self.residual = 0
+
+        def uniform(self, step, tree, node, purpose, n):
+            self.residual += purpose == Purpose.VERIFY_RESIDUAL
+            return super().uniform(step, tree, node, purpose, n)
+
+    saw_accept = False
+    for seed in range(8):
+        for verifier in ("rheo", "ot"):
+            t, logits_at, _, s, _, _ = _tree_and_logits(seed=seed, verifier=verifier)
+            st_ = Counting(seed)
+            r = walk(t, 0, logits_at, s, verifier, st_, 0)
+            # dense replay: the old walk, noise at every node
+            lin, out, i = t.linear, [], 0
+            while True:
+                p = target_probs(logits_at(i), s)
+                v, row = int(lin.node[0, i]), int(lin.exp_row[0, i])
+                g = Streams(seed).gumbel(0, 0, v, Purpose.VERIFY_RESIDUAL, p.shape[-1])
+                if row < 0:
+                    x = int(torch.argmax(torch.log(p) + g))
+                else:
+                    u = float(Streams(seed).uniform(0, 0, v, Purpose.VERIFY_ACCEPT, 1)[0])
+                    x = coupling_sample(p, t.sup_token[0, row], t.sup_q[0, row], int(t.sup_n[0, row]),
+                                        t.rheostat, t.slots, int(t.y_token[0, row]), verifier, u, g)
+                out.append(x)
+                kids = {int(lin.token[0, c]): c for c in range(int(lin.first_child[0, i]),
+                                                               int(lin.first_child[0, i]) + int(lin.n_children[0, i]))}
+                if x not in kids:
+                    break
+                i = kids[x]
+            assert r.emitted == out
+            assert st_.residual <= len(r.path)
+            saw_accept |= st_.residual < len(r.path)
+    assert saw_accept

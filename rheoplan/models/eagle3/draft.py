@@ -265,19 +265,22 @@ class Eagle3Draft(DraftModel):
             return self._tensor_call(tree, nodes)
         nodes = check_draft_call(tree, nodes, self.root, self._committed)
         new = [v for v in dict.fromkeys(nodes) if v not in self._forwarded]
+        rows = None
         if 0 in new:
             if new != [0]:
                 raise ValueError(f"nodes={nodes}: the root must be forwarded alone (its children "
                                  "consume its output hidden)")
-            self._forward_root(tree)
+            rows = self._forward_root(tree)
         elif new:
             for v in new:
                 p = int(tree.parent[0, v])
                 if p not in self._forwarded:
                     raise ValueError(f"node {v}'s parent {p} was not forwarded in an earlier call of "
                                      "this step; parents must be passed before their children")
-            self._forward_nodes(tree, torch.tensor(new, dtype=torch.int64))
+            rows = self._forward_nodes(tree, torch.tensor(new, dtype=torch.int64))
         self._forwarded.update(new)
+        if rows is not None and new == nodes:
+            return rows  # the planner's usual call (one depth's new frontier): no gather
         return self._rows[torch.tensor(nodes, dtype=torch.int64, device=self._rows.device)]
 
     def _tensor_call(self, tree: DraftTree, nodes: torch.Tensor) -> torch.Tensor:
@@ -328,7 +331,9 @@ class Eagle3Draft(DraftModel):
         finally:
             probe.close()
 
-    def _forward_root(self, tree: DraftTree) -> None:
+    def _forward_root(self, tree: DraftTree) -> torch.Tensor:
+        """Run the pending pairs (the root's is the last) and start this step's node
+        tables; returns the root's logit row ``[1, draft_vocab]``, also kept in ``_rows``."""
         self._ensure_prompt_features()
         dev = self._param.device
         P = len(self._pending_tokens)
@@ -346,12 +351,15 @@ class Eagle3Draft(DraftModel):
         self._rows = torch.zeros(cap, self.head.config.draft_vocab_size, dtype=torch.float32, device=dev)
         self._anc = torch.zeros(cap, cap, dtype=torch.bool, device=dev)  # the root sees no tree entry
         self._hid[0] = out[-1]
-        self._rows[0] = self._project(out[-1:])[0]
+        rows = self._project(out[-1:])
+        self._rows[0] = rows[0]
         self._root_done = True
+        return rows
 
-    def _forward_nodes(self, tree: DraftTree, new: torch.Tensor) -> None:
+    def _forward_nodes(self, tree: DraftTree, new: torch.Tensor) -> torch.Tensor:
         """Forward nodes ``new`` (ids, their parents forwarded already) as one batch: each
-        sees the committed pairs, its ancestors' tree entries below the root, and itself."""
+        sees the committed pairs, its ancestors' tree entries below the root, and itself.
+        Returns their logit rows (``_project``), also kept in ``_rows``."""
         dev = self._param.device
         new = new.to(tree.parent.device)
         par = tree.parent[0, new].to(dev)
@@ -367,9 +375,11 @@ class Eagle3Draft(DraftModel):
         out = self._run(tokens, self._hid[par], positions, allowed)
         self._anc[new] = sees
         self._hid[new] = out
-        self._rows[new] = self._project(out)
+        rows = self._project(out)
+        self._rows[new] = rows
         self._n_tree += q
         assert self._kv[0].shape[1] == S + q
+        return rows
 
     def commit(self, tree: DraftTree, path_nodes: list[int], emitted: list[int],
                features: list[torch.Tensor | None]) -> None:
