@@ -305,10 +305,13 @@ class HFTarget(TargetModel):
                                      allow_tf32=self._tree_attention_tf32)
             with tree_attention_active(self.model):
                 hidden = run_base(self.base, self.cache, tok, pos, None, rheoplan_tree=args)
+        elif n == 1:
+            # the root alone sees everything: no mask at all, as ``generate``'s one-token step
+            hidden = run_base(self.base, self.cache, tok, pos, None, all_allowed=True)
         else:
+            # with a child the root cannot see that child
             allowed = prefix_and_block_mask(self._prefix, linear.ancestor_mask[0, :n, :n].to(self.device))
-            # the root alone sees everything; with a child it cannot see that child
-            hidden = run_base(self.base, self.cache, tok, pos, allowed, all_allowed=n == 1)
+            hidden = run_base(self.base, self.cache, tok, pos, allowed, all_allowed=False)
         self._tree = host
         return HFTreeLogits(hidden, self.head, self._features(), self._projection_choice(hidden))
 

@@ -345,10 +345,12 @@ class Eagle3Draft(DraftModel):
         out = self._run(torch.tensor(self._pending_tokens, dtype=torch.int64), feats, positions, allowed)
         self._prefix += P
         self._pending_tokens, self._pending_feats = [], []
-        # this step's node tables, sized by the tree's capacity (a shape: no host read)
+        # this step's node tables, sized by the tree's capacity (a shape: no host read); a
+        # node's hidden and logit rows are read only after it was forwarded, so they start
+        # uninitialised (no cap x draft_vocab fill per step)
         cap = tree.parent.shape[1]
-        self._hid = out.new_zeros(cap, out.shape[-1])
-        self._rows = torch.zeros(cap, self.head.config.draft_vocab_size, dtype=torch.float32, device=dev)
+        self._hid = out.new_empty(cap, out.shape[-1])
+        self._rows = torch.empty(cap, self.head.config.draft_vocab_size, dtype=torch.float32, device=dev)
         self._anc = torch.zeros(cap, cap, dtype=torch.bool, device=dev)  # the root sees no tree entry
         self._hid[0] = out[-1]
         rows = self._project(out[-1:])
