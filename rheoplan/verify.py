@@ -232,7 +232,9 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
     penalty, ``processors``), node ``i``'s context is ``history`` (every token up to and
     including the root) followed by the path's tokens down to ``i``. Randomness: at node ``v`` (creation id) the accept
     uniform is ``streams.uniform(step, b, v, VERIFY_ACCEPT, 1)`` and the Gumbel noise
-    ``streams.gumbel(step, b, v, VERIFY_RESIDUAL, V)``. ``key`` replaces ``b`` in those
+    ``streams.gumbel(step, b, v, VERIFY_RESIDUAL, V)`` (drawn only where the node draws a
+    token: not at an accepted proposal; the streams are counter-based, so what is not
+    drawn changes no other number). ``key`` replaces ``b`` in those
     counters when the tree's index in the batch is not its stream id (default: ``b``);
     the draft sampler must use the same id.
 
