@@ -154,7 +154,7 @@ def crop_cache(cache, length: int) -> None:
             setattr(holder, v, getattr(holder, v).narrow(-2, 0, length))
 
 
-def commit_cache(cache, prefix: int, path: list[int]) -> None:
+def commit_cache(cache, prefix: int, path: "list[int] | torch.Tensor") -> None:
     """Keep the ``prefix`` cached entries and the tree entries ``prefix + path[j]`` (moved
     to ``prefix + j``), drop the rest, in place.
 
@@ -163,17 +163,23 @@ def commit_cache(cache, prefix: int, path: list[int]) -> None:
     they are written back, so the order of ``path`` does not matter.
 
     Example: prefix 3, path [0, 2, 5] keeps entries 0, 1, 2 and moves 3 -> 3, 5 -> 4, 8 -> 5.
+
+    ``path`` may be an int64 tensor on the cache's device (offsets only the device knows):
+    then every entry is moved, since skipping those already in place would need a host read.
     """
     n = len(path)
-    moves = [(prefix + j, prefix + p) for j, p in enumerate(path) if p != j]
+    if isinstance(path, torch.Tensor):
+        moves = (prefix + torch.arange(n, device=path.device), prefix + path) if n else None
+    else:
+        moves = [(prefix + j, prefix + p) for j, p in enumerate(path) if p != j]
+        moves = (torch.tensor([d for d, _ in moves]), torch.tensor([s for _, s in moves])) if moves else None
     for holder, k, v in _layer_tensors(cache):
         keys = getattr(holder, k)
         if keys is None or keys.numel() == 0:
             continue
         vals = getattr(holder, v)
-        if moves:
-            dst = torch.tensor([d for d, _ in moves], device=keys.device)
-            src = torch.tensor([s for _, s in moves], device=keys.device)
+        if moves is not None:
+            dst, src = moves[0].to(keys.device), moves[1].to(keys.device)
             keys.index_copy_(-2, dst, keys.index_select(-2, src))
             vals.index_copy_(-2, dst, vals.index_select(-2, src))
         setattr(holder, k, keys.narrow(-2, 0, prefix + n))

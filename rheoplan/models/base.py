@@ -359,9 +359,13 @@ def check_draft_call(tree: DraftTree, nodes, root: int | None, committed: int | 
     return nodes
 
 
-def check_emitted(tree: DraftTree, path_nodes: list[int], emitted: list[int]) -> list[int]:
-    """Validate ``DraftModel.commit`` arguments; return the path's creation ids as ints."""
-    host = draft_on_host(tree, [])  # one transfer for every check below
+def check_emitted(tree: DraftTree, path_nodes: list[int], emitted: list[int],
+                  host: "HostDraft | None" = None) -> list[int]:
+    """Validate ``DraftModel.commit`` arguments; return the path's creation ids as ints.
+    ``host``: the tree as already read on the host (``draft_on_host``), so the check reads
+    nothing more."""
+    if host is None:
+        host = draft_on_host(tree, [])  # one transfer for every check below
     path_nodes = [int(v) for v in path_nodes]
     n = host.n_nodes
     if not path_nodes or path_nodes[0] != 0:
