@@ -281,12 +281,16 @@ def vocab_chunks(n: int, V: int, support: int, block: int, programs: int) -> int
     return triton.cdiv(blocks, triton.cdiv(blocks, c))  # whole blocks per chunk, no empty chunk
 
 
-def _programs(dev: torch.device) -> int:
-    """Programs that fill the device: two per SM on CUDA; 1 elsewhere (the interpreter runs
-    programs one after another, so a split only adds work there)."""
-    if dev.type != "cuda":
+def default_chunks(n: int, V: int, support: int, device: torch.device | str, block: int = 1024) -> int:
+    """The chunk count ``slot_expansion(..., chunks=None)`` uses: ``vocab_chunks`` for two
+    programs per SM on CUDA; 1 elsewhere (the interpreter runs programs one after another,
+    so a split only adds work there)."""
+    device = torch.device(device)
+    block = min(block, triton.next_power_of_2(V))
+    if device.type != "cuda":
         return 1
-    return 2 * torch.cuda.get_device_properties(dev).multi_processor_count
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return vocab_chunks(n, V, min(support, V), block, programs)
 
 
 def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torch.Tensor, *,
@@ -313,7 +317,7 @@ def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torc
         raise ValueError(f"chunks={chunks!r}: allowed an int in [1, {blocks}] (one vocabulary block of "
                          f"{block} entries at least per chunk) or None")
     if chunks is None:
-        chunks = vocab_chunks(n, V, s, block, _programs(dev))
+        chunks = default_chunks(n, V, s, dev, block)
     chunk = triton.cdiv(blocks, chunks) * block  # entries per chunk, whole blocks
     chunks = triton.cdiv(V, chunk)
     logits = logits.contiguous()

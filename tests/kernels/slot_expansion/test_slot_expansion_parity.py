@@ -162,11 +162,12 @@ def test_triton_bad_chunks_rejected(logit_rows, device):
 
 @pytest.mark.interpreter
 def test_vocab_chunks_rule():
-    from rheoplan.kernels.slot_expansion.triton import vocab_chunks
+    from rheoplan.kernels.slot_expansion.triton import default_chunks, vocab_chunks
 
     V = 128256
     assert vocab_chunks(10, V, 128, 1024, 264) == 26  # batch 1 on 132 SMs: 26 chunks of 5 blocks
     assert vocab_chunks(640, V, 128, 1024, 264) == 1  # batch 64 fills the GPU with rows
     assert vocab_chunks(1, V, 128, 1024, 264) == 26  # capped at sqrt(V / support) = 31, whole blocks: 26
     assert vocab_chunks(1, 40, 8, 16, 264) == 2  # sqrt(40 / 8) = 2 (3 blocks)
-    assert vocab_chunks(10, V, 128, 1024, 1) == 1  # the CPU: no split
+    assert vocab_chunks(10, V, 128, 1024, 1) == 1
+    assert default_chunks(1, V, 128, "cpu") == 1  # the interpreter: no split by default
