@@ -339,8 +339,7 @@ class HFDraft(DraftModel):
         rc = self._row_started("commit_rows")
         keep = []
         for b in range(rc.batch):
-            sub = tree.rows([b])
-            nodes = check_emitted(sub, path_nodes[b], emitted[b])
+            nodes = check_emitted(tree, path_nodes[b], emitted[b], b)
             done = [v for v in nodes if v in self._r_slot[b]]
             if done != nodes[:len(done)]:
                 raise AssertionError(f"row {b}: forwarded path nodes {done} are not a prefix of {nodes}")

@@ -25,7 +25,7 @@ import torch
 
 from rheoplan.costmodel import ProjectionTimings, projection_timings
 from rheoplan.ir import LinearTree
-from rheoplan.models.base import (HostTree, TargetModel, TreeLogits, _linear_rows, check_commit_path,
+from rheoplan.models.base import (HostTree, TargetModel, TreeLogits, check_commit_path,
                                   check_prompt_ids, linear_on_host)
 from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
@@ -403,10 +403,11 @@ class HFTarget(TargetModel):
         real = torch.arange(L)[None, :] < n[:, None]  # [B, L]
         pos = torch.where(real, linear.position[:, :L].cpu(), 0)
         tok = torch.where(real, linear.token[:, :L].cpu(), 0)
-        for b in range(B):
-            if int(pos[b, 0]) != self._row_prefix[b]:
-                raise ValueError(f"row {b}: linear.position[{b}, 0]={int(pos[b, 0])} but the target "
-                                 f"caches {self._row_prefix[b]} tokens of that row before its root")
+        off = (pos[:, 0] != torch.tensor(self._row_prefix)).nonzero().flatten()
+        if off.numel():
+            b = int(off[0])
+            raise ValueError(f"row {b}: linear.position[{b}, 0]={int(pos[b, 0])} but the target "
+                             f"caches {self._row_prefix[b]} tokens of that row before its root")
         if int(tok.min()) < 0 or int(tok.max()) >= self.vocab_size:
             raise ValueError(f"linear.token holds ids outside [0, {self.vocab_size}) in its real slots")
         anc = linear.ancestor_mask[:, :L, :L].cpu()
@@ -459,7 +460,7 @@ class HFTarget(TargetModel):
         s0 = self._row_tree_start
         cols = []
         for b, p in enumerate(paths):
-            p = check_commit_path(_linear_rows(self._row_tree, [b]), p)
+            p = check_commit_path(linear_on_host(self._row_tree, b), p)
             cols.append([s0 + j for j in p])
             self._row_prefix[b] += len(p)
         self._rows.keep(cols)
