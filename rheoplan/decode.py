@@ -431,7 +431,7 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             # 'auto' plans a batch with numba on the host (the Triton walk takes one tree)
             backend = "numba" if backend == "auto" else backend
             max_batch = len(prompts) if max_batch_size is None else min(max_batch_size, len(prompts))
-            _check_memory(tgt, prompts, limits, budget, max_batch)
+            _check_memory(tgt, drf, prompts, limits, budget, max_batch)
             if drf is not None:
                 _warm_up(backend)
             state = BatchState(target=tgt, draft=drf, prompts=prompts, limits=limits, keys=keys,
@@ -757,24 +757,28 @@ def _free_memory(device) -> int | None:
     return None
 
 
-def _check_memory(tgt: TargetModel, prompts: list[list[int]], limits: list[int], budget: int | None,
-                  max_batch: int) -> None:
-    """Refuse a batch whose estimated memory (``TargetModel.memory_estimate``: KV cache of
-    the padded batch with room for holes, one verify forward's activations) exceeds what
-    the target's device has free, before any model work."""
+def _check_memory(tgt: TargetModel, drf: DraftModel | None, prompts: list[list[int]], limits: list[int],
+                  budget: int | None, max_batch: int) -> None:
+    """Refuse a batch whose estimated memory (``memory_estimate`` of the target and of the
+    draft: KV caches of the padded batch with room for holes, one forward's activations)
+    exceeds what the target's device has free, before any model work."""
     tree_len = 1 + (budget or 0)
     # widest row: prompt + new tokens + one tree; holes may double it before a compaction
     width = 2 * max(len(p) + n for p, n in zip(prompts, limits)) + tree_len
-    need = tgt.memory_estimate(max_batch, width, tree_len)
-    if need is None:
+    parts = [tgt.memory_estimate(max_batch, width, tree_len)]
+    if drf is not None:
+        parts.append(drf.memory_estimate(max_batch, width, tree_len))
+    if all(p is None for p in parts):
         return
+    need = sum(p for p in parts if p is not None)
     free = _free_memory(tgt.device)
     if free is not None and need > free:
         per_row = max(1, need // max_batch)
         what = (f"prompt_ids has {len(prompts)} rows" if max_batch == len(prompts) else
                 f"max_batch_size={max_batch}")
         raise ValueError(f"{what}: the batch needs about {need / 2**30:.2f} GiB "
-                         f"(KV cache + activations, estimated from the model config) but "
+                         f"(KV caches + activations of the target and the draft, estimated from the "
+                         f"model configs) but "
                          f"{free / 2**30:.2f} GiB are free on {tgt.device or 'cpu'}: allowed at most "
                          f"{free // per_row} rows at these prompt lengths and max_new_tokens")
 

@@ -54,10 +54,11 @@ class _Source:
     """Pulls requests when rows are free, checks each one before it joins (errors name
     ``requests[i]``), and makes it a row of the batched loop."""
 
-    def __init__(self, requests, tgt, budget: int | None, max_new_tokens: int, max_batch: int) -> None:
+    def __init__(self, requests, tgt, drf, budget: int | None, max_new_tokens: int, max_batch: int) -> None:
         self.queue = requests if isinstance(requests, queue.Queue) else None
         self.it = None if self.queue is not None else iter(requests)
-        self.tgt, self.budget, self.default, self.max_batch = tgt, budget, max_new_tokens, max_batch
+        self.tgt, self.drf, self.budget = tgt, drf, budget
+        self.default, self.max_batch = max_new_tokens, max_batch
         self.count = 0
         self.done = False
         self.keys: set[int] = set()  #: stream ids used so far
@@ -109,7 +110,7 @@ class _Source:
         self.keys.add(key)
         _check_context(self.tgt, len(prompt), limit, self.budget, row=i)
         # a batch of max_batch_size requests like this one must fit (estimated, before its prefill)
-        _check_memory(self.tgt, [prompt], [limit], self.budget, self.max_batch)
+        _check_memory(self.tgt, self.drf, [prompt], [limit], self.budget, self.max_batch)
         row = _Row(i, prompt, limit, key)
         self.rows.append(row)
         return row
@@ -165,7 +166,7 @@ def _serve(target, draft, requests, max_batch, max_new_tokens, sampling, tree, s
         drf = as_draft(draft) if draft is not None else None
         eos = check_models(tgt, drf, tree, eos_token_id)
         budget = tree.budget if drf is not None else None
-        source = _Source(requests, tgt, budget, max_new_tokens, max_batch)
+        source = _Source(requests, tgt, drf, budget, max_new_tokens, max_batch)
         if drf is not None:
             _warm_up(backend)
         state = BatchState(target=tgt, draft=drf, prompts=[], limits=[], keys=[], sampling=sampling, tree=tree,
