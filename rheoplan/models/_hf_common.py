@@ -12,6 +12,23 @@ import inspect
 import torch
 
 
+def forward_memory(cfg, elem: int, vocab: int, batch: int, width: int, queries: int) -> int:
+    """Bytes one batched forward of a transformers decoder (config ``cfg``, ``elem``-byte
+    weights) holds at most: the KV cache of ``batch`` rows ``width`` columns wide and the
+    largest activations of ``queries`` new tokens per row (hidden states, the MLP, float32
+    mask and scores, float32 logits). A rough upper estimate from the config."""
+    layers = int(cfg.num_hidden_layers)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    inter = int(getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    kv = 2 * layers * kv_heads * head_dim * batch * width * elem
+    act = batch * queries * (4 * cfg.hidden_size + 2 * inter) * elem
+    scores = batch * heads * queries * width * 4  # float32 mask + scores
+    logits = batch * queries * vocab * 4
+    return int(kv + act + 2 * scores + logits)
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Turn a bool ``[q, kv]`` mask into the float ``[1, 1, q, kv]`` mask attention adds.
 

@@ -273,6 +273,12 @@ class DraftModel(_RowCopies, ABC):
         for b, row in enumerate(rows):
             row.commit(tree.rows([b]), path_nodes[b], emitted[b], features[b])
 
+    def memory_estimate(self, batch: int, width: int, tree_len: int) -> int | None:
+        """Bytes the draft needs at most in a batched decode (as
+        ``TargetModel.memory_estimate``), or None when it cannot tell (default);
+        ``plan_and_decode`` adds it to the target's estimate."""
+        return None
+
     def check_vocab_map(self, target_vocab_size: int) -> None:
         """Raise ``ValueError`` if the draft's own vocabulary map (e.g. an EAGLE-3 head's
         draft-to-target ids) does not fit a target of ``target_vocab_size`` tokens.

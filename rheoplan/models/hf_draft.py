@@ -24,7 +24,7 @@ from rheoplan.ir import DraftTree
 from rheoplan.models.base import (DraftModel, HostDraft, check_draft_call, check_emitted, check_prompt_ids,
                                   draft_on_host)
 from rheoplan.models._hf_common import (
-    base_model, cache_length, new_cache, output_head, run_base, commit_cache,
+    base_model, cache_length, new_cache, output_head, run_base, commit_cache, forward_memory,
 )
 from rheoplan.models.row_cache import RowCache
 
@@ -76,6 +76,12 @@ class HFDraft(DraftModel):
         self._col: torch.Tensor | None = None  #: [cap] step column of each node (-1: not forwarded)
         self._anc: torch.Tensor | None = None  #: [cap, cap] step columns each node sees
         self._rows: torch.Tensor | None = None  #: [cap, vocab] logits of each forwarded node
+
+    def memory_estimate(self, batch: int, width: int, tree_len: int) -> int:
+        """The draft model's KV cache of ``batch`` rows ``width`` columns wide and its
+        largest call (one depth's frontier: at most ``tree_len`` nodes per row)."""
+        elem = next(self.model.parameters()).element_size()
+        return forward_memory(self.model.config, elem, self.vocab_size, batch, width, tree_len)
 
     def start(self, prompt_ids: list[int]) -> None:
         ids = check_prompt_ids(prompt_ids, self.vocab_size)

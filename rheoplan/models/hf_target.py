@@ -29,7 +29,7 @@ from rheoplan.models.base import (HostTree, TargetModel, TreeLogits, check_commi
                                   check_prompt_ids, linear_on_host)
 from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
-    run_base, commit_cache,
+    run_base, commit_cache, forward_memory,
 )
 from rheoplan.models.row_cache import RowCache
 from rheoplan.models.tree_attention import (
@@ -484,18 +484,8 @@ class HFTarget(TargetModel):
         activations (hidden states, the MLP, the attention scores, the logits of
         every node). A rough upper estimate from the model config, to refuse a batch
         that cannot fit before any model work."""
-        cfg = self.base.config
         elem = next(self.model.parameters()).element_size()
-        layers = int(cfg.num_hidden_layers)
-        heads = int(cfg.num_attention_heads)
-        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        inter = int(getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
-        kv = 2 * layers * kv_heads * head_dim * batch * width * elem
-        act = batch * tree_len * (4 * cfg.hidden_size + 2 * inter) * elem
-        scores = batch * heads * tree_len * width * 4  # float32 mask + scores
-        logits = batch * tree_len * self.vocab_size * 4
-        return int(kv + act + 2 * scores + logits)
+        return forward_memory(self.base.config, elem, self.vocab_size, batch, width, tree_len)
 
     def commit(self, path: list[int]) -> None:
         if self._tree is None:

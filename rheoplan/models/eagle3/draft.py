@@ -209,6 +209,20 @@ class Eagle3Draft(DraftModel):
         self._rows: torch.Tensor | None = None
         self._anc: torch.Tensor | None = None
 
+    def memory_estimate(self, batch: int, width: int, tree_len: int) -> int:
+        """The batched head's flat KV cache (every row's ``width`` columns in one sequence),
+        the pending target features, and its largest call: ``batch * tree_len`` queries
+        against the whole flat cache (float32 mask and scores) and their logits over the
+        head's vocabulary."""
+        cfg = self.head.config
+        elem = self._param.element_size()
+        S, Q = batch * width, batch * tree_len
+        kv = 2 * cfg.num_key_value_heads * cfg.head_dim * S * elem
+        feats = S * 3 * cfg.target_hidden_size * elem
+        scores = 2 * cfg.num_attention_heads * Q * (S + Q) * 4
+        vocab = len(self.vocab_ids) if self.vocab_ids is not None else self.vocab_size
+        return int(kv + feats + scores + Q * (4 * cfg.hidden_size * elem + vocab * 4))
+
     def start(self, prompt_ids: list[int]) -> None:
         ids = check_prompt_ids(prompt_ids, self.vocab_size)
         self._reset()
