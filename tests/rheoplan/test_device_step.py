@@ -258,6 +258,7 @@ def test_eagle3_draft_adds_no_host_sync(draft_vocab):
     assert res.tokens == decode("reference", 12)[0].tokens
 
 
+@pytest.mark.slow  # ~35 s: five interpreted decodes
 @pytest.mark.interpreter
 @pytest.mark.no_ir_lint
 def test_hf_draft_adds_no_host_sync():
@@ -296,3 +297,9 @@ def test_hf_draft_adds_no_host_sync():
         assert calls["commit"] >= n - 1  # (the last step's commit is skipped when the decode ends)
         assert syncs.count == 2 * n, syncs.where
         assert res.tokens == decode("reference", cfg)[0].tokens
+    # a transformers target and draft (the GPU run's `self` rows): the target's one read per
+    # verify, nothing from the draft: the readiness bound of 3
+    with count_host_syncs() as syncs:
+        res = plan_and_decode(tiny_llama(3, vocab=V, layers=2), HFDraft(tiny_llama(5, vocab=V, layers=2)), [0, 1, 2],
+                              max_new_tokens=6, tree=_adapter_cfg(), sampling=s, seed=4, backend="triton")
+    assert syncs.count == 3 * len(res.steps), syncs.where
