@@ -75,6 +75,20 @@ class BigramDraft(DraftModel):
         pass
 
 
+def _count_calls(obj, *names: str) -> dict[str, int]:
+    """Wrap methods ``names`` of ``obj`` to count their calls; returns the live counts."""
+    calls = {name: 0 for name in names}
+    for name in names:
+        real = getattr(obj, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        setattr(obj, name, counted)
+    return calls
+
+
 @pytest.mark.interpreter
 @pytest.mark.no_ir_lint  # the test suite's lint-after-every-pass reads the IR on the host
 @pytest.mark.parametrize("verifier,m,T", [("ot", 1, 1.0), ("rheo", 0, 1.0), ("onehot", 2, 0.0)])
@@ -205,15 +219,7 @@ def test_triton_step_syncs_functional_adapters():
     assert syncs.count == 3 * len(res.steps), syncs.where
 
     draft = FunctionalDraft(hashed_context_lm(V, seed=32, sharpness=1.5))
-    calls = {"node_logits": 0, "commit": 0}
-    for name in calls:
-        real = getattr(draft, name)
-
-        def counted(*a, _real=real, _name=name, **kw):
-            calls[_name] += 1
-            return _real(*a, **kw)
-
-        setattr(draft, name, counted)
+    calls = _count_calls(draft, "node_logits", "commit")
     with count_host_syncs() as syncs:
         res = plan_and_decode(tgt(), draft, [0, 1, 2], max_new_tokens=6, tree=_adapter_cfg(), sampling=s, seed=4,
                               backend="triton")
@@ -275,15 +281,7 @@ def test_hf_draft_adds_no_host_sync():
 
     def decode(backend, cfg):
         draft = HFDraft(tiny_llama(5, vocab=V, layers=2))
-        calls = {"node_logits": 0, "commit": 0}
-        for name in calls:
-            real = getattr(draft, name)
-
-            def counted(*a, _real=real, _name=name, **kw):
-                calls[_name] += 1
-                return _real(*a, **kw)
-
-            setattr(draft, name, counted)
+        calls = _count_calls(draft, "node_logits", "commit")
         with count_host_syncs() as syncs:
             res = plan_and_decode(BigramTarget(), draft, [0, 1, 2], max_new_tokens=8, tree=cfg, sampling=s,
                                   seed=4, backend=backend)
