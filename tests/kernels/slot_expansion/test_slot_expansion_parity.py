@@ -64,17 +64,21 @@ TRITON_CASES = [(40, 16, 1, 4, "default", 1.0), (24, 8, 0, 3, "next_rank", 0.7),
                 (30, 16, 2, 5, "true_q", 1.0), (20, 8, 4, 4, "default", 1.0)]
 
 
+def _case(logit_rows, V, S, m, K, proxy, T, seed):
+    """Five rows of logits, parent scores and slot noise, the kernel arguments, and the
+    reference's answer."""
+    logits = logit_rows(5, V, seed=seed)
+    parent = -torch.rand(5)
+    noise = _noise(5, min(S, V), m)
+    kw = dict(temperature=T, support=S, rheostat=m, slots=K, proxy=proxy)
+    return logits, parent, noise, kw, reference.slot_expansion(logits, parent, noise, **kw)
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("V,S,m,K,proxy,T", TRITON_CASES)
 def test_triton_matches_reference(logit_rows, device, V, S, m, K, proxy, T):
     from rheoplan.kernels.slot_expansion import triton as tk
 
-    logits = logit_rows(5, V, seed=V + m)
-    parent = -torch.rand(5)
-    s = min(S, V)
-    noise = _noise(5, s, m)
-    kw = dict(temperature=T, support=S, rheostat=m, slots=K, proxy=proxy)
-    ref = reference.slot_expansion(logits, parent, noise, **kw)
+    logits, parent, noise, kw, ref = _case(logit_rows, V, S, m, K, proxy, T, seed=V + m)
     got = tk.slot_expansion(logits.to(device), parent.to(device), noise.to(device), block=16, **kw)
     _assert_same(ref, type(ref)(*(x.cpu() for x in got)), float_exact=False)
 
@@ -132,12 +136,7 @@ SPLIT_CASES = [  # (V, support, m, K, proxy, T, chunks) at block 16
 def test_triton_vocab_split_matches_reference(logit_rows, device, V, S, m, K, proxy, T, chunks):
     from rheoplan.kernels.slot_expansion import triton as tk
 
-    logits = logit_rows(5, V, seed=V + chunks)
-    parent = -torch.rand(5)
-    s = min(S, V)
-    noise = _noise(5, s, m)
-    kw = dict(temperature=T, support=S, rheostat=m, slots=K, proxy=proxy)
-    ref = reference.slot_expansion(logits, parent, noise, **kw)
+    logits, parent, noise, kw, ref = _case(logit_rows, V, S, m, K, proxy, T, seed=V + chunks)
     d = lambda x: x.to(device)  # noqa: E731
     got = tk.slot_expansion(d(logits), d(parent), d(noise), block=16, chunks=chunks, **kw)
     _assert_same(ref, type(ref)(*(x.cpu() for x in got)), float_exact=False)
