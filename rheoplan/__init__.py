@@ -1,7 +1,8 @@
 """rheoplan: lossless stochastic dynamic-tree speculative decoding (RheoSampling).
 
 Start with ``plan_and_decode`` (the decode loop, returns a ``DecodeResult`` with one
-``StepStats`` per step), ``plan_tree`` (one draft tree), ``TreeConfig`` /
+``StepStats`` per step; a list of prompts decodes them as one batch),
+``decode_requests`` (a stream of requests, batched as they come), ``plan_tree`` (one draft tree), ``TreeConfig`` /
 ``SamplingConfig``, ``rheoplan.models`` (adapters: ``as_target``, ``as_draft``,
 ``load_eagle3``) and ``rheoplan.testing`` (the exact oracle). docs/method.md explains the
 method.
@@ -19,7 +20,8 @@ from rheoplan.config import ConfigError, SamplingConfig, TreeConfig
 from rheoplan.decode import DecodeResult, StepStats, plan_and_decode
 from rheoplan.ir import DraftTree, LinearTree, NodeKind
 from rheoplan.plan import plan_tree
+from rheoplan.stream import Request, decode_requests
 
-__all__ = ["plan_and_decode", "plan_tree", "SamplingConfig", "TreeConfig", "DecodeResult", "StepStats",
+__all__ = ["plan_and_decode", "decode_requests", "Request", "plan_tree", "SamplingConfig", "TreeConfig", "DecodeResult", "StepStats",
            "ConfigError", "DraftTree", "LinearTree", "NodeKind"]
 __version__ = "0.1.0"

@@ -406,24 +406,9 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                              "max_batch_size only for a batch (a list of prompts)")
     elif max_batch_size is not None:
         _check_int("max_batch_size", max_batch_size, 1)
-    if not isinstance(sampling, SamplingConfig):
-        raise TypeError(f"sampling={sampling!r} is a {type(sampling).__name__}: allowed a SamplingConfig")
-    if not isinstance(tree, TreeConfig):
-        raise TypeError(f"tree={tree!r} is a {type(tree).__name__}: allowed a TreeConfig")
     if not batched:
         _check_int("max_new_tokens", max_new_tokens, 1)
-    if seed is None:
-        seed = random.randrange(2**62)
-    elif isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed={seed!r} is a {type(seed).__name__}: allowed None or an int in [0, 2**63)")
-    Streams(seed)  # validates the seed's range
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback={callback!r} is not callable: allowed None or a function of the "
-                        "new tokens")
-    processors = _check_processors(logits_processors)
-    if cost_model is not None and not isinstance(cost_model, CostModel):
-        raise TypeError(f"cost_model={cost_model!r} is a {type(cost_model).__name__}: allowed None or a "
-                        "rheoplan.costmodel.CostModel")
+    seed, processors = check_decode_args(sampling, tree, seed, callback, logits_processors, cost_model)
     # One sequence without a draft needs no EAGLE-3 features: no capture hooks on its forwards
     tgt = as_target(target) if batched or draft is not None else as_target(target, capture_layers=None)
     drf = None
@@ -435,12 +420,7 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             keys = _check_stream_ids(stream_ids, len(prompts))
         else:
             ids = _check_prompt(prompt_ids, tgt.vocab_size)
-        eos = _check_eos(eos_token_id, tgt.vocab_size)
-        if drf is not None:
-            _check_pair(tgt, drf)
-            if tree.slots > min(tree.support, tgt.vocab_size):
-                raise ConfigError(f"slots={tree.slots} is out of range: allowed <= min(support={tree.support}, "
-                                  f"vocab={tgt.vocab_size}) = {min(tree.support, tgt.vocab_size)}")
+        eos = check_models(tgt, drf, tree, eos_token_id)
         budget = tree.budget if drf is not None else None
         if batched:
             for b, (p, n) in enumerate(zip(prompts, limits)):
@@ -452,7 +432,7 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             # 'auto' plans a batch with numba on the host (the Triton walk takes one tree)
             backend = "numba" if backend == "auto" else backend
             max_batch = len(prompts) if max_batch_size is None else min(max_batch_size, len(prompts))
-            _check_memory(tgt, prompts, limits, budget, max_batch)
+            _check_memory(tgt, drf, prompts, limits, budget, max_batch)
             if drf is not None:
                 _warm_up(backend)
             state = BatchState(target=tgt, draft=drf, prompts=prompts, limits=limits, keys=keys,
@@ -484,6 +464,40 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             tgt.close()
         if drf is not None and drf is not draft:
             drf.close()
+
+
+def check_decode_args(sampling, tree, seed, callback, logits_processors, cost_model) -> tuple[int, tuple]:
+    """The checks of ``plan_and_decode``'s arguments that need no model: returns the seed
+    (drawn at random when None) and the checked logits processors."""
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling={sampling!r} is a {type(sampling).__name__}: allowed a SamplingConfig")
+    if not isinstance(tree, TreeConfig):
+        raise TypeError(f"tree={tree!r} is a {type(tree).__name__}: allowed a TreeConfig")
+    if seed is None:
+        seed = random.randrange(2**62)
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed={seed!r} is a {type(seed).__name__}: allowed None or an int in [0, 2**63)")
+    Streams(seed)  # validates the seed's range
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback={callback!r} is not callable: allowed None or a function of the "
+                        "new tokens")
+    processors = _check_processors(logits_processors)
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model={cost_model!r} is a {type(cost_model).__name__}: allowed None or a "
+                        "rheoplan.costmodel.CostModel")
+    return seed, processors
+
+
+def check_models(tgt: TargetModel, drf: DraftModel | None, tree: TreeConfig, eos_token_id) -> set[int]:
+    """The checks that need the adapters (before any model work): the EOS ids (returned as
+    a set), the draft against the target, the tree's slots against the vocabulary."""
+    eos = _check_eos(eos_token_id, tgt.vocab_size)
+    if drf is not None:
+        _check_pair(tgt, drf)
+        if tree.slots > min(tree.support, tgt.vocab_size):
+            raise ConfigError(f"slots={tree.slots} is out of range: allowed <= min(support={tree.support}, "
+                              f"vocab={tgt.vocab_size}) = {min(tree.support, tgt.vocab_size)}")
+    return eos
 
 
 def _check_context(tgt: TargetModel, n_prompt: int, max_new_tokens: int, budget: int | None,
@@ -744,24 +758,28 @@ def _free_memory(device) -> int | None:
     return None
 
 
-def _check_memory(tgt: TargetModel, prompts: list[list[int]], limits: list[int], budget: int | None,
-                  max_batch: int) -> None:
-    """Refuse a batch whose estimated memory (``TargetModel.memory_estimate``: KV cache of
-    the padded batch with room for holes, one verify forward's activations) exceeds what
-    the target's device has free, before any model work."""
+def _check_memory(tgt: TargetModel, drf: DraftModel | None, prompts: list[list[int]], limits: list[int],
+                  budget: int | None, max_batch: int) -> None:
+    """Refuse a batch whose estimated memory (``memory_estimate`` of the target and of the
+    draft: KV caches of the padded batch with room for holes, one forward's activations)
+    exceeds what the target's device has free, before any model work."""
     tree_len = 1 + (budget or 0)
     # widest row: prompt + new tokens + one tree; holes may double it before a compaction
     width = 2 * max(len(p) + n for p, n in zip(prompts, limits)) + tree_len
-    need = tgt.memory_estimate(max_batch, width, tree_len)
-    if need is None:
+    parts = [tgt.memory_estimate(max_batch, width, tree_len)]
+    if drf is not None:
+        parts.append(drf.memory_estimate(max_batch, width, tree_len))
+    if all(p is None for p in parts):
         return
+    need = sum(p for p in parts if p is not None)
     free = _free_memory(tgt.device)
     if free is not None and need > free:
         per_row = max(1, need // max_batch)
         what = (f"prompt_ids has {len(prompts)} rows" if max_batch == len(prompts) else
                 f"max_batch_size={max_batch}")
         raise ValueError(f"{what}: the batch needs about {need / 2**30:.2f} GiB "
-                         f"(KV cache + activations, estimated from the model config) but "
+                         f"(KV caches + activations of the target and the draft, estimated from the "
+                         f"model configs) but "
                          f"{free / 2**30:.2f} GiB are free on {tgt.device or 'cpu'}: allowed at most "
                          f"{free // per_row} rows at these prompt lengths and max_new_tokens")
 
@@ -878,12 +896,29 @@ def _start_rows(s: BatchState, rows: list[_Row]) -> None:
 
 
 def _decode_rows(s: BatchState) -> list[DecodeResult]:
+    waiting = list(s.rows)  # join in order as rows finish
+
+    def take(k: int) -> list[_Row]:
+        nonlocal waiting
+        out, waiting = waiting[:k], waiting[k:]
+        return out
+
+    for _ in run_rows(s, take, total=sum(s.limits)):
+        pass
+    return [r.result for r in s.rows]
+
+
+def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None = None):
+    """The batched loop: rows come from ``take(k)`` (at most ``k`` rows that wait, in the
+    order they join; fewer or none when none wait), up to ``s.max_batch`` live at once; a
+    finished row is yielded (its ``result`` complete) and ``take`` fills its place.
+    ``total``: the progress bar's total tokens, when known."""
     tgt, drf = s.target, s.draft
-    bar = tqdm(total=sum(s.limits), unit="tok", desc="decode") if s.progress else None
+    bar = tqdm(total=total, unit="tok", desc="decode") if s.progress else None
     t_start = time.perf_counter()
-    live = list(s.rows[:s.max_batch])
-    waiting = list(s.rows[s.max_batch:])  # join in order as rows finish
-    _start_rows(s, live)
+    live = take(s.max_batch)
+    if live:
+        _start_rows(s, live)
     while live:
         st0 = StepStats(0, 0, 0, 0, 0)
         t0 = time.perf_counter()
@@ -948,11 +983,14 @@ def _decode_rows(s: BatchState) -> list[DecodeResult]:
                 row.root = walks[b].emitted[-1]
                 row.prefix_len += len(walks[b].path)
                 row.step += 1
+        for b in range(len(live)):
+            if stops[b] is not None:
+                yield live[b]
         live = [live[b] for b in going]
         s.step += 1
-        if waiting and len(live) < s.max_batch:
-            # continuous batching: waiting prompts take the free rows, after the live ones
-            new, waiting = waiting[:s.max_batch - len(live)], waiting[s.max_batch - len(live):]
+        # continuous batching: waiting prompts take the free rows, after the live ones
+        new = take(s.max_batch - len(live)) if len(live) < s.max_batch else []
+        if new:
             if live:
                 tgt.add_rows([r.prompt for r in new])
                 if drf is not None:
@@ -963,7 +1001,6 @@ def _decode_rows(s: BatchState) -> list[DecodeResult]:
             live += new
     if bar is not None:
         bar.close()
-    return [r.result for r in s.rows]
 
 
 _WARM: set[str] = set()

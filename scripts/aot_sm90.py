@@ -84,12 +84,25 @@ def cases():
                        attn.tree_attention_kernel, ptrs, {"SCALE": "fp32"},
                        dict(GROUP=4, D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn,
                             PREC="ieee" if name == "fp32" else "tf32", SPLIT=split), nw)
-    f32 = {n: "*fp32" for n in ("parent_score_ptr", "cand_q_ptr", "sup_q_ptr", "z_ptr", "y_qtilde_ptr",
-                                "child_q_ptr", "child_weight_ptr", "child_score_ptr")}
+    f32 = {n: "*fp32" for n in ("parent_score_ptr", "cand_q_ptr", "cq_ptr", "sup_q_ptr", "z_ptr", "y_qtilde_ptr",
+                                "child_q_ptr", "child_weight_ptr", "child_score_ptr", "part_mx_ptr", "part_s_ptr")}
     for S, logit in ((128, "*bf16"), (128, "*fp32"), (256, "*bf16")):
         ptrs = dict(f32, logits_ptr=logit, noise_ptr="*fp64")
         yield (f"slot_expansion S={S} logits {logit[1:]}", slot.slot_expansion_kernel, ptrs, {"INV_T": "fp32"},
                dict(S=S, S_BLOCK=S, S_TILE=32 if S <= 128 else 16, M=1, K=10, PROXY=0, BLOCK=1024, PROBS=False),
+               4 if S <= 128 else 8)
+    # the vocabulary split across programs: chunk statistics, each chunk's top-S, the merge
+    for logit in ("*bf16", "*fp32"):
+        yield (f"slot softmax_partials logits {logit[1:]}", slot.softmax_partials_kernel,
+               dict(f32, logits_ptr=logit), {"INV_T": "fp32"}, dict(BLOCK=1024), 4)
+    for S in (128, 256):
+        for logit, probs in (("*bf16", False), ("*fp32", True)):  # from logits / from the planner's law
+            yield (f"slot chunk_topk S={S} {'probs' if probs else 'logits'} {logit[1:]}", slot.chunk_topk_kernel,
+                   dict(f32, logits_ptr=logit), {"INV_T": "fp32"},
+                   dict(S=S, S_BLOCK=S, C_BLOCK=32, BLOCK=1024, PROBS=probs), 4)
+        yield (f"slot_expansion S={S} merge", slot.slot_expansion_kernel, dict(f32, logits_ptr="*fp32",
+               noise_ptr="*fp64"), {"INV_T": "fp32"}, dict(S=S, S_BLOCK=S, S_TILE=32 if S <= 128 else 16, M=1, K=10,
+                                                           PROXY=0, BLOCK=1024, PROBS=True, MERGE=True),
                4 if S <= 128 else 8)
     for write_ids in (True, False):
         yield (f"topk write_ids={write_ids} BLOCK=64", plan.topk_kernel, {"score_ptr": "*fp32", "out_ptr":

@@ -13,7 +13,8 @@ one above; ``docs/concepts.md`` "Code layout" lists the same table):
  5    ``plan``                                        ``plan_tree``
  6    ``kernels``                                     numba / Triton kernels and their pipeline
  7    ``models``                                      adapters (target / draft interfaces)
- 8    ``decode``, ``walk``                            ``plan_and_decode``, the walk by backend
+ 8    ``decode``, ``walk``, ``stream``                ``plan_and_decode``, the walk by backend,
+                                                      ``decode_requests``
  9    ``testing``, ``dump``, ``loading``, ``probe``   oracle, drawings, the default model,
                                                       measuring dtype + latencies at load
 10    ``bench``, ``train``                            benchmarks, draft training
@@ -46,7 +47,7 @@ LAYERS = [
     ["rheoplan.plan"],
     ["rheoplan.kernels"],
     ["rheoplan.models"],
-    ["rheoplan.decode", "rheoplan.walk"],
+    ["rheoplan.decode", "rheoplan.walk", "rheoplan.stream"],
     ["rheoplan.testing", "rheoplan.dump", "rheoplan.loading", "rheoplan.probe"],
     ["rheoplan.bench", "rheoplan.train"],
     ["rheoplan.cli"],

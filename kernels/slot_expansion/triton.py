@@ -1,19 +1,36 @@
-"""Triton slot-expansion kernel: one program per expanded node (same signature as
-``reference.slot_expansion``).
+"""Triton slot-expansion kernels (same signature as ``reference.slot_expansion``).
 
-Per program: softmax statistics over V in blocks; the exact top-S by a radix select on
-the float32 bit pattern of q (monotone for q >= 0) for the S-th largest value (three
-digits, one histogram pass over V each),
-a compaction pass (entries above it, then the lowest ids equal to it, in id order) and
-a ranking of the S candidates by pairwise comparison (q desc, id asc); then tail mass,
-proxy, tail law, the Gumbel-max draw from the injected noise, and the K children.
+The exact top-S of each row's draft law q, then tail mass, proxy, tail law, the Gumbel-max
+draw from the injected noise, and the K children. The top-S is a radix select on the
+float32 bit pattern of q (monotone for q >= 0) for the S-th largest value (three digits,
+one histogram pass each), a compaction (entries above it, then the lowest ids equal to
+it, in id order) and a ranking of the S candidates by pairwise comparison (q desc, id asc).
+
+The vocabulary is split across programs when the rows alone leave the GPU idle (a few
+rows at batch 1; readiness item 8): grid rows x chunks.
+
+1. ``softmax_partials_kernel`` (logits only): each chunk's max and sum of exp.
+2. ``chunk_topk_kernel``: each chunk's own top-S by the select above, over q from the
+   combined statistics, written in id order to a ``[rows, chunks * S]`` scratch (q = -1
+   pads a chunk with fewer than S entries). The row's top-S is inside the union of the
+   chunks' (an entry beaten by fewer than S entries of the row is beaten by fewer than S
+   of its chunk), and the scratch is in id order, so the same select over it keeps the
+   same lowest ids among ties.
+3. ``slot_expansion_kernel`` (one program per row): that select over the scratch (or,
+   unsplit, over the whole vocabulary: one launch, statistics in the kernel), the ranking
+   and everything after it.
 
 Float parity: q comes from Triton's exp, not torch's, so q and scores match the
-reference to ~1e-6 relative, not bitwise; tokens match exactly unless two distinct
-logits give q values within that rounding (never in the tests).
+reference to ~1e-6 relative, not bitwise (and, from logits, depend on the chunk count in
+the last bit: the statistics are summed per chunk); tokens match exactly unless two
+distinct logits give q values within that rounding (never in the tests). From a given
+law (``probs=True``, what the planner passes) every output is independent of the split:
+the select is exact and q is copied, not recomputed.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -23,24 +40,47 @@ from rheoplan.kernels.slot_expansion.reference import PROXY_CODES, SlotExpansion
 
 
 @triton.jit
-def _q_block(logits_ptr, row, offs, V, INV_T, mx, ssum, PROBS: tl.constexpr):
-    x = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    if PROBS:  # the input already is the draft law (the planner computes it with torch)
-        return tl.where(offs < V, x, -1.0)
-    return tl.where(offs < V, tl.exp(x * INV_T - mx) / ssum, -1.0)  # -1 marks padding
+def _q_block(q_ptr, base, offs, hi, INV_T, mx, ssum, PROBS: tl.constexpr):
+    """q at ``offs`` of the row starting at ``base`` (``-1`` past ``hi``: padding)."""
+    x = tl.load(q_ptr + base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+    if PROBS:  # the input already is the law (the planner's, or a chunk scratch: -1 = padding)
+        return tl.where(offs < hi, x, -1.0)
+    return tl.where(offs < hi, tl.exp(x * INV_T - mx) / ssum, -1.0)  # -1 marks padding
 
 
 @triton.jit
-def _radix_digit(logits_ptr, row, offs0, V, INV_T, mx, ssum, prefix, above, SHIFT: tl.constexpr,
+def _lane_stats(logits_ptr, base, lo, hi, INV_T, BLOCK: tl.constexpr):
+    """Max and sum of exp(x / T - max) over ``[lo, hi)`` of a row: per-lane running values,
+    reduced once after the loop (one cross-warp reduction instead of two per block). A lane
+    that has seen only -inf keeps max -inf; ``safe`` keeps exp(-inf - -inf) = NaN out of
+    its sum (item 7). Returns (max, possibly -inf; sum relative to max, 0 if -inf)."""
+    offs0 = tl.arange(0, BLOCK)
+    mx_v = tl.full([BLOCK], float("-inf"), tl.float32)
+    s_v = tl.zeros([BLOCK], tl.float32)
+    for start in range(lo, hi, BLOCK):
+        offs = start + offs0
+        x = tl.load(logits_ptr + base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32) * INV_T
+        new_mx = tl.maximum(mx_v, x)
+        safe = tl.where(new_mx == float("-inf"), 0.0, new_mx)
+        s_v = s_v * tl.exp(mx_v - safe) + tl.exp(x - safe)
+        mx_v = new_mx
+    mx = tl.max(mx_v, axis=0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    return mx, tl.sum(s_v * tl.exp(mx_v - mx_safe), axis=0)
+
+
+@triton.jit
+def _radix_digit(q_ptr, base, lo, hi, INV_T, mx, ssum, prefix, above, SHIFT: tl.constexpr,
                  WIDTH: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr, PROBS: tl.constexpr):
-    """One digit (bits ``SHIFT .. SHIFT + WIDTH - 1``) of the S-th largest bit pattern:
-    among the entries whose higher digits equal ``prefix``'s, the largest digit d with
-    ``above + #{digit >= d} >= S`` (0 if none, as the bit search: fewer than S entries give
-    t = 0). Returns (prefix with that digit, above + #{digit > d})."""
+    """One digit (bits ``SHIFT .. SHIFT + WIDTH - 1``) of the S-th largest bit pattern in
+    ``[lo, hi)``: among the entries whose higher digits equal ``prefix``'s, the largest
+    digit d with ``above + #{digit >= d} >= S`` (0 if none, as the bit search: fewer than S
+    entries give t = 0). Returns (prefix with that digit, above + #{digit > d})."""
     NBINS: tl.constexpr = 1 << WIDTH
+    offs0 = tl.arange(0, BLOCK)
     hist = tl.zeros([2 * NBINS], tl.int32)
-    for start in range(0, V, BLOCK):
-        q = _q_block(logits_ptr, row, start + offs0, V, INV_T, mx, ssum, PROBS)
+    for start in range(lo, hi, BLOCK):
+        q = _q_block(q_ptr, base, start + offs0, hi, INV_T, mx, ssum, PROBS)
         bits = q.to(tl.int32, bitcast=True)
         same = (q >= 0) & ((bits >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH)))
         # entries outside the prefix go to bin NBINS, never read: no masked histogram needed
@@ -54,59 +94,113 @@ def _radix_digit(logits_ptr, row, offs0, V, INV_T, mx, ssum, prefix, above, SHIF
 
 
 @triton.jit
-def slot_expansion_kernel(logits_ptr, parent_score_ptr, noise_ptr, cand_tok_ptr, cand_q_ptr,
-                          sup_token_ptr, sup_q_ptr, z_ptr, y_rank_ptr, y_token_ptr, y_qtilde_ptr,
-                          child_token_ptr, child_q_ptr, child_weight_ptr, child_score_ptr,
-                          V, noise_stride, INV_T, S: tl.constexpr, S_BLOCK: tl.constexpr,
-                          S_TILE: tl.constexpr, M: tl.constexpr, K: tl.constexpr, PROXY: tl.constexpr,
-                          BLOCK: tl.constexpr, PROBS: tl.constexpr = False):
-    # int64 row: row * V overflows int32 past ~16.7k rows at V = 128k
-    row = tl.program_id(0).to(tl.int64)
-    offs0 = tl.arange(0, BLOCK)
-    # -- softmax statistics: per-lane running max / sum, reduced once after the loop -----
-    # (one cross-warp reduction instead of two per block). A lane that has seen only -inf
-    # keeps max -inf; ``safe`` keeps exp(-inf - -inf) = NaN out of its sum (item 7).
-    mx_v = tl.full([BLOCK], float("-inf"), tl.float32)
-    s_v = tl.zeros([BLOCK], tl.float32)
-    if not PROBS:  # PROBS: q is given, no softmax statistics needed
-        for start in range(0, V, BLOCK):
-            offs = start + offs0
-            x = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * INV_T
-            new_mx = tl.maximum(mx_v, x)
-            safe = tl.where(new_mx == float("-inf"), 0.0, new_mx)
-            s_v = s_v * tl.exp(mx_v - safe) + tl.exp(x - safe)
-            mx_v = new_mx
-    mx = tl.max(mx_v, axis=0)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    ssum = tl.sum(s_v * tl.exp(mx_v - mx_safe), axis=0)
-    mx = mx_safe
+def _select_top(q_ptr, tok_ptr, base, lo, hi, INV_T, mx, ssum, out_tok_ptr, out_q_ptr, out_base,
+                S: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBS: tl.constexpr,
+                TOKENS: tl.constexpr):
+    """The top-S of ``[lo, hi)`` (q desc, lowest ids among ties) written in id order to
+    ``out[out_base : out_base + S]``; q = -1 past the entries found. ``TOKENS``: the token of
+    an entry is ``tok_ptr[base + offset]`` (a chunk scratch), else the offset itself."""
     # -- S-th largest bit pattern: largest t with #{bits >= t} >= S ----------------------
     # radix select on the 31-bit pattern (q >= 0), three digits of 11, 10, 10 bits: one pass
-    # over V per digit (a histogram of the digit among the entries that share the digits
-    # chosen so far), not one pass per bit
+    # per digit (a histogram of the digit among the entries that share the digits chosen so
+    # far), not one pass per bit
     t = tl.full((), 0, tl.int32)
     above = tl.full((), 0, tl.int32)  # entries whose chosen digits are larger than t's
-    t, above = _radix_digit(logits_ptr, row, offs0, V, INV_T, mx, ssum, t, above, 20, 11, S, BLOCK, PROBS)
-    t, above = _radix_digit(logits_ptr, row, offs0, V, INV_T, mx, ssum, t, above, 10, 10, S, BLOCK, PROBS)
-    t, above = _radix_digit(logits_ptr, row, offs0, V, INV_T, mx, ssum, t, above, 0, 10, S, BLOCK, PROBS)
+    t, above = _radix_digit(q_ptr, base, lo, hi, INV_T, mx, ssum, t, above, 20, 11, S, BLOCK, PROBS)
+    t, above = _radix_digit(q_ptr, base, lo, hi, INV_T, mx, ssum, t, above, 10, 10, S, BLOCK, PROBS)
+    t, above = _radix_digit(q_ptr, base, lo, hi, INV_T, mx, ssum, t, above, 0, 10, S, BLOCK, PROBS)
     # -- compaction in id order: all above t, then the first (S - above) equal to t -------
     # (``above`` = #{bits > t}: the radix passes counted it)
+    offs0 = tl.arange(0, BLOCK)
     taken = 0
     eq_seen = 0
-    for start in range(0, V, BLOCK):
+    for start in range(lo, hi, BLOCK):
         offs = start + offs0
-        q = _q_block(logits_ptr, row, offs, V, INV_T, mx, ssum, PROBS)
+        q = _q_block(q_ptr, base, offs, hi, INV_T, mx, ssum, PROBS)
         bits = q.to(tl.int32, bitcast=True)
         valid = q >= 0
         eq = (bits == t) & valid
         eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
         sel = ((bits > t) & valid) | (eq & (eq_rank < S - above))
         pos = taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        if TOKENS:
+            tok = tl.load(tok_ptr + base + offs, mask=sel, other=-1)
+        else:
+            tok = offs.to(tl.int64)
         # pos < S: an inconsistency between passes must not write into the next row
-        tl.store(cand_tok_ptr + row * S + pos, offs.to(tl.int64), mask=sel & (pos < S))
-        tl.store(cand_q_ptr + row * S + pos, q, mask=sel & (pos < S))
+        tl.store(out_tok_ptr + out_base + pos, tok, mask=sel & (pos < S))
+        tl.store(out_q_ptr + out_base + pos, q, mask=sel & (pos < S))
         taken += tl.sum(sel.to(tl.int32), axis=0)
         eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+    si = tl.arange(0, S_BLOCK)
+    pad = (si >= taken) & (si < S)  # fewer than S entries (a short chunk): invalid rest
+    tl.store(out_tok_ptr + out_base + si, tl.full([S_BLOCK], -1, tl.int64), mask=pad)
+    tl.store(out_q_ptr + out_base + si, tl.full([S_BLOCK], -1.0, tl.float32), mask=pad)
+
+
+@triton.jit
+def _row_stats(part_mx_ptr, part_s_ptr, row, C, C_BLOCK: tl.constexpr):
+    """The row's softmax statistics from its chunks' (``softmax_partials_kernel``)."""
+    c = tl.arange(0, C_BLOCK)
+    pm = tl.load(part_mx_ptr + row * C + c, mask=c < C, other=float("-inf"))
+    ps = tl.load(part_s_ptr + row * C + c, mask=c < C, other=0.0)
+    mx = tl.max(pm, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    return mx, tl.sum(ps * tl.exp(pm - mx), axis=0)  # a chunk of -inf only: exp(-inf) * 0
+
+
+@triton.jit
+def softmax_partials_kernel(logits_ptr, part_mx_ptr, part_s_ptr, V, CHUNK, INV_T, BLOCK: tl.constexpr):
+    """Grid (rows, chunks): the max and sum of exp of one chunk of one row."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    C = tl.num_programs(1)
+    lo = c * CHUNK
+    mx, ssum = _lane_stats(logits_ptr, row * V, lo, tl.minimum(lo + CHUNK, V), INV_T, BLOCK)
+    tl.store(part_mx_ptr + row * C + c, mx)
+    tl.store(part_s_ptr + row * C + c, ssum)
+
+
+@triton.jit
+def chunk_topk_kernel(logits_ptr, part_mx_ptr, part_s_ptr, ctok_ptr, cq_ptr, V, CHUNK, INV_T,
+                      S: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                      PROBS: tl.constexpr):
+    """Grid (rows, chunks): the top-S of one chunk of one row, in id order, into the row's
+    ``[chunks * S]`` scratch at ``chunk * S``."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    C = tl.num_programs(1)
+    mx = 0.0
+    ssum = 1.0
+    if not PROBS:  # every program of the row computes the same statistics (same code, inputs)
+        mx, ssum = _row_stats(part_mx_ptr, part_s_ptr, row, C, C_BLOCK)
+    lo = c * CHUNK
+    _select_top(logits_ptr, logits_ptr, row * V, lo, tl.minimum(lo + CHUNK, V), INV_T, mx, ssum,
+                ctok_ptr, cq_ptr, (row * C + c) * S, S, S_BLOCK, BLOCK, PROBS, False)
+
+
+@triton.jit
+def slot_expansion_kernel(logits_ptr, ctok_ptr, cq_ptr, parent_score_ptr, noise_ptr, cand_tok_ptr, cand_q_ptr,
+                          sup_token_ptr, sup_q_ptr, z_ptr, y_rank_ptr, y_token_ptr, y_qtilde_ptr,
+                          child_token_ptr, child_q_ptr, child_weight_ptr, child_score_ptr,
+                          V, NC, noise_stride, INV_T, S: tl.constexpr, S_BLOCK: tl.constexpr,
+                          S_TILE: tl.constexpr, M: tl.constexpr, K: tl.constexpr, PROXY: tl.constexpr,
+                          BLOCK: tl.constexpr, PROBS: tl.constexpr = False, MERGE: tl.constexpr = False):
+    """One program per row. ``MERGE``: the top-S from the chunks' candidates (``NC`` =
+    chunks x S entries per row in ``ctok`` / ``cq``); else from the row's V entries."""
+    # int64 row: row * V overflows int32 past ~16.7k rows at V = 128k
+    row = tl.program_id(0).to(tl.int64)
+    if MERGE:
+        _select_top(cq_ptr, ctok_ptr, row * NC, 0, NC, INV_T, 0.0, 1.0, cand_tok_ptr, cand_q_ptr, row * S,
+                    S, S_BLOCK, BLOCK, True, True)
+    else:
+        mx = 0.0
+        ssum = 1.0
+        if not PROBS:  # PROBS: q is given, no softmax statistics needed
+            mx, ssum = _lane_stats(logits_ptr, row * V, 0, V, INV_T, BLOCK)
+            mx = tl.where(mx == float("-inf"), 0.0, mx)
+        _select_top(logits_ptr, logits_ptr, row * V, 0, V, INV_T, mx, ssum, cand_tok_ptr, cand_q_ptr, row * S,
+                    S, S_BLOCK, BLOCK, PROBS, False)
     # the candidates are reloaded below by other threads than the ones that stored them
     tl.debug_barrier()
     # -- rank the S candidates: q desc, id asc --------------------------------------------
@@ -173,19 +267,59 @@ def slot_expansion_kernel(logits_ptr, parent_score_ptr, noise_ptr, cand_tok_ptr,
     tl.store(child_score_ptr + row * K + slot, score, mask=keep)
 
 
+def vocab_chunks(n: int, V: int, support: int, block: int, programs: int) -> int:
+    """How many chunks to split each row's vocabulary into so that about ``programs``
+    programs run (two per SM on a GPU), at least one block of ``block`` entries each.
+
+    At most ``sqrt(V / support)`` chunks: the merge reads chunks x support candidates per
+    row, so this keeps it no longer than a chunk. Rows that fill the GPU alone: 1 (no
+    split, one launch). Example: 10 rows, V = 128256, support 128, block 1024, 264
+    programs (132 SMs) -> 26 chunks of 5 blocks; 640 rows -> 1.
+    """
+    blocks = triton.cdiv(V, block)
+    c = max(1, min(triton.cdiv(programs, max(n, 1)), blocks, math.isqrt(max(V // max(support, 1), 1))))
+    return triton.cdiv(blocks, triton.cdiv(blocks, c))  # whole blocks per chunk, no empty chunk
+
+
+def default_chunks(n: int, V: int, support: int, device: torch.device | str, block: int = 1024) -> int:
+    """The chunk count ``slot_expansion(..., chunks=None)`` uses: ``vocab_chunks`` for two
+    programs per SM on CUDA; 1 elsewhere (the interpreter runs programs one after another,
+    so a split only adds work there)."""
+    device = torch.device(device)
+    block = min(block, triton.next_power_of_2(V))
+    if device.type != "cuda":
+        return 1
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return vocab_chunks(n, V, min(support, V), block, programs)
+
+
 def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torch.Tensor, *,
                    temperature: float, support: int, rheostat: int, slots: int,
-                   proxy: str = "default", block: int = 1024, probs: bool = False) -> SlotExpansion:
+                   proxy: str = "default", block: int = 1024, probs: bool = False,
+                   chunks: int | None = None) -> SlotExpansion:
     """Same contract as ``reference.slot_expansion``; tensors on the kernel's device.
 
     ``probs=True``: ``logits`` already holds the draft law ``q [n, V]`` (the Triton
     planner computes it with ``distributions.draft_probs``, the one definition) and the
     kernel skips its softmax; ``temperature`` is then ignored.
+
+    ``chunks``: how many programs share each row's vocabulary (whole blocks of ``block``
+    entries each; at most one per block). ``None``: ``vocab_chunks`` for the device (no
+    split on the CPU). Integer outputs do not depend on it.
     """
     check_args(logits, parent_score, noise, support, rheostat, slots, proxy)
     n, V = logits.shape
     s, m, K = min(support, V), rheostat, slots
     dev = logits.device
+    block = min(block, triton.next_power_of_2(V))
+    blocks = triton.cdiv(V, block)
+    if chunks is not None and not (isinstance(chunks, int) and 1 <= chunks <= blocks):
+        raise ValueError(f"chunks={chunks!r}: allowed an int in [1, {blocks}] (one vocabulary block of "
+                         f"{block} entries at least per chunk) or None")
+    if chunks is None:
+        chunks = default_chunks(n, V, s, dev, block)
+    chunk = triton.cdiv(blocks, chunks) * block  # entries per chunk, whole blocks
+    chunks = triton.cdiv(V, chunk)
     logits = logits.contiguous()
     if noise.dim() != 2 or noise.shape[0] != n:
         noise = torch.zeros(n, 1, dtype=torch.float64, device=dev)
@@ -198,11 +332,25 @@ def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torc
         return out
     cand_tok, cand_q = ilong(n, s), f32(n, s)
     s_block = triton.next_power_of_2(s)
+    warps = 4 if s_block <= 128 else 8  # spill-free on sm_90 at S = 128 and 256 (scripts/aot_sm90.py)
+    ctok, cq = cand_tok, cand_q  # unsplit: the kernel selects from the vocabulary directly
+    if chunks > 1:
+        empty = torch.empty(0, dtype=torch.float32, device=dev)
+        part_mx, part_s = (f32(n, chunks), f32(n, chunks)) if not probs else (empty, empty)
+        if not probs:
+            softmax_partials_kernel[(n, chunks)](logits, part_mx, part_s, V, chunk, 1.0 / temperature,
+                                                 BLOCK=block, num_warps=4)
+        ctok = torch.empty(n, chunks * s, dtype=torch.int64, device=dev)  # every entry written
+        cq = torch.empty(n, chunks * s, dtype=torch.float32, device=dev)
+        chunk_topk_kernel[(n, chunks)](logits, part_mx, part_s, ctok, cq, V, chunk, 1.0 / temperature,
+                                       S=s, S_BLOCK=s_block, C_BLOCK=triton.next_power_of_2(chunks), BLOCK=block,
+                                       PROBS=probs, num_warps=4)
     slot_expansion_kernel[(n,)](
-        logits, parent_score.to(device=dev, dtype=torch.float32).contiguous(), noise, cand_tok, cand_q,
+        logits, ctok, cq, parent_score.to(device=dev, dtype=torch.float32).contiguous(), noise, cand_tok, cand_q,
         out.sup_token, out.sup_q, out.z, out.y_rank, out.y_token, out.y_qtilde,
         out.child_token, out.child_q, out.child_weight, out.child_score,
-        V, noise.shape[1], 1.0 / temperature, S=s, S_BLOCK=s_block, S_TILE=min(s_block, 32 if s_block <= 128 else 16),
-        M=m, K=K, PROXY=PROXY_CODES[proxy], BLOCK=min(block, triton.next_power_of_2(V)), PROBS=probs,
-        num_warps=4 if s_block <= 128 else 8)  # spill-free on sm_90 at S = 128 and 256 (scripts/aot_sm90.py)
+        V, chunks * s, noise.shape[1], 1.0 / temperature, S=s, S_BLOCK=s_block,
+        S_TILE=min(s_block, 32 if s_block <= 128 else 16), M=m, K=K, PROXY=PROXY_CODES[proxy],
+        BLOCK=min(block, triton.next_power_of_2(chunks * s)) if chunks > 1 else block, PROBS=probs,
+        MERGE=chunks > 1, num_warps=warps)
     return out

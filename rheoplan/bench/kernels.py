@@ -132,6 +132,10 @@ def cuda_section(vocab: int, reps: int, out, device: str = "cuda", batches=(1, 8
         t_k = timer(lambda: stk.slot_expansion(logits, parent, noise, **kw), reps)
         t_r = timer(lambda: torch.topk(torch.softmax(logits, -1), 128, dim=-1), reps)
         print(f"{'slot_expansion':<26} {B:>5} {t_k:10.1f} {t_r:13.1f}  (ref: torch softmax + topk only)", file=out)
+        # the same without the vocabulary split (one program per row): what the split buys
+        t_1 = timer(lambda: stk.slot_expansion(logits, parent, noise, chunks=1, **kw), reps)
+        print(f"{'slot_expansion chunks=1':<26} {B:>5} {t_1:10.1f} {'':>13}  (split here: "
+              f"{stk.default_chunks(n, vocab, 128, logits.device)} chunks)", file=out)
         cpu_bank = torch.randn(64, 512, generator=torch.Generator().manual_seed(B))
         tree = plan_tree(lambda t, nd: cpu_bank[(nd.clamp(min=0) + t.cur_depth) % 64], list(range(B)), tree=cfg,
                          sampling=SamplingConfig())

@@ -12,6 +12,23 @@ import inspect
 import torch
 
 
+def forward_memory(cfg, elem: int, vocab: int, batch: int, width: int, queries: int) -> int:
+    """Bytes one batched forward of a transformers decoder (config ``cfg``, ``elem``-byte
+    weights) holds at most: the KV cache of ``batch`` rows ``width`` columns wide and the
+    largest activations of ``queries`` new tokens per row (hidden states, the MLP, float32
+    mask and scores, float32 logits). A rough upper estimate from the config."""
+    layers = int(cfg.num_hidden_layers)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    inter = int(getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    kv = 2 * layers * kv_heads * head_dim * batch * width * elem
+    act = batch * queries * (4 * cfg.hidden_size + 2 * inter) * elem
+    scores = batch * heads * queries * width * 4  # float32 mask + scores
+    logits = batch * queries * vocab * 4
+    return int(kv + act + 2 * scores + logits)
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Turn a bool ``[q, kv]`` mask into the float ``[1, 1, q, kv]`` mask attention adds.
 
@@ -154,7 +171,7 @@ def crop_cache(cache, length: int) -> None:
             setattr(holder, v, getattr(holder, v).narrow(-2, 0, length))
 
 
-def commit_cache(cache, prefix: int, path: list[int]) -> None:
+def commit_cache(cache, prefix: int, path: "list[int] | torch.Tensor") -> None:
     """Keep the ``prefix`` cached entries and the tree entries ``prefix + path[j]`` (moved
     to ``prefix + j``), drop the rest, in place.
 
@@ -163,17 +180,23 @@ def commit_cache(cache, prefix: int, path: list[int]) -> None:
     they are written back, so the order of ``path`` does not matter.
 
     Example: prefix 3, path [0, 2, 5] keeps entries 0, 1, 2 and moves 3 -> 3, 5 -> 4, 8 -> 5.
+
+    ``path`` may be an int64 tensor on the cache's device (offsets only the device knows):
+    then every entry is moved, since skipping those already in place would need a host read.
     """
     n = len(path)
-    moves = [(prefix + j, prefix + p) for j, p in enumerate(path) if p != j]
+    if isinstance(path, torch.Tensor):
+        moves = (prefix + torch.arange(n, device=path.device), prefix + path) if n else None
+    else:
+        moves = [(prefix + j, prefix + p) for j, p in enumerate(path) if p != j]
+        moves = (torch.tensor([d for d, _ in moves]), torch.tensor([s for _, s in moves])) if moves else None
     for holder, k, v in _layer_tensors(cache):
         keys = getattr(holder, k)
         if keys is None or keys.numel() == 0:
             continue
         vals = getattr(holder, v)
-        if moves:
-            dst = torch.tensor([d for d, _ in moves], device=keys.device)
-            src = torch.tensor([s for _, s in moves], device=keys.device)
+        if moves is not None:
+            dst, src = moves[0].to(keys.device), moves[1].to(keys.device)
             keys.index_copy_(-2, dst, keys.index_select(-2, src))
             vals.index_copy_(-2, dst, vals.index_select(-2, src))
         setattr(holder, k, keys.narrow(-2, 0, prefix + n))

@@ -273,6 +273,12 @@ class DraftModel(_RowCopies, ABC):
         for b, row in enumerate(rows):
             row.commit(tree.rows([b]), path_nodes[b], emitted[b], features[b])
 
+    def memory_estimate(self, batch: int, width: int, tree_len: int) -> int | None:
+        """Bytes the draft needs at most in a batched decode (as
+        ``TargetModel.memory_estimate``), or None when it cannot tell (default);
+        ``plan_and_decode`` adds it to the target's estimate."""
+        return None
+
     def check_vocab_map(self, target_vocab_size: int) -> None:
         """Raise ``ValueError`` if the draft's own vocabulary map (e.g. an EAGLE-3 head's
         draft-to-target ids) does not fit a target of ``target_vocab_size`` tokens.
@@ -359,9 +365,10 @@ def check_draft_call(tree: DraftTree, nodes, root: int | None, committed: int | 
     return nodes
 
 
-def check_emitted(tree: DraftTree, path_nodes: list[int], emitted: list[int]) -> list[int]:
-    """Validate ``DraftModel.commit`` arguments; return the path's creation ids as ints."""
-    host = draft_on_host(tree, [])  # one transfer for every check below
+def check_emitted(tree: DraftTree, path_nodes: list[int], emitted: list[int], b: int = 0) -> list[int]:
+    """Validate ``DraftModel.commit`` arguments for tree ``b`` (default 0; a batched
+    ``commit_rows`` checks each row's own); return the path's creation ids as ints."""
+    host = draft_on_host(tree, [], b)  # one transfer for every check below
     path_nodes = [int(v) for v in path_nodes]
     n = host.n_nodes
     if not path_nodes or path_nodes[0] != 0:
@@ -403,11 +410,11 @@ class HostTree:
         return out[::-1]
 
 
-def linear_on_host(linear: LinearTree) -> HostTree:
-    """``n``, the root's position, the tokens and the parents of tree 0 in one
-    device-to-host transfer (a target reads them once per verify forward, not per node)."""
+def linear_on_host(linear: LinearTree, b: int = 0) -> HostTree:
+    """``n``, the root's position, the tokens and the parents of tree ``b`` (default 0) in
+    one device-to-host transfer (a target reads them once per verify forward, not per node)."""
     L = linear.token.shape[1]
-    flat = torch.cat([linear.n[:1], linear.position[0, :1], linear.token[0], linear.parent[0]]).tolist()
+    flat = torch.cat([linear.n[b:b + 1], linear.position[b, :1], linear.token[b], linear.parent[b]]).tolist()
     n = int(flat[0])
     return HostTree(n, int(flat[1]), flat[2:2 + n], flat[2 + L:2 + L + n])
 
@@ -448,11 +455,13 @@ class HostDraft:
         return out[::-1]
 
 
-def draft_on_host(tree: DraftTree, nodes) -> HostDraft:
-    """What a draft whose model runs on the host reads of ``tree`` for one ``node_logits``
-    call, in one device-to-host transfer (nodes given as a tensor travel with it)."""
+def draft_on_host(tree: DraftTree, nodes, b: int = 0) -> HostDraft:
+    """What a draft whose model runs on the host reads of tree ``b`` (default 0) of ``tree``
+    for one ``node_logits`` call, in one device-to-host transfer (nodes given as a tensor
+    travel with it)."""
     M = tree.token.shape[1]
     nodes_t = torch.as_tensor(nodes, dtype=torch.int64).to(tree.token.device).reshape(-1)
-    flat = torch.cat([tree.n_nodes[:1], tree.prefix_len[:1], tree.token[0], tree.parent[0], nodes_t]).tolist()
+    flat = torch.cat([tree.n_nodes[b:b + 1], tree.prefix_len[b:b + 1], tree.token[b], tree.parent[b],
+                      nodes_t]).tolist()
     n = int(flat[0])
     return HostDraft(n, int(flat[1]), flat[2:2 + n], flat[2 + M:2 + M + n], flat[2 + 2 * M:])

@@ -25,11 +25,11 @@ import torch
 
 from rheoplan.costmodel import ProjectionTimings, projection_timings
 from rheoplan.ir import LinearTree
-from rheoplan.models.base import (HostTree, TargetModel, TreeLogits, _linear_rows, check_commit_path,
+from rheoplan.models.base import (HostTree, TargetModel, TreeLogits, check_commit_path,
                                   check_prompt_ids, linear_on_host)
 from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
-    run_base, commit_cache,
+    run_base, commit_cache, forward_memory,
 )
 from rheoplan.models.row_cache import RowCache
 from rheoplan.models.tree_attention import (
@@ -406,10 +406,11 @@ class HFTarget(TargetModel):
         real = torch.arange(L)[None, :] < n[:, None]  # [B, L]
         pos = torch.where(real, linear.position[:, :L].cpu(), 0)
         tok = torch.where(real, linear.token[:, :L].cpu(), 0)
-        for b in range(B):
-            if int(pos[b, 0]) != self._row_prefix[b]:
-                raise ValueError(f"row {b}: linear.position[{b}, 0]={int(pos[b, 0])} but the target "
-                                 f"caches {self._row_prefix[b]} tokens of that row before its root")
+        off = (pos[:, 0] != torch.tensor(self._row_prefix)).nonzero().flatten()
+        if off.numel():
+            b = int(off[0])
+            raise ValueError(f"row {b}: linear.position[{b}, 0]={int(pos[b, 0])} but the target "
+                             f"caches {self._row_prefix[b]} tokens of that row before its root")
         if int(tok.min()) < 0 or int(tok.max()) >= self.vocab_size:
             raise ValueError(f"linear.token holds ids outside [0, {self.vocab_size}) in its real slots")
         anc = linear.ancestor_mask[:, :L, :L].cpu()
@@ -462,7 +463,7 @@ class HFTarget(TargetModel):
         s0 = self._row_tree_start
         cols = []
         for b, p in enumerate(paths):
-            p = check_commit_path(_linear_rows(self._row_tree, [b]), p)
+            p = check_commit_path(linear_on_host(self._row_tree, b), p)
             cols.append([s0 + j for j in p])
             self._row_prefix[b] += len(p)
         self._rows.keep(cols)
@@ -486,18 +487,8 @@ class HFTarget(TargetModel):
         activations (hidden states, the MLP, the attention scores, the logits of
         every node). A rough upper estimate from the model config, to refuse a batch
         that cannot fit before any model work."""
-        cfg = self.base.config
         elem = next(self.model.parameters()).element_size()
-        layers = int(cfg.num_hidden_layers)
-        heads = int(cfg.num_attention_heads)
-        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        inter = int(getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
-        kv = 2 * layers * kv_heads * head_dim * batch * width * elem
-        act = batch * tree_len * (4 * cfg.hidden_size + 2 * inter) * elem
-        scores = batch * heads * tree_len * width * 4  # float32 mask + scores
-        logits = batch * tree_len * self.vocab_size * 4
-        return int(kv + act + 2 * scores + logits)
+        return forward_memory(self.base.config, elem, self.vocab_size, batch, width, tree_len)
 
     def commit(self, path: list[int]) -> None:
         if self._tree is None:

@@ -392,3 +392,24 @@ def test_batch_larger_than_memory_is_refused_before_any_model_work(llamas, monke
         plan_and_decode(target, None, PROMPTS, max_new_tokens=1, seed=0)
     finally:
         handle.remove()
+
+
+def test_memory_estimate_counts_the_draft(llamas, monkeypatch):
+    """The refusal prices the draft's caches too: with free memory between the target's
+    estimate and the pair's, the batch with the draft is refused, the draft-free one runs."""
+    import rheoplan.decode as decode
+    from rheoplan.models import as_draft, as_target
+
+    target, draft = llamas
+    width, tree_len = 2 * (9 + 8) + 7, 7  # the widest prompt (9) + 8 new tokens, twice, + a tree of 1 + budget
+    tgt, drf = as_target(target), as_draft(draft)
+    try:
+        t, d = tgt.memory_estimate(4, width, tree_len), drf.memory_estimate(4, width, tree_len)
+    finally:
+        tgt.close()
+    e3 = _eagle3(target)
+    assert 0 < e3.memory_estimate(1, width, tree_len) < e3.memory_estimate(4, width, tree_len)
+    monkeypatch.setattr(decode, "_free_memory", lambda device: t + d // 2)
+    with pytest.raises(ValueError, match=r"prompt_ids has 4 rows: the batch needs about"):
+        plan_and_decode(target, draft, PROMPTS, max_new_tokens=8, tree=TREE_HF, seed=0)
+    plan_and_decode(target, None, PROMPTS, max_new_tokens=8, seed=0)

@@ -8,7 +8,7 @@ explicit conversions, since the interpreter has no device). The models here are
 device-clean on purpose (a bigram table gathered by token tensors, no host reads), so
 the count is the decode loop's own. The HF and functional targets read their tree once
 per verify (a step stays at 3); the functional draft, a host function of token paths,
-once per call and per commit (the last tests here)."""
+once per call and per commit; the EAGLE-3 and HF drafts add none (the last tests here)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,20 @@ class BigramDraft(DraftModel):
 
     def commit(self, tree, path_nodes, emitted, features):
         pass
+
+
+def _count_calls(obj, *names: str) -> dict[str, int]:
+    """Wrap methods ``names`` of ``obj`` to count their calls; returns the live counts."""
+    calls = {name: 0 for name in names}
+    for name in names:
+        real = getattr(obj, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        setattr(obj, name, counted)
+    return calls
 
 
 @pytest.mark.interpreter
@@ -205,15 +219,7 @@ def test_triton_step_syncs_functional_adapters():
     assert syncs.count == 3 * len(res.steps), syncs.where
 
     draft = FunctionalDraft(hashed_context_lm(V, seed=32, sharpness=1.5))
-    calls = {"node_logits": 0, "commit": 0}
-    for name in calls:
-        real = getattr(draft, name)
-
-        def counted(*a, _real=real, _name=name, **kw):
-            calls[_name] += 1
-            return _real(*a, **kw)
-
-        setattr(draft, name, counted)
+    calls = _count_calls(draft, "node_logits", "commit")
     with count_host_syncs() as syncs:
         res = plan_and_decode(tgt(), draft, [0, 1, 2], max_new_tokens=6, tree=_adapter_cfg(), sampling=s, seed=4,
                               backend="triton")
@@ -256,3 +262,42 @@ def test_eagle3_draft_adds_no_host_sync(draft_vocab):
     assert s_short.count - 2 * len(short.steps) == per_decode, (syncs.where, s_short.where)
     assert per_decode == (0 if draft_vocab == V else 3), syncs.where[:4]
     assert res.tokens == decode("reference", 12)[0].tokens
+
+
+@pytest.mark.slow  # ~35 s: five interpreted decodes
+@pytest.mark.interpreter
+@pytest.mark.no_ir_lint
+def test_hf_draft_adds_no_host_sync():
+    """A transformers draft (``HFDraft``) on the device path: node ids arrive as a tensor, its
+    tokens, depths, parents and attention mask are gathered on the device, and commit keeps
+    the path's cache entries by device-side columns, so it adds no host sync: a step makes
+    the loop's 2, whatever the tree's size (the node-by-node reads it replaced made about
+    35 more per step here). Same tokens as the host path (reference backend)."""
+    from _decode_models import tiny_llama
+
+    from rheoplan.models.hf_draft import HFDraft
+
+    s = SamplingConfig(temperature=1.0)
+
+    def decode(backend, cfg):
+        draft = HFDraft(tiny_llama(5, vocab=V, layers=2))
+        calls = _count_calls(draft, "node_logits", "commit")
+        with count_host_syncs() as syncs:
+            res = plan_and_decode(BigramTarget(), draft, [0, 1, 2], max_new_tokens=8, tree=cfg, sampling=s,
+                                  seed=4, backend=backend)
+        return res, syncs, calls
+
+    for cfg in (_adapter_cfg(), TreeConfig(depth=4, frontier=4, slots=3, budget=12, rheostat=1, support=8,
+                                           verifier="ot")):
+        res, syncs, calls = decode("triton", cfg)
+        n = len(res.steps)
+        assert calls["node_logits"] == cfg.depth * n  # the root, then one call per depth
+        assert calls["commit"] >= n - 1  # (the last step's commit is skipped when the decode ends)
+        assert syncs.count == 2 * n, syncs.where
+        assert res.tokens == decode("reference", cfg)[0].tokens
+    # a transformers target and draft (the GPU run's `self` rows): the target's one read per
+    # verify, nothing from the draft: the readiness bound of 3
+    with count_host_syncs() as syncs:
+        res = plan_and_decode(tiny_llama(3, vocab=V, layers=2), HFDraft(tiny_llama(5, vocab=V, layers=2)), [0, 1, 2],
+                              max_new_tokens=6, tree=_adapter_cfg(), sampling=s, seed=4, backend="triton")
+    assert syncs.count == 3 * len(res.steps), syncs.where

@@ -209,6 +209,20 @@ class Eagle3Draft(DraftModel):
         self._rows: torch.Tensor | None = None
         self._anc: torch.Tensor | None = None
 
+    def memory_estimate(self, batch: int, width: int, tree_len: int) -> int:
+        """The batched head's flat KV cache (every row's ``width`` columns in one sequence),
+        the pending target features, and its largest call: ``batch * tree_len`` queries
+        against the whole flat cache (float32 mask and scores) and their logits over the
+        head's vocabulary."""
+        cfg = self.head.config
+        elem = self._param.element_size()
+        S, Q = batch * width, batch * tree_len
+        kv = 2 * cfg.num_key_value_heads * cfg.head_dim * S * elem
+        feats = S * 3 * cfg.target_hidden_size * elem
+        scores = 2 * cfg.num_attention_heads * Q * (S + Q) * 4
+        vocab = len(self.vocab_ids) if self.vocab_ids is not None else self.vocab_size
+        return int(kv + feats + scores + Q * (4 * cfg.hidden_size * elem + vocab * 4))
+
     def start(self, prompt_ids: list[int]) -> None:
         ids = check_prompt_ids(prompt_ids, self.vocab_size)
         self._reset()
@@ -494,7 +508,9 @@ class Eagle3Draft(DraftModel):
         S = 0 if self._bkv is None else self._bkv[0].shape[1]
         owner = self._owner
         toks, hids, poss, items = [], [], [], []  # items: (row, node or None, own column)
-        vis: list[list[int]] = []  # per query: visible columns (< S: cache, >= S: this call)
+        # per query: the columns it sees besides its row's committed ones (``_owner == row``):
+        # this step's ancestors in the cache (< S) and this call's own entries (>= S)
+        vis: list[list[int]] = []
         for b, (row, nb) in enumerate(zip(rows, nodes)):
             if int(tree.token[b, 0]) != row.root:
                 raise ValueError(f"row {b}: tree root token {int(tree.token[b, 0])} differs from the "
@@ -509,7 +525,6 @@ class Eagle3Draft(DraftModel):
             new = [v for v in dict.fromkeys(nb) if v not in row.logits]
             if not new:
                 continue
-            mine = (owner == b).nonzero().flatten().tolist()
             if 0 in new:
                 if new != [0]:
                     raise ValueError(f"row {b}: nodes={nb}: the root must be forwarded alone (its "
@@ -521,7 +536,7 @@ class Eagle3Draft(DraftModel):
                     toks.append(tok)
                     hids.append(self.head.fuse(f))
                     poss.append(row.committed - P + 1 + k)
-                    vis.append(mine + list(range(first, first + k + 1)))
+                    vis.append(list(range(first, first + k + 1)))
                     items.append((b, 0 if k == P - 1 else None, first + k))
                 continue
             for v in new:
@@ -529,7 +544,7 @@ class Eagle3Draft(DraftModel):
                 if p not in row.hidden:
                     raise ValueError(f"row {b}: node {v}'s parent {p} was not forwarded in an earlier "
                                      "call of this step; parents must be passed before their children")
-                cols = list(mine)
+                cols = []
                 a = p
                 while a > 0:
                     cols.append(row.slot[a])
@@ -543,8 +558,10 @@ class Eagle3Draft(DraftModel):
         if items:
             Q = len(items)
             allowed = torch.zeros(Q, S + Q, dtype=torch.bool)
-            for i, cols in enumerate(vis):
-                allowed[i, cols] = True
+            qrow = torch.tensor([b for b, _, _ in items], dtype=torch.int64)
+            allowed[:, :S] = owner[None, :] == qrow[:, None]  # each query's row's committed pairs
+            qi = [i for i, cols in enumerate(vis) for _ in cols]
+            allowed[qi, [c for cols in vis for c in cols]] = True
             tok = torch.tensor(toks, dtype=torch.int64, device=self.embed.device)
             emb = self.embed[tok].to(dev, self._param.dtype)
             hidden = torch.stack(hids).to(dev, self._param.dtype)
@@ -574,7 +591,7 @@ class Eagle3Draft(DraftModel):
         rows = self._brows_started("commit_rows")
         dev, dt = self._param.device, self._param.dtype
         for b, row in enumerate(rows):
-            nodes = check_emitted(tree.rows([b]), path_nodes[b], emitted[b])
+            nodes = check_emitted(tree, path_nodes[b], emitted[b], b)
             feats = features[b]
             if len(feats) != len(nodes) or any(f is None for f in feats):
                 raise ValueError(f"row {b}: features must hold one target feature tensor per path node "

@@ -64,17 +64,21 @@ TRITON_CASES = [(40, 16, 1, 4, "default", 1.0), (24, 8, 0, 3, "next_rank", 0.7),
                 (30, 16, 2, 5, "true_q", 1.0), (20, 8, 4, 4, "default", 1.0)]
 
 
+def _case(logit_rows, V, S, m, K, proxy, T, seed):
+    """Five rows of logits, parent scores and slot noise, the kernel arguments, and the
+    reference's answer."""
+    logits = logit_rows(5, V, seed=seed)
+    parent = -torch.rand(5)
+    noise = _noise(5, min(S, V), m)
+    kw = dict(temperature=T, support=S, rheostat=m, slots=K, proxy=proxy)
+    return logits, parent, noise, kw, reference.slot_expansion(logits, parent, noise, **kw)
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("V,S,m,K,proxy,T", TRITON_CASES)
 def test_triton_matches_reference(logit_rows, device, V, S, m, K, proxy, T):
     from rheoplan.kernels.slot_expansion import triton as tk
 
-    logits = logit_rows(5, V, seed=V + m)
-    parent = -torch.rand(5)
-    s = min(S, V)
-    noise = _noise(5, s, m)
-    kw = dict(temperature=T, support=S, rheostat=m, slots=K, proxy=proxy)
-    ref = reference.slot_expansion(logits, parent, noise, **kw)
+    logits, parent, noise, kw, ref = _case(logit_rows, V, S, m, K, proxy, T, seed=V + m)
     got = tk.slot_expansion(logits.to(device), parent.to(device), noise.to(device), block=16, **kw)
     _assert_same(ref, type(ref)(*(x.cpu() for x in got)), float_exact=False)
 
@@ -114,3 +118,55 @@ def test_triton_temperature_is_a_runtime_argument(logit_rows, device):
     params = inspect.signature(tk.slot_expansion_kernel.fn).parameters  # .fn: the Python function
     constexprs = [name for name, p in params.items() if "constexpr" in str(p.annotation)]
     assert "INV_T" not in constexprs and "S" in constexprs
+
+
+# Vocabulary split across programs (readiness item 8): every chunk's top-S, then a merge.
+# Cases: short last chunk (V not a multiple of the chunk), support larger than a chunk
+# (chunks pad their candidates), one chunk per block; the logit rows include exact ties
+# and flat rows, whose lowest ids must win across chunk borders.
+SPLIT_CASES = [  # (V, support, m, K, proxy, T, chunks) at block 16
+    (70, 16, 1, 4, "default", 1.0, 5),
+    (40, 32, 2, 5, "true_q", 0.7, 3),
+    (48, 8, 0, 3, "next_rank", 1.0, 2),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("V,S,m,K,proxy,T,chunks", SPLIT_CASES)
+def test_triton_vocab_split_matches_reference(logit_rows, device, V, S, m, K, proxy, T, chunks):
+    from rheoplan.kernels.slot_expansion import triton as tk
+
+    logits, parent, noise, kw, ref = _case(logit_rows, V, S, m, K, proxy, T, seed=V + chunks)
+    d = lambda x: x.to(device)  # noqa: E731
+    got = tk.slot_expansion(d(logits), d(parent), d(noise), block=16, chunks=chunks, **kw)
+    _assert_same(ref, type(ref)(*(x.cpu() for x in got)), float_exact=False)
+    # from a given law (the planner's call): every output equals the unsplit kernel's, bit for bit
+    q = torch.softmax(logits / T, dim=-1)
+    whole = tk.slot_expansion(d(q), d(parent), d(noise), block=16, chunks=1, probs=True, **kw)
+    split = tk.slot_expansion(d(q), d(parent), d(noise), block=16, chunks=chunks, probs=True, **kw)
+    _assert_same(whole, split)
+    assert torch.equal(split.sup_token.cpu(), ref.sup_token)
+
+
+@pytest.mark.interpreter
+def test_triton_bad_chunks_rejected(logit_rows, device):
+    from rheoplan.kernels.slot_expansion import triton as tk
+
+    x = logit_rows(2, 40, 0).to(device)
+    kw = dict(temperature=1.0, support=8, rheostat=1, slots=4, block=16)
+    for bad in (0, 4, 1.5):  # 40 entries = 3 blocks of 16
+        with pytest.raises(ValueError, match=r"chunks=.*allowed an int in \[1, 3\]"):
+            tk.slot_expansion(x, torch.zeros(2, device=device), torch.zeros(2, 8, device=device), chunks=bad, **kw)
+
+
+@pytest.mark.interpreter
+def test_vocab_chunks_rule():
+    from rheoplan.kernels.slot_expansion.triton import default_chunks, vocab_chunks
+
+    V = 128256
+    assert vocab_chunks(10, V, 128, 1024, 264) == 26  # batch 1 on 132 SMs: 26 chunks of 5 blocks
+    assert vocab_chunks(640, V, 128, 1024, 264) == 1  # batch 64 fills the GPU with rows
+    assert vocab_chunks(1, V, 128, 1024, 264) == 26  # capped at sqrt(V / support) = 31, whole blocks: 26
+    assert vocab_chunks(1, 40, 8, 16, 264) == 2  # sqrt(40 / 8) = 2 (3 blocks)
+    assert vocab_chunks(10, V, 128, 1024, 1) == 1
+    assert default_chunks(1, V, 128, "cpu") == 1  # the interpreter: no split by default
