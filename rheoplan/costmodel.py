@@ -190,14 +190,17 @@ class Timings:
     def draft_batch(self, batch: int, row_width: int) -> float:
         """One draft call over ``batch`` rows of ``row_width`` frontier nodes each (ms).
 
-        Measured (``batch_draft_ms``): the call at ``B`` rows, interpolated in ``B``, plus the
-        batch-1 curve's slope from the measured mean width to ``row_width`` (both at ``B``
-        rows). Not measured: one call over ``B * w`` frontier rows, ``c_d(B * w)`` (the
-        batched draft runs every row's frontier through one call per depth)."""
+        Measured (``batch_draft_ms``): the call at ``B`` rows, interpolated in ``B``, plus,
+        for a frontier wider than the measured mean width, the batch-1 curve's slope from
+        that width to ``row_width`` (both at ``B`` rows); a narrower frontier costs the
+        measured call (the batch-1 slope, extrapolated to ``B * w`` rows, once priced a
+        one-node frontier at 4 rows at nothing: the batched call's cost is mostly fixed).
+        Not measured: one call over ``B * w`` frontier rows, ``c_d(B * w)`` (the batched
+        draft runs every row's frontier through one call per depth)."""
         if batch == 1 or not self.batch_draft_ms:
             return self.draft(batch * row_width)
         v = _interp(self.batch_sizes, self.batch_draft_ms, batch)
-        v += self.draft(batch * row_width) - self.draft(batch * self.batch_draft_width)
+        v += max(0.0, self.draft(batch * row_width) - self.draft(batch * self.batch_draft_width))
         return max(v, 1e-3)
 
     def overhead_batch(self, batch: int) -> float:

@@ -842,13 +842,27 @@ class BatchState:
             self.calibration = self.cost.fresh_calibration()
 
 
+def _tree_can_pay(s: BatchState, live: list[_Row]) -> bool:
+    """A batch of several rows drafts only while some tree can pay a priori at this many
+    live rows (``CostModel.plan_for_batch`` with the continuation rates calibrated so far):
+    where even the best chain loses to a plain step (16 rows on a 2-core CPU: the verify
+    forward is compute-bound), drafting would only cost its probes. One row keeps the
+    batch-1 schedule (probe, back off). Depends only on frozen latencies and past steps."""
+    if len(live) == 1:
+        return True
+    ctx = max(r.prefix_len for r in live)
+    plan = s.cost.plan_for_batch(len(live), ctx=ctx, max_depth=s.tree.depth,
+                                 continuation=s.calibration.continuation())
+    return plan.depth > 0
+
+
 def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
     """This step's linearised trees, tree ``b`` for ``live[b]``; draft time goes to ``st``."""
     roots = [r.root for r in live]
     prefix = [r.prefix_len for r in live]
     keys = [r.key for r in live]
     steps = [r.step for r in live]
-    if s.draft is None or (s.cost is not None and s.schedule.skip_next()):
+    if s.draft is None or (s.cost is not None and (s.schedule.skip_next() or not _tree_can_pay(s, live))):
         st.drafted = False
         if s.cost is not None:
             st.predicted_tokens = 1.0

@@ -215,6 +215,9 @@ def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams,
     if logits.shape[0] == 0:
         return []
     p = target_probs(logits, sampling)
+    if sampling.greedy:
+        # p is one-hot: argmax(log p + g) is its token whatever the noise, so draw none
+        return p.argmax(dim=-1).tolist()
     V = p.shape[-1]
     u = torch.stack([streams.uniform(s, k, v, Purpose.VERIFY_RESIDUAL, V) for s, k, v in zip(steps, keys, nodes)])
     if active("batch_shared_root_noise"):

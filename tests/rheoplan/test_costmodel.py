@@ -203,9 +203,11 @@ def test_measured_batch_draft_and_bookkeeping_replace_the_model():
                 batch_ar_overhead_ms=(0.5, 1.0))
     assert t.overhead_batch(4) == 3.0 and t.overhead_batch(2) == pytest.approx(2.0)
     assert t.overhead_batch(1) == t.overhead_ms and t.draft_batch(1, 2) == t.draft(2)
-    # at 4 rows: the measured call (mean width 2) plus the batch-1 slope from 4 x 2 to 4 x 1 frontier rows
-    # (c_d(w) = 2 + 0.5 (w - 1): c_d(4) = 3.5, c_d(8) = 5.5)
-    assert t.draft_batch(4, 2) == pytest.approx(5.0) and t.draft_batch(4, 1) == pytest.approx(5.0 + 3.5 - 5.5)
+    # at 4 rows: the measured call (mean width 2); a wider frontier adds the batch-1 slope from 4 x 2 to
+    # 4 x 3 frontier rows (c_d(w) = 2 + 0.5 (w - 1): c_d(8) = 5.5, c_d(12) = 7.5); a narrower one costs
+    # the measured call (the slope would price it at 5.0 + 3.5 - 5.5 = 3.0)
+    assert t.draft_batch(4, 2) == pytest.approx(5.0) and t.draft_batch(4, 3) == pytest.approx(5.0 + 7.5 - 5.5)
+    assert t.draft_batch(4, 1) == pytest.approx(5.0)
     assert t.ar_step_batch(4, 100) == pytest.approx(14.0 + 1.0)
     assert Timings.from_dict(t.to_dict()) == t
     with pytest.raises(ValueError, match="one latency per batch size"):

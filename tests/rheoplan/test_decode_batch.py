@@ -243,6 +243,27 @@ def test_cost_model_prices_the_live_batch(monkeypatch):
     assert all(st.predicted_tokens is not None for r in rs for st in r.steps)
 
 
+def test_batch_drafts_only_while_a_tree_can_pay():
+    """Several live rows draft only while ``plan_for_batch`` finds a tree that pays a priori:
+    with a verify forward whose cost grows with every batch token and a costly batched
+    step, no probe drafts at 3 rows; once one row is left, the batch-1 schedule probes."""
+    from rheoplan.costmodel import CostModel, Timings
+
+    tm = Timings((1, 64), (1.0, 64.0), (1.0, 64.0), 0, 1000, (1, 64), (0.5, 0.5), 0.05, 0.05,
+                 batch_sizes=(1, 4), batch_row_sizes=(1, 8), batch_verify=((1.0, 8.0), (4.0, 32.0)),
+                 batch_draft_ms=(0.5, 2.0), batch_draft_width=1.0, batch_overhead_ms=(0.05, 20.0),
+                 batch_ar_overhead_ms=(0.05, 0.2))
+    cost = CostModel(tm)
+    assert cost.plan_for_batch(3, ctx=8, max_depth=TREE.depth).depth == 0
+    tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
+    rs = plan_and_decode(tgt, drf, [[0, 1], [2], [3]], max_new_tokens=[3, 3, 12], seed=3, tree=TREE,
+                         cost_model=cost)
+    steps = rs[2].steps
+    assert not any(st.drafted for st in steps[:2])  # three rows live: no draft call at all
+    assert any(st.drafted for st in steps[3:])  # one row: probes (and backs off)
+    assert [len(r.tokens) for r in rs] == [3, 3, 12]
+
+
 # --------------------------------------------------------------------------------------
 # Statistics through the real loop
 # --------------------------------------------------------------------------------------
