@@ -930,91 +930,93 @@ def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None
     tgt, drf = s.target, s.draft
     bar = tqdm(total=total, unit="tok", desc="decode") if s.progress else None
     t_start = time.perf_counter()
-    live = take(s.max_batch)
-    if live:
-        _start_rows(s, live)
-    while live:
-        st0 = StepStats(0, 0, 0, 0, 0)
-        t0 = time.perf_counter()
-        t = _plan_rows(s, live, st0)
-        t1 = time.perf_counter()
-        st0.t_plan = t1 - t0 - st0.t_draft
-        fws = tgt.forward_trees(t.linear)
-        t2 = time.perf_counter()
-        walks, stops, stats = [], [], []
-        # every row's likely walk projected in one call (not B lm_head reads)
-        tgt.prefetch_rows(fws, [likely_path(t, b) for b in range(len(live))])
-        with_ctx = s.sampling.needs_context or bool(s.processors)
-        # rows with nothing drafted draw their token together (one softmax over [R, V])
-        roots = [] if with_ctx else [b for b in range(len(live)) if int(t.linear.n[b]) == 1]
-        root_walks = dict(zip(roots, verify_roots(t, [fws[b] for b in roots], roots, s.sampling, s.streams,
-                                                  [live[b].step for b in roots], [live[b].key for b in roots])))
-        for b, row in enumerate(live):
-            ctx = row.prompt + row.result.tokens if with_ctx else None
-            res = root_walks.get(b) or verify_tree(t, fws[b], s.sampling, s.tree.verifier, s.streams, row.step,
-                                                   s.backend, history=ctx, processors=s.processors, b=b,
-                                                   key=row.key, prefetched=True)
-            emitted, stop = _cut_emitted(res.emitted, row.remaining, s.eos)
-            if stop is None and len(emitted) >= row.remaining:
-                stop = "max_new_tokens"
-            st = replace(st0, tree_size=res.tree_size, accepted=len(res.path) - 1, emitted=len(emitted),
-                         trials=res.trials, visited=res.visited)
-            if s.calibration is not None and st0.drafted:
-                s.calibration.update(t, res.path, b)
-            row.result.tokens += emitted
-            if bar is not None:
-                bar.update(len(emitted))
-            if s.callback is not None:
-                s.callback(row.index, emitted)
-            walks.append(res)
-            stops.append(stop)
-            stats.append(st)
-        t3 = time.perf_counter()
-        going = [b for b, stop in enumerate(stops) if stop is None]
-        if going:
-            # every row commits (a finished row's commit is harmless), then the finished rows leave
-            tgt.commit_rows([list(w.path) for w in walks])
-            if drf is not None:
-                drf.commit_rows(t, [list(w.nodes) for w in walks], [list(w.emitted) for w in walks],
-                                [[fws[b].features(i) for i in w.path] for b, w in enumerate(walks)])
-            if len(going) < len(live):
-                keep = list(range(len(going))) if active("batch_keep_first_rows") else going
-                tgt.keep_rows(keep)
+    try:  # the caller may stop iterating early (decode_requests): the bar is closed anyway
+        live = take(s.max_batch)
+        if live:
+            _start_rows(s, live)
+        while live:
+            st0 = StepStats(0, 0, 0, 0, 0)
+            t0 = time.perf_counter()
+            t = _plan_rows(s, live, st0)
+            t1 = time.perf_counter()
+            st0.t_plan = t1 - t0 - st0.t_draft
+            fws = tgt.forward_trees(t.linear)
+            t2 = time.perf_counter()
+            walks, stops, stats = [], [], []
+            # every row's likely walk projected in one call (not B lm_head reads)
+            tgt.prefetch_rows(fws, [likely_path(t, b) for b in range(len(live))])
+            with_ctx = s.sampling.needs_context or bool(s.processors)
+            # rows with nothing drafted draw their token together (one softmax over [R, V])
+            roots = [] if with_ctx else [b for b in range(len(live)) if int(t.linear.n[b]) == 1]
+            root_walks = dict(zip(roots, verify_roots(t, [fws[b] for b in roots], roots, s.sampling, s.streams,
+                                                      [live[b].step for b in roots], [live[b].key for b in roots])))
+            for b, row in enumerate(live):
+                ctx = row.prompt + row.result.tokens if with_ctx else None
+                res = root_walks.get(b) or verify_tree(t, fws[b], s.sampling, s.tree.verifier, s.streams, row.step,
+                                                       s.backend, history=ctx, processors=s.processors, b=b,
+                                                       key=row.key, prefetched=True)
+                emitted, stop = _cut_emitted(res.emitted, row.remaining, s.eos)
+                if stop is None and len(emitted) >= row.remaining:
+                    stop = "max_new_tokens"
+                st = replace(st0, tree_size=res.tree_size, accepted=len(res.path) - 1, emitted=len(emitted),
+                             trials=res.trials, visited=res.visited)
+                if s.calibration is not None and st0.drafted:
+                    s.calibration.update(t, res.path, b)
+                row.result.tokens += emitted
+                if bar is not None:
+                    bar.update(len(emitted))
+                if s.callback is not None:
+                    s.callback(row.index, emitted)
+                walks.append(res)
+                stops.append(stop)
+                stats.append(st)
+            t3 = time.perf_counter()
+            going = [b for b, stop in enumerate(stops) if stop is None]
+            if going:
+                # every row commits (a finished row's commit is harmless), then the finished rows leave
+                tgt.commit_rows([list(w.path) for w in walks])
                 if drf is not None:
-                    drf.keep_rows(keep)
-        t4 = time.perf_counter()
-        now = time.perf_counter()
-        for b, row in enumerate(live):
-            st = stats[b]
-            st.t_verify_forward, st.t_walk, st.t_commit = t2 - t1, t3 - t2, t4 - t3
-            st.t_step = now - t0
-            row.result.steps.append(st)
-            if stops[b] is not None:
-                row.result.stopped_by = stops[b]
-                row.result.seconds = now - t_start
-                row.result.calibration = s.calibration
-            else:
-                row.root = walks[b].emitted[-1]
-                row.prefix_len += len(walks[b].path)
-                row.step += 1
-        for b in range(len(live)):
-            if stops[b] is not None:
-                yield live[b]
-        live = [live[b] for b in going]
-        s.step += 1
-        # continuous batching: waiting prompts take the free rows, after the live ones
-        new = take(s.max_batch - len(live)) if len(live) < s.max_batch else []
-        if new:
-            if live:
-                tgt.add_rows([r.prompt for r in new])
-                if drf is not None:
-                    drf.add_rows([r.prompt for r in new])
-                    drf.take_prompt_features_rows(tgt, list(range(len(live), len(live) + len(new))))
-            else:
-                _start_rows(s, new)
-            live += new
-    if bar is not None:
-        bar.close()
+                    drf.commit_rows(t, [list(w.nodes) for w in walks], [list(w.emitted) for w in walks],
+                                    [[fws[b].features(i) for i in w.path] for b, w in enumerate(walks)])
+                if len(going) < len(live):
+                    keep = list(range(len(going))) if active("batch_keep_first_rows") else going
+                    tgt.keep_rows(keep)
+                    if drf is not None:
+                        drf.keep_rows(keep)
+            t4 = time.perf_counter()
+            now = time.perf_counter()
+            for b, row in enumerate(live):
+                st = stats[b]
+                st.t_verify_forward, st.t_walk, st.t_commit = t2 - t1, t3 - t2, t4 - t3
+                st.t_step = now - t0
+                row.result.steps.append(st)
+                if stops[b] is not None:
+                    row.result.stopped_by = stops[b]
+                    row.result.seconds = now - t_start
+                    row.result.calibration = s.calibration
+                else:
+                    row.root = walks[b].emitted[-1]
+                    row.prefix_len += len(walks[b].path)
+                    row.step += 1
+            for b in range(len(live)):
+                if stops[b] is not None:
+                    yield live[b]
+            live = [live[b] for b in going]
+            s.step += 1
+            # continuous batching: waiting prompts take the free rows, after the live ones
+            new = take(s.max_batch - len(live)) if len(live) < s.max_batch else []
+            if new:
+                if live:
+                    tgt.add_rows([r.prompt for r in new])
+                    if drf is not None:
+                        drf.add_rows([r.prompt for r in new])
+                        drf.take_prompt_features_rows(tgt, list(range(len(live), len(live) + len(new))))
+                else:
+                    _start_rows(s, new)
+                live += new
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 _WARM: set[str] = set()
