@@ -280,7 +280,7 @@ class ProjectionTimings:
         """``c_p(k)`` in ms, interpolated between the measured sizes."""
         return max(_interp(self.sizes, self.ms, k), 1e-6)
 
-    def project_all(self, n: int, path_len: int) -> bool:
+    def project_all(self, n: int, path_len: int, leaving: int = 1) -> bool:
         """Whether the walk over a tree of ``n`` linear nodes should project all ``n`` rows in
         one call rather than the likely path's ``path_len`` rows (``rheoplan.walk.likely_path``)
         and then, node by node, the ones it visits off that path.
@@ -289,10 +289,14 @@ class ProjectionTimings:
         single-row projection, the least it pays whenever the walk leaves the likely path
         (most tree steps at the acceptance rates measured in docs/results.md). With
         ``n <= path_len`` both project the same rows, and the lazy call is kept.
+
+        A batch's walks (``HFTarget.prefetch_rows``) pass their totals: ``n`` nodes,
+        ``path_len`` path rows and ``leaving`` trees that have nodes off their path, each
+        costed one single-row projection.
         """
-        if n <= path_len:
+        if n <= path_len or leaving < 1:
             return False
-        return self.cost(n) <= self.cost(path_len) + self.cost(1)
+        return self.cost(n) <= self.cost(path_len) + leaving * self.cost(1)
 
     def to_dict(self) -> dict:
         return {"sizes": list(self.sizes), "ms": list(self.ms)}

@@ -444,8 +444,7 @@ class HFTarget(TargetModel):
         if isinstance(choice, str):
             every = choice == "all"
         else:
-            N, P = sum(sizes), sum(len(set(p)) for p in paths)
-            every = off > 0 and choice.cost(N) <= choice.cost(P) + off * choice.cost(1)
+            every = choice.project_all(sum(sizes), sum(len(set(p)) for p in paths), leaving=off)
         want = [list(range(n)) if every else [int(i) for i in dict.fromkeys(p)] for n, p in zip(sizes, paths)]
         want = [[i for i in w if i not in fw._memo] for fw, w in zip(logits, want)]
         if not any(want):

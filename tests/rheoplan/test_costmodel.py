@@ -228,6 +228,9 @@ def test_projection_choice_all_rows_when_cheaper():
     steep = ProjectionTimings((1, 8, 64), (1.0, 8.0, 64.0))
     assert not steep.project_all(9, 5)  # 9 > 5 + 1
     assert steep.project_all(6, 5)  # 6 <= 5 + 1
+    # a batch's totals: each tree that can leave its path costs one single-row projection
+    assert steep.project_all(12, 8, leaving=4) and not steep.project_all(12, 8, leaving=3)  # 12 <= 8 + 4
+    assert not flat.project_all(9, 5, leaving=0)  # no tree leaves its path: the paths are all it reads
     assert ProjectionTimings.from_dict(flat.to_dict()) == flat
     with pytest.raises(ValueError, match="increasing"):
         ProjectionTimings((4, 1), (1.0, 2.0))
