@@ -8,7 +8,8 @@ Stages (all by default, each resumable):
    (``rheoplan.train.tokens``); finished shards are skipped, so a killed job resumes.
 2. ``train``: draft vocabulary from the sampled token counts, head init, AdamW + cosine,
    training-time test; each chunk's EAGLE-3 features and soft targets come from a batched
-   teacher-forced target forward (``rheoplan.train.features``), nothing cached on disk.
+   teacher-forced target forward (``rheoplan.train.features``), nothing cached on disk (kept
+   in memory across epochs up to ``--feature-cache-gb``).
    Checkpoint ``WORK/ckpt.pt`` every ``--ckpt-every`` steps (``--resume`` continues it);
    held-out evaluation after every epoch.
 3. ``export``: fp16 ``config.json`` + ``model.safetensors`` in ``--out`` (the format
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target top-k kept for held-out positions (bounds of the acceptance proxy)")
     g.add_argument("--prompt-weight", type=float, default=0.3, help="loss weight of prompt positions "
                    "(answers weigh 1, the shared system prompt 0)")
+    g.add_argument("--feature-cache-gb", type=float, default=8.0,
+                   help="keep the training rows' target features in memory up to this many GB, so epochs after "
+                        "the first skip those rows' target forwards (most of a step's time); 0 = make them "
+                        "again every epoch. About 3.8 KB per position for SmolLM2 in bfloat16")
     g.add_argument("--calib-rows", type=int, default=64, help="rows whose features set the per-channel scale")
     g.add_argument("--max-rows", type=int, default=None, help="train on the first N rows only (smoke runs)")
     g.add_argument("--no-bf16", action="store_true", help="train the head in fp32 instead of bf16 autocast")
@@ -121,6 +126,8 @@ def _check_args(a: argparse.Namespace) -> list[str]:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(a, name)}: allowed >= 1")
     if a.prompts < 0:
         raise SystemExit(f"--prompts={a.prompts}: allowed >= 0")
+    if not a.feature_cache_gb >= 0:
+        raise SystemExit(f"--feature-cache-gb={a.feature_cache_gb}: allowed >= 0 (0 = no cache)")
     if a.ttt_steps < 1:
         raise SystemExit(f"--ttt-steps={a.ttt_steps}: allowed >= 1 (2 or more recommended)")
     for name in ("temperature", "heldout_temperature"):
@@ -255,7 +262,12 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     head = tr.init_head(cfg, draft_ids, model, seed=a.seed).float()
     embed = model.get_input_embeddings().weight.detach().float()
     train_src = ft.RowExamples(model, train_rows, topk=a.topk, shared_prefix=shared, prompt_weight=a.prompt_weight,
-                               batch_tokens=2 * a.chunk_tokens)
+                               batch_tokens=2 * a.chunk_tokens, cache_gb=a.feature_cache_gb or None)
+    if a.feature_cache_gb and a.epochs > 1:
+        need = sum(train_src.lengths()) * train_src.pair_bytes() / 2**30
+        print(f"[train] feature cache: the training rows' features take ~{need:.1f} GB; up to "
+              f"{a.feature_cache_gb:g} GB kept in memory ({min(1.0, a.feature_cache_gb / max(need, 1e-9)):.0%} of them), "
+              "so epochs after the first skip their target forwards", flush=True)
     held_src, sub_src = _eval_sets(a, model, held_rows, train_rows, shared)
     t2d_index = tr.target_to_draft_index(draft_ids, V)
     tcfg = tr.TrainConfig(epochs=a.epochs, lr=a.lr, chunk_tokens=a.chunk_tokens, ttt_steps=a.ttt_steps,

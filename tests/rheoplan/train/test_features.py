@@ -53,3 +53,41 @@ def test_cached_row_examples_forward_each_row_once(tiny_target, monkeypatch):
 def test_bad_topk_is_rejected(tiny_target):
     with pytest.raises(ValueError, match="topk"):
         ft.teacher_forced(tiny_target, _rows(), topk=0)
+
+
+def test_cache_budget_keeps_rows_until_full_and_remakes_the_rest(tiny_target, monkeypatch):
+    rows = _rows()
+    probe = ft.RowExamples(tiny_target, rows, topk=4, shared_prefix=1, prompt_weight=0.3)
+    fresh = probe.get([0, 1, 2])
+    # room for rows 0 and 1 (6 + 1 pairs) but not for row 2 (9 pairs) as well
+    gb = 7.5 * probe.pair_bytes() / 2**30
+    src = ft.RowExamples(tiny_target, rows, topk=4, shared_prefix=1, prompt_weight=0.3, cache_gb=gb)
+    src.get([0, 1, 2])
+    assert src.cached_rows() == 2
+    made = []
+    real = ft.teacher_forced
+    monkeypatch.setattr(ft, "teacher_forced", lambda m, rs, **k: made.append(len(rs)) or real(m, rs, **k))
+    again = src.get([2, 0, 1])
+    assert made == [1]  # only the row that did not fit runs again
+    for g, w in zip(again, [fresh[2], fresh[0], fresh[1]]):
+        assert torch.equal(g.tokens, w.tokens) and torch.equal(g.topk_ids, w.topk_ids)
+        torch.testing.assert_close(g.feats.float(), w.feats, atol=1e-5, rtol=1e-5)
+
+
+def test_cached_features_are_stored_in_the_target_dtype_without_loss(tiny_target):
+    model = tiny_target.to(torch.bfloat16)
+    try:
+        src = ft.RowExamples(model, _rows(), topk=4, shared_prefix=1, prompt_weight=0.3, cache_gb=1.0)
+        fresh = ft.RowExamples(model, _rows(), topk=4, shared_prefix=1, prompt_weight=0.3).get([0, 1, 2])
+        got = src.get([0, 1, 2])
+        assert all(g.feats.dtype == torch.bfloat16 for g in got)
+        # the features are the model's bf16 hidden states: nothing lost by storing them in bf16
+        assert all(torch.equal(g.feats.float(), w.feats) for g, w in zip(got, fresh))
+        assert src.pair_bytes() == 3 * model.config.hidden_size * 2 + 4 * 12 + 13
+    finally:
+        tiny_target.to(torch.float32)
+
+
+def test_bad_cache_budget_is_rejected(tiny_target):
+    with pytest.raises(ValueError, match="cache_gb"):
+        ft.RowExamples(tiny_target, _rows(), topk=4, shared_prefix=1, prompt_weight=0.3, cache_gb=-1)
