@@ -285,7 +285,9 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
                             scale=scale)
     summary.pop("history")
     report["train"] = {**summary, "config": tcfg.__dict__, "shared_prefix_tokens": shared,
-                       "target_dtype": a.train_dtype, "topk": a.topk}
+                       "target_dtype": a.train_dtype, "topk": a.topk,
+                       "feature_cache": {"gb": a.feature_cache_gb, "rows": train_src.cached_rows(),
+                                         "of_rows": len(train_rows)}}
     report["eval_train_subset"] = tr.evaluate(head, embed, sub_src, steps=depths, chunk_tokens=a.chunk_tokens,
                                               draft_ids=draft_ids, t2d_index=t2d_index, scale=scale)
     return head
@@ -384,7 +386,9 @@ def model_card(r: dict) -> str:
         f"- trained on {trd.get('shards')} shards: {trd.get('rows')} rows ({trd.get('follow_up_rows')} follow-ups), "
         f"{trd.get('tokens')} tokens of which {trd.get('sampled_tokens')} sampled by the target",
         f"- features and soft targets (target top-{trn.get('topk')}) recomputed "
-        f"by teacher-forced target forwards in {trn.get('target_dtype')} at training time",
+        f"by teacher-forced target forwards in {trn.get('target_dtype')} at training time"
+        + (f" (kept in memory across epochs for {trn['feature_cache']['rows']} of "
+           f"{trn['feature_cache']['of_rows']} rows)" if trn.get("feature_cache", {}).get("rows") else ""),
         f"- held-out: `prompts_heldout.txt`, {data.get('heldout', {}).get('rows')} rows sampled at "
         f"T={ds.get('heldout_temperature')}, up to {ds.get('heldout_tokens')} tokens",
         "",
