@@ -1,0 +1,104 @@
+"""Two or more EAGLE-3 heads side by side on SmolLM2: decode speed and accepted length.
+
+Every prompt runs transformers ``generate`` and then each (head, method) pair, one after
+the other, before the next prompt starts (interleaved prompt by prompt, one process), so
+a machine that slows down mid-run slows every column alike. Methods are those of
+``rheoplan bench decode`` (``default`` = what ``rheoplan generate`` does: the cost model
+plans every tree; ``eagle`` = EAGLE's one-hot top-K tree; ``rheo-m1-ot`` = RheoSampling
+with the same fixed tree). Prints one table row per (head, method, temperature):
+tokens/s, speed-up against ``generate`` over the same prompts, mean accepted length.
+
+    python examples/compare_heads.py --heads auto /tmp/head_work/export --prompts 16 --tokens 64
+
+``auto`` is the shipped head (``rheoplan/assets/smollm2-eagle3``); any other value is a
+directory written by ``rheoplan train-draft`` (or any EAGLE-3 checkpoint for SmolLM2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from rheoplan.bench.decode import load_prompts, methods_for
+from rheoplan.config import SamplingConfig
+from rheoplan.decode import plan_and_decode
+from rheoplan.loading import SHIPPED_HEAD, encode_prompt, load_cost_model, load_default
+from rheoplan.models import load_eagle3_checkpoint
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", nargs="+", default=["auto"], help="'auto' (the shipped head) or head directories")
+    p.add_argument("--methods", nargs="+", default=["default"], help="bench decode method names")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts (at most 40)")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args()
+    if not 1 <= a.prompts <= 40:
+        p.error(f"--prompts={a.prompts}: allowed 1..40")
+    if a.tokens < 1:
+        p.error(f"--tokens={a.tokens}: allowed >= 1")
+    for h in a.heads:
+        if h != "auto" and not os.path.isdir(h):
+            p.error(f"--heads: {h!r} is not a directory (allowed 'auto' or a head directory)")
+    known = methods_for(4, 3, 3, 8)
+    bad = [m for m in a.methods if m not in known or known[m].tree is None]
+    if bad:
+        p.error(f"--methods {bad}: allowed {sorted(k for k, m in known.items() if m.tree is not None)}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    model, tok, _ = load_default(method="autoregressive", dtype=a.dtype)
+    heads = {}
+    for h in a.heads:
+        path = SHIPPED_HEAD if h == "auto" else h
+        draft = load_eagle3_checkpoint(path, model)
+        costs = {m: load_cost_model(model, tok, draft, known[m].tree, draft_id=f"eagle3:{os.path.abspath(path)}")
+                 for m in a.methods if known[m].cost}
+        heads[h] = (draft, costs)
+    prompts = [encode_prompt(tok, text, chat=True) for _, text in load_prompts(a.prompts)]
+    cols = [("generate", None)] + [(m, h) for h in a.heads for m in a.methods]
+    seconds = {(m, h, t): 0.0 for m, h in cols for t in a.temperatures}
+    tokens, steps = dict.fromkeys(seconds, 0), dict.fromkeys(seconds, 0)
+    for j, ids in enumerate(prompts):
+        for t in a.temperatures:
+            seed = a.seed * 1000 + j
+            for m, h in cols:
+                t0 = time.perf_counter()
+                if h is None:
+                    torch.manual_seed(seed)
+                    kw = dict(do_sample=True, temperature=t) if t > 0 else dict(do_sample=False)
+                    with torch.no_grad():
+                        out = model.generate(torch.tensor([ids]), max_new_tokens=a.tokens, min_new_tokens=a.tokens,
+                                             top_k=0, top_p=1.0, pad_token_id=tok.eos_token_id, **kw)
+                    n, s = out.shape[1] - len(ids), out.shape[1] - len(ids)
+                else:
+                    draft, costs = heads[h]
+                    r = plan_and_decode(model, draft, ids, max_new_tokens=a.tokens,
+                                        sampling=SamplingConfig(temperature=t), tree=known[m].tree, seed=seed,
+                                        cost_model=costs.get(m))
+                    n, s = len(r.tokens), len(r.steps)
+                seconds[m, h, t] += time.perf_counter() - t0
+                tokens[m, h, t] += n
+                steps[m, h, t] += s
+        print(f"prompt {j + 1}/{len(prompts)} done", flush=True)
+    print(f"\n{len(prompts)} held-out prompts x {a.tokens} tokens, seed {a.seed}, "
+          f"{next(model.parameters()).dtype}, {torch.get_num_threads()} threads\n")
+    print("| head | method | T | tok/s | vs generate | mean accepted length |")
+    print("|---|---|---|---|---|---|")
+    for t in a.temperatures:
+        base = tokens["generate", None, t] / seconds["generate", None, t]
+        for m, h in cols:
+            rate = tokens[m, h, t] / seconds[m, h, t]
+            print(f"| {h or '-'} | {m} | {t:g} | {rate:.1f} | {rate / base:.2f}x | "
+                  f"{tokens[m, h, t] / max(steps[m, h, t], 1):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
