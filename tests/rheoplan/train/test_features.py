@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -75,17 +77,14 @@ def test_cache_budget_keeps_rows_until_full_and_remakes_the_rest(tiny_target, mo
 
 
 def test_cached_features_are_stored_in_the_target_dtype_without_loss(tiny_target):
-    model = tiny_target.to(torch.bfloat16)
-    try:
-        src = ft.RowExamples(model, _rows(), topk=4, shared_prefix=1, prompt_weight=0.3, cache_gb=1.0)
-        fresh = ft.RowExamples(model, _rows(), topk=4, shared_prefix=1, prompt_weight=0.3).get([0, 1, 2])
-        got = src.get([0, 1, 2])
-        assert all(g.feats.dtype == torch.bfloat16 for g in got)
-        # the features are the model's bf16 hidden states: nothing lost by storing them in bf16
-        assert all(torch.equal(g.feats.float(), w.feats) for g, w in zip(got, fresh))
-        assert src.pair_bytes() == 3 * model.config.hidden_size * 2 + 4 * 12 + 13
-    finally:
-        tiny_target.to(torch.float32)
+    model = copy.deepcopy(tiny_target).to(torch.bfloat16)  # a copy: the fixture is shared by the module
+    src = ft.RowExamples(model, _rows(), topk=4, shared_prefix=1, prompt_weight=0.3, cache_gb=1.0)
+    fresh = ft.RowExamples(model, _rows(), topk=4, shared_prefix=1, prompt_weight=0.3).get([0, 1, 2])
+    got = src.get([0, 1, 2])
+    assert all(g.feats.dtype == torch.bfloat16 for g in got)
+    # the features are the model's bf16 hidden states: nothing lost by storing them in bf16
+    assert all(torch.equal(g.feats.float(), w.feats) for g, w in zip(got, fresh))
+    assert src.pair_bytes() == 3 * model.config.hidden_size * 2 + 4 * 12 + 13
 
 
 def test_bad_cache_budget_is_rejected(tiny_target):
