@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 
-from rheoplan.bench.decode import load_prompts, methods_for
-from rheoplan.config import SamplingConfig
-from rheoplan.decode import plan_and_decode
+from rheoplan.bench.decode import decode_prompt, load_prompts, methods_for
 from rheoplan.loading import SHIPPED_HEAD, encode_prompt, load_cost_model, load_default
 from rheoplan.models import load_eagle3_checkpoint
 
@@ -63,37 +60,26 @@ def main() -> None:
                  for m in a.methods if known[m].cost}
         heads[h] = (draft, costs)
     prompts = [encode_prompt(tok, text, chat=True) for _, text in load_prompts(a.prompts)]
-    cols = [("generate", None)] + [(m, h) for h in a.heads for m in a.methods]
+    cols = [("ar-hf", None)] + [(m, h) for h in a.heads for m in a.methods]
     seconds = {(m, h, t): 0.0 for m, h in cols for t in a.temperatures}
     tokens, steps = dict.fromkeys(seconds, 0), dict.fromkeys(seconds, 0)
     for j, ids in enumerate(prompts):
         for t in a.temperatures:
             seed = a.seed * 1000 + j
             for m, h in cols:
-                t0 = time.perf_counter()
-                if h is None:
-                    torch.manual_seed(seed)
-                    kw = dict(do_sample=True, temperature=t) if t > 0 else dict(do_sample=False)
-                    with torch.no_grad():
-                        out = model.generate(torch.tensor([ids]), max_new_tokens=a.tokens, min_new_tokens=a.tokens,
-                                             top_k=0, top_p=1.0, pad_token_id=tok.eos_token_id, **kw)
-                    n, s = out.shape[1] - len(ids), out.shape[1] - len(ids)
-                else:
-                    draft, costs = heads[h]
-                    r = plan_and_decode(model, draft, ids, max_new_tokens=a.tokens,
-                                        sampling=SamplingConfig(temperature=t), tree=known[m].tree, seed=seed,
-                                        cost_model=costs.get(m))
-                    n, s = len(r.tokens), len(r.steps)
-                seconds[m, h, t] += time.perf_counter() - t0
+                draft, costs = heads[h] if h is not None else (None, {})
+                n, k, sec, _ = decode_prompt(model, tok, draft, known[m], ids, t, seed, a.tokens,
+                                             cost_model=costs.get(m))
+                seconds[m, h, t] += sec
                 tokens[m, h, t] += n
-                steps[m, h, t] += s
+                steps[m, h, t] += k
         print(f"prompt {j + 1}/{len(prompts)} done", flush=True)
     print(f"\n{len(prompts)} held-out prompts x {a.tokens} tokens, seed {a.seed}, "
           f"{next(model.parameters()).dtype}, {torch.get_num_threads()} threads\n")
     print("| head | method | T | tok/s | vs generate | mean accepted length |")
     print("|---|---|---|---|---|---|")
     for t in a.temperatures:
-        base = tokens["generate", None, t] / seconds["generate", None, t]
+        base = tokens["ar-hf", None, t] / seconds["ar-hf", None, t]
         for m, h in cols:
             rate = tokens[m, h, t] / seconds[m, h, t]
             print(f"| {h or '-'} | {m} | {t:g} | {rate:.1f} | {rate / base:.2f}x | "

@@ -167,41 +167,50 @@ def machine_info() -> dict:
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 
+def decode_prompt(model, tok, draft, method: Method, ids: list[int], temperature: float, seed: int, tokens: int,
+                  cost_model=None) -> tuple[int, int, float, object]:
+    """One prompt with one method: ``(new tokens, steps, seconds, DecodeResult or None)``.
+
+    ``generate`` methods draw from the global generator seeded with ``seed`` (their steps
+    are their tokens; no result); rheoplan methods decode with ``seed`` and the cost model
+    when the method plans by it."""
+    if method.kind in GENERATE_KINDS:
+        torch.manual_seed(seed)
+        kw = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+        if method.kind == "generate-static":
+            kw.update(static_generate_kwargs(model, len(ids) + tokens))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
+                                 top_k=0, top_p=1.0, pad_token_id=tok.eos_token_id, **kw)
+        new = out.shape[1] - len(ids)
+        return new, new, time.perf_counter() - t0, None
+    t0 = time.perf_counter()
+    r = plan_and_decode(model, draft, ids, max_new_tokens=tokens, sampling=SamplingConfig(temperature=temperature),
+                        tree=method.tree, seed=seed, cost_model=cost_model if method.cost else None)
+    return len(r.tokens), len(r.steps), time.perf_counter() - t0, r
+
+
 def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed: int, tokens: int,
             cost_model=None) -> dict:
     """One (method, temperature, seed) run over all prompts; returns the aggregate record.
     ``cost_model`` (a ``rheoplan.costmodel.CostModel``) is needed for a ``cost`` method."""
     if method.cost and cost_model is None:
         raise ValueError(f"method {method.name!r} plans by the cost model: pass cost_model=")
-    sampling = SamplingConfig(temperature=temperature)
     n_tok = n_steps = acc = trials = 0
     seconds = 0.0
     phases: dict[str, float] = {}  # plan_and_decode's per-phase seconds, summed over prompts
     predicted, ar_steps = [], 0
     for j, (_, prompt) in enumerate(prompts):
         ids = encode_prompt(tok, prompt, chat=True)
-        if method.kind in GENERATE_KINDS:
-            torch.manual_seed(seed * 1000 + j)
-            kw = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
-            if method.kind == "generate-static":
-                kw.update(static_generate_kwargs(model, len(ids) + tokens))
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
-                                     top_k=0, top_p=1.0, pad_token_id=tok.eos_token_id, **kw)
-            seconds += time.perf_counter() - t0
-            new = out.shape[1] - len(ids)
-            n_tok += new
-            n_steps += new
-        else:
-            t0 = time.perf_counter()
-            r = plan_and_decode(model, draft, ids, max_new_tokens=tokens, sampling=sampling, tree=method.tree,
-                                seed=seed * 1000 + j, cost_model=cost_model if method.cost else None)
+        new, steps, sec, r = decode_prompt(model, tok, draft, method, ids, temperature, seed * 1000 + j, tokens,
+                                           cost_model=cost_model)
+        seconds += sec
+        n_tok += new
+        n_steps += steps
+        if r is not None:
             predicted += [st.predicted_tokens for st in r.steps if st.predicted_tokens is not None]
             ar_steps += sum(1 for st in r.steps if not st.drafted)
-            seconds += time.perf_counter() - t0
-            n_tok += len(r.tokens)
-            n_steps += len(r.steps)
             acc += sum(s.accepted for s in r.steps)
             trials += sum(s.trials for s in r.steps)
             for k, v in r.phase_totals().items():
