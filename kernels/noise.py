@@ -20,12 +20,15 @@ from rheoplan.kernels.philox import streams_uniform as _numba_streams_uniform
 from rheoplan.rng import Purpose, Streams, gumbel_from_uniform, philox_counter
 
 
-def numba_uniform(seed: int, step: int, trees: torch.Tensor, nodes: torch.Tensor, purpose: int,
+def numba_uniform(seed: int, step: int | torch.Tensor, trees: torch.Tensor, nodes: torch.Tensor, purpose: int,
                   n: int) -> torch.Tensor:
-    """Uniforms ``[R, n]`` float64 (numba Philox on the CPU), returned on ``nodes``' device."""
+    """Uniforms ``[R, n]`` float64 (numba Philox on the CPU), returned on ``nodes``' device.
+    ``step``: one step for every row, or ``[R]`` (rows of a batch at different steps)."""
     R = int(nodes.shape[0])
     t = trees.cpu().numpy().astype(np.uint64)
     v = nodes.cpu().numpy().astype(np.uint64)
+    if isinstance(step, torch.Tensor):
+        step = step.cpu().numpy().astype(np.uint64)
     ctr = np.empty((R, 4), dtype=np.uint64)
     for w, word in enumerate(philox_counter(step, t, v, purpose)):
         ctr[:, w] = word

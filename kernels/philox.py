@@ -10,7 +10,9 @@ the counter and key is needed).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 _M0 = np.uint64(0xD2E7470EE14C6C93)
 _M1 = np.uint64(0xCA5A826395121157)
@@ -20,21 +22,21 @@ _TINY = np.finfo(np.float64).tiny
 _ONE_MINUS = 1.0 - 2.0 ** -53
 
 
-@njit(cache=True, inline="always")
-def _mulhilo(a, b):
-    """(hi, lo) 64-bit halves of the 128-bit product ``a * b`` via 32-bit limbs."""
-    mask = np.uint64(0xFFFFFFFF)
-    s32 = np.uint64(32)
-    a_lo, a_hi = a & mask, a >> s32
-    b_lo, b_hi = b & mask, b >> s32
-    ll = a_lo * b_lo
-    lh = a_lo * b_hi
-    hl = a_hi * b_lo
-    hh = a_hi * b_hi
-    mid = (ll >> s32) + (lh & mask) + (hl & mask)
-    hi = hh + (lh >> s32) + (hl >> s32) + (mid >> s32)
-    lo = a * b
-    return hi, lo
+@intrinsic
+def _mulhilo(typingctx, a, b):
+    """(hi, lo) 64-bit halves of the 128-bit product ``a * b`` (uint64): one native
+    multiply (LLVM ``i128``), as numpy's C Philox does; four 32-bit limb products made
+    this generator ~3x slower than numpy's."""
+    sig = types.UniTuple(types.uint64, 2)(types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i64, i128 = ir.IntType(64), ir.IntType(128)
+        prod = builder.mul(builder.zext(args[0], i128), builder.zext(args[1], i128))
+        hi = builder.trunc(builder.lshr(prod, ir.Constant(i128, 64)), i64)
+        lo = builder.trunc(prod, i64)
+        return context.make_tuple(builder, signature.return_type, (hi, lo))
+
+    return sig, codegen
 
 
 @njit(cache=True)

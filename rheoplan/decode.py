@@ -949,7 +949,8 @@ def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None
             # rows with nothing drafted draw their token together (one softmax over [R, V])
             roots = [] if with_ctx else [b for b in range(len(live)) if int(t.linear.n[b]) == 1]
             root_walks = dict(zip(roots, verify_roots(t, [fws[b] for b in roots], roots, s.sampling, s.streams,
-                                                      [live[b].step for b in roots], [live[b].key for b in roots])))
+                                                      [live[b].step for b in roots], [live[b].key for b in roots],
+                                                      s.backend)))
             for b, row in enumerate(live):
                 ctx = row.prompt + row.result.tokens if with_ctx else None
                 res = root_walks.get(b) or verify_tree(t, fws[b], s.sampling, s.tree.verifier, s.streams, row.step,

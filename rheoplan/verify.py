@@ -202,13 +202,54 @@ def gumbel_max(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.argmax(torch.log(p) + g, dim=-1)
 
 
+#: relative slack of ``gumbel_max_uniform``'s filter; the keys' rounding is ~1e-13 of a
+#: key, so 1e-9 keeps every possible winner (a test breaks it on purpose)
+_FILTER_SLACK = 1e-9
+
+
+def gumbel_max_uniform(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``gumbel_max(p, gumbel_from_uniform(u))`` for ``p, u [R, V]`` (float64), taking the
+    two logarithms only where a token can still win. Returns ``[R]`` int64.
+
+    Why: the Gumbel transform costs two ``log`` per vocabulary entry, most of a root draw
+    on a CPU (a batch's autoregressive rows draw ``R x V`` of them each step). The key
+    ``log p_i + g_i`` of token ``i`` beats a bound ``B`` only if ``-log u_i <= p_i e^-B``,
+    and ``1 - u_i <= -log u_i``, so only tokens with ``1 - u_i <= p_i e^-B`` can. ``B`` is
+    the key of each row's most likely token; with ``p`` spread over ``V`` tokens a few
+    pass. The keys of those are computed exactly as ``gumbel_max`` computes them, in
+    token order, so the winner (first index on ties) is ``gumbel_max``'s.
+
+    Example:
+        >>> p = torch.tensor([[0.1, 0.6, 0.3]], dtype=torch.float64)
+        >>> u = torch.tensor([[0.2, 0.5, 0.999]], dtype=torch.float64)
+        >>> gumbel_max_uniform(p, u).tolist() == gumbel_max(p, gumbel_from_uniform(u)).tolist()
+        True
+    """
+    top = p.argmax(dim=-1, keepdim=True)
+    bound = torch.log(p.gather(-1, top)) + gumbel_from_uniform(u.gather(-1, top))
+    can_win = (1.0 - u) <= p * (torch.exp(-bound) * (1.0 + _FILTER_SLACK))
+    can_win.scatter_(-1, top, True)
+    rows, cols = can_win.nonzero(as_tuple=True)  # row-major: tokens in increasing order per row
+    keys = torch.log(p[rows, cols]) + gumbel_from_uniform(u[rows, cols])
+    # best key per row, first token on ties: stable sorts by key (descending) then by row
+    order = torch.sort(keys, descending=True, stable=True).indices
+    order = order[torch.sort(rows[order], stable=True).indices]
+    first = torch.searchsorted(rows[order], torch.arange(p.shape[0], device=p.device))
+    return cols[order[first]]
+
+
 def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams, steps: Sequence[int],
-               keys: Sequence[int], nodes: Sequence[int]) -> list[int]:
+               keys: Sequence[int], nodes: Sequence[int],
+               uniforms: Callable[[int], torch.Tensor] | None = None) -> list[int]:
     """``walk`` of R root-only trees at once (a batch's autoregressive rows): row ``r``
     emits a draw of ``target_probs(logits[r])`` with the noise ``walk`` uses at that root,
     ``streams.gumbel(steps[r], keys[r], nodes[r], VERIFY_RESIDUAL, V)``. One softmax and
     one Gumbel-max over ``[R, V]`` instead of R; the tokens are ``walk``'s. Context-free
-    target laws only (no ``history`` / processors)."""
+    target laws only (no ``history`` / processors).
+
+    ``uniforms(V)``: those rows' uniforms ``[R, V]`` from a faster generator of the same
+    streams (the numba Philox, ``rheoplan.kernels.noise``); default: ``streams.uniform``
+    row by row."""
     if not (len(steps) == len(keys) == len(nodes) == logits.shape[0]):
         raise ValueError(f"walk_roots: {logits.shape[0]} rows of logits for {len(steps)} steps, "
                          f"{len(keys)} keys and {len(nodes)} nodes")
@@ -219,10 +260,13 @@ def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams,
         # p is one-hot: argmax(log p + g) is its token whatever the noise, so draw none
         return p.argmax(dim=-1).tolist()
     V = p.shape[-1]
-    u = torch.stack([streams.uniform(s, k, v, Purpose.VERIFY_RESIDUAL, V) for s, k, v in zip(steps, keys, nodes)])
+    if uniforms is None:
+        u = torch.stack([streams.uniform(s, k, v, Purpose.VERIFY_RESIDUAL, V) for s, k, v in zip(steps, keys, nodes)])
+    else:
+        u = uniforms(V)
     if active("batch_shared_root_noise"):
         u = u[:1].expand_as(u)  # test-only: every row draws with the first row's noise
-    return gumbel_max(p, gumbel_from_uniform(u)).tolist()
+    return gumbel_max_uniform(p, u).tolist()
 
 
 def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], sampling: SamplingConfig,
@@ -272,7 +316,8 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
         # the residual noise (V numbers) is drawn only where a draw from p or from a
         # residual happens: an accepted proposal needs none
         def draw(r, v=v, V=V):
-            return int(gumbel_max(r, streams.gumbel(step, sk, v, Purpose.VERIFY_RESIDUAL, V)))
+            u = streams.uniform(step, sk, v, Purpose.VERIFY_RESIDUAL, V)
+            return int(gumbel_max_uniform(r[None], u[None])[0])
 
         if row < 0:
             x = draw(p)

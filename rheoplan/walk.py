@@ -26,6 +26,7 @@ import torch
 from rheoplan.config import SamplingConfig
 from rheoplan.distributions import BROKEN_TARGET, broken_rows, target_probs
 from rheoplan.ir import DraftTree
+from rheoplan.kernels.noise import numba_uniform
 from rheoplan.models.base import TreeLogits
 from rheoplan.mutation import active
 from rheoplan.rng import Purpose, Streams
@@ -93,11 +94,14 @@ def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, st
 
 
 def verify_roots(tree: DraftTree, fws: Sequence, rows: Sequence[int], sampling: SamplingConfig, streams: Streams,
-                 steps: Sequence[int], keys: Sequence[int]) -> list[StepWalk]:
+                 steps: Sequence[int], keys: Sequence[int], backend: str = "reference") -> list[StepWalk]:
     """``verify_tree`` of trees ``rows`` of ``tree``, each only its root (nothing drafted:
     a batch's autoregressive rows), in one ``rheoplan.verify.walk_roots`` call: the same
     tokens as one ``verify_tree`` per row, for a context-free target law. ``fws[r]``,
-    ``steps[r]`` and ``keys[r]`` belong to tree ``rows[r]``."""
+    ``steps[r]`` and ``keys[r]`` belong to tree ``rows[r]``.
+
+    ``backend`` other than 'reference': the rows' noise comes from the numba Philox in one
+    call (the same numbers as ``Streams``; numpy's generator is rebuilt per row)."""
     lin = tree.linear
     for b in rows:
         if int(lin.n[b]) != 1:
@@ -106,7 +110,12 @@ def verify_roots(tree: DraftTree, fws: Sequence, rows: Sequence[int], sampling: 
         return []
     logits = torch.stack([fw.logits(0).cpu() for fw in fws])
     nodes = [int(lin.node[b, 0]) for b in rows]
-    tokens = walk_roots(logits, sampling, streams, steps, keys, nodes)
+    uniforms = None
+    if backend != "reference":
+        def uniforms(V: int) -> torch.Tensor:
+            return numba_uniform(streams.seed, torch.tensor(steps), torch.tensor(keys), torch.tensor(nodes),
+                                 streams.purpose_key(Purpose.VERIFY_RESIDUAL), V)
+    tokens = walk_roots(logits, sampling, streams, steps, keys, nodes, uniforms)
     return [StepWalk([0], [v], [x], 1, 0, 0) for v, x in zip(nodes, tokens)]
 
 

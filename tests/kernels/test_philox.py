@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rheoplan.kernels.noise import gumbel_rows, uniform_rows
+from rheoplan.config import SamplingConfig
+from rheoplan.kernels.noise import gumbel_rows, numba_uniform, uniform_rows
 from rheoplan.rng import Purpose, Streams
 from rheoplan.testing import mutation
+from rheoplan.verify import walk_roots
 
 
 def _expected(streams, step, trees, nodes, purpose, n):
@@ -42,3 +44,28 @@ def test_triton_noise_follows_mutation_c(device):
     assert not torch.equal(draft, verify)
     with mutation("reuse_draft_stream"):
         assert torch.equal(uniform_rows(s, 0, trees, nodes, Purpose.VERIFY_ACCEPT, 4, "triton"), draft)
+
+
+def test_numba_rows_at_different_steps_match_streams():
+    """A batch's rows are at different steps: one numba call with a step per row."""
+    s = Streams(5)
+    steps, trees, nodes = torch.tensor([0, 4, 4, 9]), torch.tensor([0, 1, 2, 3]), torch.tensor([0, 0, 7, 2])
+    got = numba_uniform(s.seed, steps, trees, nodes, s.purpose_key(Purpose.VERIFY_RESIDUAL), 11)
+    want = torch.stack([s.uniform(int(a), int(b), int(v), Purpose.VERIFY_RESIDUAL, 11)
+                        for a, b, v in zip(steps, trees, nodes)])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_walk_roots_with_numba_noise_draws_the_streams_tokens(temperature):
+    """``walk_roots`` given the numba rows' uniforms (``rheoplan.walk.verify_roots`` on a
+    non-reference backend) emits the tokens it draws from ``Streams`` row by row."""
+    V = 3000
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(1)) * 3
+    sampling = SamplingConfig(temperature=temperature)
+    s = Streams(2**40 + 3)
+    steps, keys, nodes = [3, 0, 8, 8, 1], [0, 1, 2, 3, 4], [0, 0, 0, 5, 0]
+    fast = walk_roots(logits, sampling, s, steps, keys, nodes, lambda n: numba_uniform(
+        s.seed, torch.tensor(steps), torch.tensor(keys), torch.tensor(nodes),
+        s.purpose_key(Purpose.VERIFY_RESIDUAL), n))
+    assert fast == walk_roots(logits, sampling, s, steps, keys, nodes)

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.distributions import draft_probs, rank_support, tail_law, target_probs
-from rheoplan.rng import Streams
+from rheoplan.rng import Purpose, Streams, gumbel_from_uniform
 from rheoplan.testing import strategies as rst
 from rheoplan.verify import (accept_prob, children_tokens, coupling_law, coupling_sample,
-                             walk)
+                             gumbel_max, gumbel_max_uniform, walk)
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -229,8 +229,6 @@ def test_walk_draws_residual_noise_only_where_used():
     """An accepted proposal draws no residual noise, and the walk's tokens are those of
     ``coupling_sample`` with the dense noise at every node (the path the walk took before
     it drew lazily)."""
-    from rheoplan.rng import Purpose
-
     class Counting(Streams):
         def __init__(self, seed):
             super().__init__(seed)
@@ -268,3 +266,45 @@ def test_walk_draws_residual_noise_only_where_used():
             assert st_.residual <= len(r.path)
             saw_accept |= st_.residual < len(r.path)
     assert saw_accept
+
+
+def _draw_cases(scales=(0.1, 1.0, 3.0, 10.0, 30.0), V=4096, R=8, per_scale=6):
+    """(p, u) pairs [R, V]: flat to peaked target laws, half of them truncated (zeros, as
+    top-k / top-p leave them), with the uniforms of the residual streams."""
+    gen = torch.Generator().manual_seed(0)
+    s = Streams(11)
+    for i, scale in enumerate(scales):
+        for j in range(per_scale):
+            p = torch.softmax(torch.randn(R, V, generator=gen, dtype=torch.float64) * scale, -1)
+            if j % 2:
+                p[:, torch.randperm(V, generator=gen)[: V // 2]] = 0.0
+                p = p / p.sum(-1, keepdim=True)
+            u = torch.stack([s.uniform(i, j, r, Purpose.VERIFY_RESIDUAL, V) for r in range(R)])
+            yield p, u
+
+
+def _mismatches() -> int:
+    return sum(int((gumbel_max_uniform(p, u) != gumbel_max(p, gumbel_from_uniform(u))).sum())
+               for p, u in _draw_cases())
+
+
+def test_gumbel_max_uniform_equals_gumbel_max():
+    """The filtered draw is the dense Gumbel-max, token for token (240 rows, flat to peaked,
+    with and without zeros); and the test sees a filter that is too strict."""
+    assert _mismatches() == 0
+
+
+def test_gumbel_max_uniform_test_catches_a_too_strict_filter(monkeypatch):
+    import rheoplan.verify as verify
+
+    monkeypatch.setattr(verify, "_FILTER_SLACK", -0.9)  # keeps only tokens with 1 - u <= p e^-B / 10
+    assert _mismatches() > 0
+
+
+@FAST
+@given(rst.vocab_sizes(), st.integers(1, 4), st.integers(0, 2**32), st.data())
+def test_gumbel_max_uniform_equals_gumbel_max_any_law(V, R, seed, data):
+    s = data.draw(rst.sampling_configs(V, temperatures=(0.5, 1.0, 1.5)))
+    p = torch.stack([target_probs(data.draw(rst.logit_rows(V)), s) for _ in range(R)])
+    u = torch.stack([Streams(seed).uniform(0, r, 0, Purpose.VERIFY_RESIDUAL, V) for r in range(R)])
+    assert torch.equal(gumbel_max_uniform(p, u), gumbel_max(p, gumbel_from_uniform(u)))
