@@ -11,6 +11,8 @@ import inspect
 
 import torch
 
+from rheoplan.models.gqa_attention import gqa_attention_active
+
 
 def forward_memory(cfg, elem: int, vocab: int, batch: int, width: int, queries: int) -> int:
     """Bytes one batched forward of a transformers decoder (config ``cfg``, ``elem``-byte
@@ -118,8 +120,9 @@ def run_base(base: torch.nn.Module, cache, input_ids: torch.Tensor, position_ids
         mask = None
     else:
         mask = additive_mask(allowed, next(base.parameters()).dtype)
-    out = base(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask,
-               use_cache=True, **{_cache_kwarg(base): cache}, **attention_kwargs)
+    with gqa_attention_active(base, mask, input_ids.shape[-1]):  # no repeat_kv copy of the cache (CPU sdpa)
+        out = base(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask,
+                   use_cache=True, **{_cache_kwarg(base): cache}, **attention_kwargs)
     return out.last_hidden_state[0]
 
 
@@ -131,8 +134,9 @@ def run_base_rows(base: torch.nn.Module, cache, input_ids: torch.Tensor, positio
     dtype = next(base.parameters()).dtype
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask[:, None],
-               use_cache=True, **{_cache_kwarg(base): cache}, **attention_kwargs)
+    with gqa_attention_active(base, mask, input_ids.shape[-1]):
+        out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask[:, None],
+                   use_cache=True, **{_cache_kwarg(base): cache}, **attention_kwargs)
     return out.last_hidden_state
 
 
