@@ -240,7 +240,8 @@ def cmd_generate(args) -> int:
     if args.save_calibration and not uses_cost_model(args):
         raise ValueError("--save-calibration needs --depth auto or --budget auto (the cost model)")
     backend = resolve_backend(args.backend, _model_device())  # before the model loads
-    model, tok, draft = load_default(method=args.method, draft=args.draft, dtype=args.dtype)
+    model, tok, draft = load_default(method=args.method, draft=args.draft, dtype=args.dtype,
+                                      draft_dtype=args.draft_dtype)
     cost = None
     if uses_cost_model(args):
         cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration=args.calibration,
@@ -274,7 +275,8 @@ def cmd_dump(args) -> int:
         raise ValueError("--method=autoregressive has no draft tree to dump")
     parse_draft_spec(args.draft)
     backend = resolve_backend(args.backend, _model_device())  # before the model loads
-    model, tok, draft = load_default(method=args.method, draft=args.draft, dtype=args.dtype)
+    model, tok, draft = load_default(method=args.method, draft=args.draft, dtype=args.dtype,
+                                      draft_dtype=args.draft_dtype)
     passes, decisions = None, []
     if uses_cost_model(args):  # measured before the draft starts on the prompt (it decodes)
         cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration=args.calibration,

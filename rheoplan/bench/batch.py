@@ -44,7 +44,7 @@ import torch
 from rheoplan.bench.decode import load_prompts, machine_info
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.decode import plan_and_decode
-from rheoplan.loading import auto_tree, encode_prompt, load_cost_model, load_default, model_dtype
+from rheoplan.loading import DRAFT_DTYPES, auto_tree, encode_prompt, load_cost_model, load_default, model_dtype
 from rheoplan.probe import batched_decode_unavailable
 
 METHODS = ("generate", "rowwise", "batched")
@@ -300,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft", default="auto", help="as for rheoplan generate (default auto)")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="target dtype (default auto: the one measured fastest here)")
+    ap.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
+                    help="the draft head's dtype, as for rheoplan generate (default auto)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default="bench_batch_out", help="JSON records and the markdown table (default "
                                                               "bench_batch_out)")
@@ -321,7 +323,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    model, tok, draft = load_default(method="rheo", draft=args.draft, dtype=args.dtype)
+    model, tok, draft = load_default(method="rheo", draft=args.draft, dtype=args.dtype,
+                                      draft_dtype=args.draft_dtype)
     dtype = model_dtype(model)
     pad_id = tok.eos_token_id if tok.eos_token_id is not None else 0
     prompts = [encode_prompt(tok, p, chat=True) for _, p in texts]
@@ -344,7 +347,8 @@ def main(argv=None) -> int:
                 print(f"bench batch: {dtype} T={t} seed={s} batch={b} ...", file=sys.stderr, flush=True)
                 for rec in run_batch_size(model, pad_id, draft, prompts, b, t, s, args.tokens, args.methods,
                                           cost, tree):
-                    rec.update(dtype=dtype, plan=plans[b], tokens_per_row=args.tokens)
+                    rec.update(dtype=dtype, plan=plans[b], tokens_per_row=args.tokens,
+                               draft_dtype=model_dtype(draft.head) if hasattr(draft, "head") else None)
                     records.append(rec)
     rows = summarise(records)
     table = report(rows, machine)

@@ -224,7 +224,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    model, tok, draft = load_default(method="rheo", draft=args.draft, dtype=args.dtype)
+    model, tok, draft = load_default(method="rheo", draft=args.draft, dtype=args.dtype,
+                                      draft_dtype=args.draft_dtype)
     todo = [(methods["ar-hf"], draft), (Method("autoregressive", methods["eagle"].tree), None)]
     todo += [(methods[m], draft) for m in TREE_METHODS]
     records = {}

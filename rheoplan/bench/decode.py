@@ -41,7 +41,8 @@ from tqdm.auto import tqdm
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import machine_name
 from rheoplan.decode import plan_and_decode
-from rheoplan.loading import FIXED_TREE, auto_tree, encode_prompt, load_cost_model, load_default, model_dtype
+from rheoplan.loading import (DRAFT_DTYPES, FIXED_TREE, auto_tree, encode_prompt, load_cost_model, load_default,
+                              model_dtype)
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 
@@ -226,7 +227,8 @@ def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed
             "predicted_tokens_per_step": sum(predicted) / len(predicted) if predicted else None,
             "autoregressive_steps": ar_steps if method.cost else None,
             "tree": None if method.tree is None else method.tree.as_dict(),
-            "dtype": model_dtype(model), "threads": torch.get_num_threads()}
+            "dtype": model_dtype(model), "threads": torch.get_num_threads(),
+            "draft_dtype": model_dtype(draft.head) if hasattr(draft, "head") and method.tree is not None else None}
 
 
 def summarise(records: list[dict]) -> list[dict]:
@@ -366,6 +368,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", nargs="+", choices=["auto", "float32", "bfloat16"], default=["float32", "auto"],
                     help="target dtypes to run, in order (default: float32 auto; 'auto' = the one "
                          "measured fastest here, run once if it is float32)")
+    ap.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
+                    help="the draft head's dtype, as for rheoplan generate (default auto)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default="bench_out", help="run records and plots (default bench_out)")
     ap.add_argument("--report-md", default=None, help="write the table here too (e.g. docs/results_table.md)")
@@ -391,7 +395,8 @@ def main(argv=None) -> int:
         machine = machine_info()
         done_dtypes: set[str] = set()
         for requested in dict.fromkeys(args.dtype):
-            model, tok, draft = load_default(method="rheo", draft=args.draft, dtype=requested)
+            model, tok, draft = load_default(method="rheo", draft=args.draft, dtype=requested,
+                                                  draft_dtype=args.draft_dtype)
             dtype = model_dtype(model)
             if dtype in done_dtypes:  # 'auto' picked a dtype already run
                 print(f"dtype {requested} = {dtype}: already run", file=sys.stderr)

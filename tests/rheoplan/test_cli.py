@@ -48,6 +48,34 @@ def test_bad_dtype_names_the_choices(capsys):
     assert "argument --dtype: invalid choice: 'float16' (choose from 'auto', 'float32', 'bfloat16')" in capsys.readouterr().err
 
 
+def test_bad_draft_dtype_names_the_choices(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--draft-dtype", "float16"])
+    assert e.value.code == 2
+    assert ("argument --draft-dtype: invalid choice: 'float16' (choose from 'auto', 'float32', 'bfloat16')"
+            in capsys.readouterr().err)
+
+
+def test_draft_dtype_reaches_the_loader(capsys, monkeypatch):
+    seen = {}
+
+    def stop(**kw):
+        seen.update(kw)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "load_default", stop)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--draft-dtype", "bfloat16", "hi"])
+    assert seen["draft_dtype"] == "bfloat16"
+
+
+def test_load_default_refuses_an_unknown_draft_dtype_before_loading():
+    from rheoplan.loading import load_default
+
+    with pytest.raises(ValueError, match=r"draft_dtype='fp16' is not one of \('auto', 'float32', 'bfloat16'\)"):
+        load_default(draft_dtype="fp16")
+
+
 def test_bad_backend_names_the_choices(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--backend", "cuda"])

@@ -91,6 +91,51 @@ def test_choose_dtype_measures_caches_and_reads_back(cache, monkeypatch, costs, 
     assert seen  # asked to measure again
 
 
+def _fake_head_matmuls(clock, cost_by_dtype, seen):
+    def fake(head, rows):
+        dt = next(head.parameters()).dtype
+        seen.append(dt)
+        return clock.spend(cost_by_dtype[dt])
+    return fake
+
+
+@pytest.mark.parametrize("costs,want", [
+    ({torch.float32: 6.0, torch.bfloat16: 1.5}, torch.bfloat16),   # 4x faster: taken
+    ({torch.float32: 6.0, torch.bfloat16: 5.5}, torch.float32),    # 1.09x: below the margin
+    ({torch.float32: 6.0, torch.bfloat16: 9.0}, torch.float32),
+])
+def test_choose_head_dtype_needs_the_margin_and_caches(cache, monkeypatch, costs, want):
+    head = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    clock, seen = Clock(), []
+    monkeypatch.setattr(probe, "_head_matmuls", _fake_head_matmuls(clock, costs, seen))
+    log = io.StringIO()
+    dt, ms = probe.choose_head_dtype(head, head_id="tiny head", timer=clock, log=log)
+    assert dt is want and set(seen) == {torch.float32, torch.bfloat16}
+    assert ms == pytest.approx({str(k).removeprefix("torch."): v for k, v in costs.items()})
+    assert next(head.parameters()).dtype is torch.float32  # the caller's head is not cast
+    seen.clear()
+    assert probe.choose_head_dtype(head, head_id="tiny head", timer=clock, log=log)[0] is want
+    assert seen == [] and "(cached" in log.getvalue()
+    probe.choose_head_dtype(head, head_id="another head", timer=clock, log=log)
+    assert seen  # the key names the head
+
+
+def test_head_matmuls_times_every_linear_and_bad_arguments_are_refused():
+    head = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    calls = []
+    for m in head.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda mod, i, o: calls.append(tuple(i[0].shape)))
+    probe._head_matmuls(head, 3)()
+    assert calls == [(3, 8), (3, 16)]
+    with pytest.raises(ValueError, match="no Linear"):
+        probe._head_matmuls(torch.nn.ReLU(), 3)
+    with pytest.raises(ValueError, match="margin=0.5 is out of range"):
+        probe.choose_head_dtype(head, head_id="x", margin=0.5)
+    with pytest.raises(ValueError, match="rows=0 is out of range"):
+        probe.choose_head_dtype(head, head_id="x", rows=0)
+
+
 def test_chain_linear_shapes():
     for n in (1, 2, 5):
         lin = probe.chain_linear(3, 10, n)
