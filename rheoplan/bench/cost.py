@@ -35,7 +35,7 @@ import torch
 
 from tqdm.auto import tqdm
 
-from rheoplan.bench.decode import Method, check_run_args, load_prompts, methods_for, run_one
+from rheoplan.bench.decode import Method, check_run_args, load_prompts, methods_for, run_group, run_one
 from rheoplan.config import SamplingConfig
 from rheoplan.loading import FIXED_TREE, add_dtype, encode_prompt, load_cost_model, load_default, model_dtype
 from rheoplan.models._hf_common import (base_model, cache_length, crop_cache, new_cache, output_head,
@@ -231,10 +231,11 @@ def main(argv=None) -> int:
     records = {}
     # the cost model's latencies (measured here once, then cached) for the 'default' method
     cost = load_cost_model(model, tok, draft, methods["default"].tree, draft_id=args.draft)
-    for method, d in tqdm(todo, desc="cost", unit="method"):
-        run_one(model, tok, d, method, prompts[:1], args.temperature, args.seed + 1, 4, cost_model=cost)  # warm-up
-        records[method.name] = run_one(model, tok, d, method, prompts, args.temperature, args.seed, args.tokens,
-                                       cost_model=cost)
+    for method, d in tqdm(todo, desc="cost: warm-up", unit="method"):
+        run_one(model, tok, d, method, prompts[:1], args.temperature, args.seed + 1, 4, cost_model=cost)
+    # every method decodes each prompt before the next prompt starts (interleaved)
+    for rec in run_group(model, tok, todo, prompts, args.temperature, args.seed, args.tokens, cost_model=cost):
+        records[rec["method"]] = rec
     ar = records.pop("ar-hf")
     ar_ms = 1e3 * ar["seconds"] / ar["tokens"]
     rows = [breakdown(r, ar_ms) for r in records.values()]

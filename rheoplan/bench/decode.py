@@ -1,7 +1,10 @@
 """Side-by-side decode benchmark on SmolLM2-135M-Instruct (``rheoplan bench decode``).
 
 Every method runs in one process over the same held-out prompts (not used in
-training), temperatures and seeds, with the same node budget:
+training), temperatures and seeds, with the same node budget, interleaved prompt by
+prompt: at one temperature and seed, every method decodes prompt j before any starts
+prompt j + 1 (the methods' order rotates per prompt), so a machine that slows down
+mid-benchmark slows every method alike:
 
 * ``ar-hf``: autoregressive sampling with transformers ``generate`` (dynamic cache, eager)
 * ``default``: what ``rheoplan generate`` does by default: RheoSampling (m = 1, ``ot``)
@@ -14,9 +17,9 @@ training), temperatures and seeds, with the same node budget:
 * ``eagle``: EAGLE's dynamic top-K tree with one-hot verification
 * ``rheo-m{m}-{verifier}[-{proxy}]``: RheoSampling variants
 
-Each (method, temperature, seed) run is written to ``OUT/runs/*.json`` as soon as it
-finishes, so an interrupted benchmark resumes where it stopped (``--resume``, the
-default). ``--report`` turns whatever runs exist into ``docs/results.md``-style
+Each (method, temperature, seed) run is written to ``OUT/runs/*.json`` as soon as its
+(temperature, seed) group finishes, so an interrupted benchmark resumes at the first
+unfinished group (``--resume``, the default). ``--report`` turns whatever runs exist into ``docs/results.md``-style
 markdown and PNG plots. Every method's speed-up is against the FASTEST ``generate``
 variant of the same dtype and temperature, and the report names the CPU and its flags.
 
@@ -32,6 +35,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Sequence
 from pathlib import Path
 
 import torch
@@ -192,43 +196,72 @@ def decode_prompt(model, tok, draft, method: Method, ids: list[int], temperature
     return len(r.tokens), len(r.steps), time.perf_counter() - t0, r
 
 
-def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed: int, tokens: int,
-            cost_model=None) -> dict:
-    """One (method, temperature, seed) run over all prompts; returns the aggregate record.
-    ``cost_model`` (a ``rheoplan.costmodel.CostModel``) is needed for a ``cost`` method."""
-    if method.cost and cost_model is None:
-        raise ValueError(f"method {method.name!r} plans by the cost model: pass cost_model=")
-    n_tok = n_steps = acc = trials = 0
-    seconds = 0.0
-    phases: dict[str, float] = {}  # plan_and_decode's per-phase seconds, summed over prompts
-    predicted, ar_steps = [], 0
+class _Tally:
+    """What one (method, temperature, seed) run adds up over its prompts."""
+
+    def __init__(self, method: Method, draft):
+        self.method, self.draft = method, draft
+        self.n_tok = self.n_steps = self.acc = self.trials = self.ar_steps = 0
+        self.seconds = 0.0
+        self.phases: dict[str, float] = {}  # plan_and_decode's per-phase seconds, summed over prompts
+        self.predicted: list[float] = []
+
+    def add(self, new: int, steps: int, sec: float, r) -> None:
+        self.seconds += sec
+        self.n_tok += new
+        self.n_steps += steps
+        if r is None:
+            return
+        self.predicted += [st.predicted_tokens for st in r.steps if st.predicted_tokens is not None]
+        self.ar_steps += sum(1 for st in r.steps if not st.drafted)
+        self.acc += sum(s.accepted for s in r.steps)
+        self.trials += sum(s.trials for s in r.steps)
+        for k, v in r.phase_totals().items():
+            self.phases[k] = self.phases.get(k, 0.0) + v
+        # the steps' own wall time: what is left of ``seconds`` is the prompts' prefill
+        self.phases["step"] = self.phases.get("step", 0.0) + sum(st.t_step for st in r.steps)
+
+    def record(self, model, temperature: float, seed: int, prompts: int) -> dict:
+        m, d = self.method, self.draft
+        return {"method": m.name, "temperature": temperature, "seed": seed, "prompts": prompts,
+                "tokens": self.n_tok, "steps": self.n_steps, "seconds": self.seconds,
+                "tokens_per_second": self.n_tok / self.seconds if self.seconds else float("nan"),
+                "mean_accepted_length": self.n_tok / self.n_steps if self.n_steps else float("nan"),
+                "acceptance": self.acc / self.trials if self.trials else float("nan"),
+                "phase_seconds": self.phases,
+                "predicted_tokens_per_step": (sum(self.predicted) / len(self.predicted)
+                                              if self.predicted else None),
+                "autoregressive_steps": self.ar_steps if m.cost else None,
+                "tree": None if m.tree is None else m.tree.as_dict(),
+                "dtype": model_dtype(model), "threads": torch.get_num_threads(),
+                "draft_dtype": model_dtype(d.head) if hasattr(d, "head") and m.tree is not None else None}
+
+
+def run_group(model, tok, runs: Sequence[tuple[Method, object]], prompts, temperature: float, seed: int,
+              tokens: int, cost_model=None) -> list[dict]:
+    """``(method, draft)`` runs at one temperature and seed, interleaved prompt by prompt:
+    every run decodes prompt j before any starts prompt j + 1, and the runs' order rotates
+    by one per prompt, so a machine that slows down mid-benchmark slows every run alike.
+    Returns one aggregate record per run, in ``runs``' order. ``cost_model`` (a
+    ``rheoplan.costmodel.CostModel``) is needed for a ``cost`` method. Prompt j decodes
+    with seed ``seed * 1000 + j`` in every run."""
+    for method, _ in runs:
+        if method.cost and cost_model is None:
+            raise ValueError(f"method {method.name!r} plans by the cost model: pass cost_model=")
+    tallies = [_Tally(m, d) for m, d in runs]
     for j, (_, prompt) in enumerate(prompts):
         ids = encode_prompt(tok, prompt, chat=True)
-        new, steps, sec, r = decode_prompt(model, tok, draft, method, ids, temperature, seed * 1000 + j, tokens,
-                                           cost_model=cost_model)
-        seconds += sec
-        n_tok += new
-        n_steps += steps
-        if r is not None:
-            predicted += [st.predicted_tokens for st in r.steps if st.predicted_tokens is not None]
-            ar_steps += sum(1 for st in r.steps if not st.drafted)
-            acc += sum(s.accepted for s in r.steps)
-            trials += sum(s.trials for s in r.steps)
-            for k, v in r.phase_totals().items():
-                phases[k] = phases.get(k, 0.0) + v
-            # the steps' own wall time: what is left of ``seconds`` is the prompts' prefill
-            phases["step"] = phases.get("step", 0.0) + sum(st.t_step for st in r.steps)
-    return {"method": method.name, "temperature": temperature, "seed": seed, "prompts": len(prompts),
-            "tokens": n_tok, "steps": n_steps, "seconds": seconds,
-            "tokens_per_second": n_tok / seconds if seconds else float("nan"),
-            "mean_accepted_length": n_tok / n_steps if n_steps else float("nan"),
-            "acceptance": acc / trials if trials else float("nan"),
-            "phase_seconds": phases,
-            "predicted_tokens_per_step": sum(predicted) / len(predicted) if predicted else None,
-            "autoregressive_steps": ar_steps if method.cost else None,
-            "tree": None if method.tree is None else method.tree.as_dict(),
-            "dtype": model_dtype(model), "threads": torch.get_num_threads(),
-            "draft_dtype": model_dtype(draft.head) if hasattr(draft, "head") and method.tree is not None else None}
+        for i in range(len(tallies)):
+            t = tallies[(i + j) % len(tallies)]
+            t.add(*decode_prompt(model, tok, t.draft, t.method, ids, temperature, seed * 1000 + j, tokens,
+                                 cost_model=cost_model))
+    return [t.record(model, temperature, seed, len(prompts)) for t in tallies]
+
+
+def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed: int, tokens: int,
+            cost_model=None) -> dict:
+    """One (method, temperature, seed) run over all prompts (``run_group`` of one run)."""
+    return run_group(model, tok, [(method, draft)], prompts, temperature, seed, tokens, cost_model)[0]
 
 
 def summarise(records: list[dict]) -> list[dict]:
@@ -402,28 +435,39 @@ def main(argv=None) -> int:
                 print(f"dtype {requested} = {dtype}: already run", file=sys.stderr)
                 continue
             done_dtypes.add(dtype)
-            todo = [(all_methods[n], t, s) for n, t, s in plan_runs(names, args.temperatures, args.seeds)]
             compile_s, compile_err, cost = None, None, None
-            bar = tqdm(todo, desc=f"bench {dtype}", unit="run")
-            for method, t, s in bar:
-                rec_path = runs_dir / f"{method.name}_T{t}_s{s}_p{len(prompts)}_n{args.tokens}_{dtype}.json"
-                bar.set_postfix_str(f"{method.name} T={t} seed={s}")
-                if rec_path.exists() and not args.no_resume:
+            # one group per (temperature, seed): its methods run interleaved prompt by prompt
+            groups: dict[tuple[float, int], list[Method]] = {}
+            for n, t, s in plan_runs(names, args.temperatures, args.seeds):
+                groups.setdefault((t, s), []).append(all_methods[n])
+            bar = tqdm(groups.items(), desc=f"bench {dtype}", unit="group")
+            for (t, s), methods in bar:
+                path_of = {m.name: runs_dir / f"{m.name}_T{t}_s{s}_p{len(prompts)}_n{args.tokens}_{dtype}.json"
+                           for m in methods}
+                methods = [m for m in methods if args.no_resume or not path_of[m.name].exists()]
+                if not methods:
                     continue
-                if method.kind == "generate-static" and compile_s is None:
+                bar.set_postfix_str(f"T={t} seed={s}: {' '.join(m.name for m in methods)}")
+                if any(m.kind == "generate-static" for m in methods) and compile_s is None:
                     compile_s, compile_err = warm_static_generate(model, tok)
-                if method.kind == "generate-static" and compile_err:
-                    rec = {"method": method.name, "temperature": t, "seed": s, "dtype": dtype,
-                           "error": f"static cache + torch.compile failed here: {compile_err}"}
-                else:
-                    if method.cost and cost is None:
-                        cost = load_cost_model(model, tok, draft, method.tree, draft_id=args.draft)
-                    rec = run_one(model, tok, draft, method, prompts, t, s, args.tokens, cost_model=cost)
-                if method.kind == "generate-static":
-                    rec["compile_seconds"] = compile_s
-                rec["machine"] = machine
-                rec["dtype_requested"] = requested
-                rec_path.write_text(json.dumps(rec, indent=1))
+                costed = [m for m in methods if m.cost]
+                if costed and cost is None:
+                    cost = load_cost_model(model, tok, draft, costed[0].tree, draft_id=args.draft)
+                recs = {}
+                if compile_err:  # report the failure, run the others
+                    for m in [m for m in methods if m.kind == "generate-static"]:
+                        recs[m.name] = {"method": m.name, "temperature": t, "seed": s, "dtype": dtype,
+                                        "error": f"static cache + torch.compile failed here: {compile_err}"}
+                runs = [(m, draft) for m in methods if m.name not in recs]
+                for rec in run_group(model, tok, runs, prompts, t, s, args.tokens, cost_model=cost):
+                    recs[rec["method"]] = rec
+                for m in methods:
+                    rec = recs[m.name]
+                    if m.kind == "generate-static":
+                        rec["compile_seconds"] = compile_s
+                    rec["machine"] = machine
+                    rec["dtype_requested"] = requested
+                    path_of[m.name].write_text(json.dumps(rec, indent=1))
             del model, draft
     records = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*.json"))]
     table = report(records, Path(args.report_md) if args.report_md else out / "results_table.md", out)

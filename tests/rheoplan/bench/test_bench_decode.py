@@ -148,3 +148,46 @@ def test_default_method_runs_the_cost_model_and_records_its_prediction():
                         temperature=1.0, seed=0, tokens=6, cost_model=cost)
     assert rec["tokens"] == 12 and rec["predicted_tokens_per_step"] >= 1.0
     assert rec["autoregressive_steps"] is not None
+
+
+def test_run_group_interleaves_prompt_by_prompt_and_rotates(monkeypatch):
+    """Every method decodes prompt j before any starts prompt j + 1, the first method of each
+    prompt rotates, and the records equal one run per method (same seeds per prompt)."""
+    target, draft = tiny_llama(0), tiny_llama(1, layers=1)
+    methods = bench.methods_for(3, 2, 2, 5)
+    runs = [(methods["ar-hf"], None), (methods["eagle"], draft), (methods["rheo-m1-ot"], draft)]
+    prompts = [("chat", "hello"), ("code", "def f"), ("math", "1+1")]
+    calls = []
+    real = bench.decode_prompt
+
+    def spy(model, tok, d, method, ids, temperature, seed, tokens, cost_model=None):
+        calls.append((method.name, seed))
+        return real(model, tok, d, method, ids, temperature, seed, tokens, cost_model=cost_model)
+
+    monkeypatch.setattr(bench, "decode_prompt", spy)
+    recs = bench.run_group(target, CharTokenizer(), runs, prompts, temperature=1.0, seed=2, tokens=5)
+    assert [r["method"] for r in recs] == ["ar-hf", "eagle", "rheo-m1-ot"]
+    assert calls == [("ar-hf", 2000), ("eagle", 2000), ("rheo-m1-ot", 2000),
+                     ("eagle", 2001), ("rheo-m1-ot", 2001), ("ar-hf", 2001),
+                     ("rheo-m1-ot", 2002), ("ar-hf", 2002), ("eagle", 2002)]
+    for rec, (m, d) in zip(recs, runs):
+        alone = bench.run_one(target, CharTokenizer(), d, m, prompts, temperature=1.0, seed=2, tokens=5)
+        assert (rec["tokens"], rec["steps"]) == (alone["tokens"], alone["steps"])
+
+
+def test_main_writes_one_record_per_method_and_resumes_by_group(monkeypatch, tmp_path):
+    target, draft = tiny_llama(0), tiny_llama(1, layers=1)
+    monkeypatch.setattr(bench, "load_default", lambda **kw: (target, CharTokenizer(), draft))
+    monkeypatch.setattr(bench, "load_prompts", lambda n: [("chat", "hello"), ("code", "def f")][:n])
+    groups = []
+    real = bench.run_group
+    monkeypatch.setattr(bench, "run_group", lambda *a, **k: groups.append([m.name for m, _ in a[2]]) or real(*a, **k))
+    argv = ["--methods", "ar-hf", "eagle", "--temperatures", "1", "--seeds", "0", "1", "--prompts", "2",
+            "--tokens", "3", "--dtype", "float32", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert groups == [["ar-hf", "eagle"], ["ar-hf", "eagle"]]
+    assert len(list((tmp_path / "runs").glob("*.json"))) == 4
+    (tmp_path / "runs" / "eagle_T1.0_s1_p2_n3_float32.json").unlink()
+    groups.clear()
+    assert bench.main(argv) == 0
+    assert groups == [["eagle"]]  # only the missing run of the unfinished group
