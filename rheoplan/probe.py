@@ -171,12 +171,10 @@ def choose_dtype(model, *, model_id: str | None = None, reps: int = 5, prompt_le
     dev = next(model.parameters()).device
     mid = model_id or model_identity(model)
     key = cache_key("dtype", mid, dev)
-    if use_cache and _read_cache():
-        rec = cache_read(DTYPE_CACHE, key)
-        if rec is not None and hasattr(torch, str(rec.get("dtype"))):
-            print(f"dtype auto: {rec['dtype']} (cached; measured ms per 1-token + {PROBE_TREE}-token "
-                  f"forward: {_fmt(rec.get('ms', {}))})", file=log)
-            return getattr(torch, rec["dtype"]), dict(rec.get("ms", {}))
+    hit = _cached_dtype(DTYPE_CACHE, key, use_cache, f"dtype auto: %s (cached; measured ms per 1-token + "
+                        f"{PROBE_TREE}-token forward: %s)", log)
+    if hit is not None:
+        return hit
     own = next(model.parameters()).dtype
     cands = {}
     copies = []
@@ -232,12 +230,10 @@ def choose_head_dtype(head: torch.nn.Module, *, head_id: str, rows: int = 3, rep
         raise ValueError(f"rows={rows!r} is out of range: allowed an int >= 1")
     dev = next(head.parameters()).device
     key = cache_key("head_dtype", head_id, dev, rows=rows)
-    if use_cache and _read_cache():
-        rec = cache_read(HEAD_DTYPE_CACHE, key)
-        if rec is not None and hasattr(torch, str(rec.get("dtype"))):
-            print(f"draft dtype auto: {rec['dtype']} (cached; measured ms per head call: "
-                  f"{_fmt(rec.get('ms', {}))})", file=log)
-            return getattr(torch, rec["dtype"]), dict(rec.get("ms", {}))
+    hit = _cached_dtype(HEAD_DTYPE_CACHE, key, use_cache,
+                        "draft dtype auto: %s (cached; measured ms per head call: %s)", log)
+    if hit is not None:
+        return hit
     cands = {str(dt).removeprefix("torch."): _head_matmuls(copy.deepcopy(head).to(dt), rows)
              for dt in supported_dtypes(dev)}
     _, ms = fastest(cands, reps=reps, timer=timer)
@@ -250,6 +246,19 @@ def choose_head_dtype(head: torch.nn.Module, *, head_id: str, rows: int = 3, rep
     print(f"draft dtype auto: {best} (measured ms per head call: {_fmt(ms)}; another dtype than float32 "
           f"needs {margin:g}x{where})", file=log)
     return getattr(torch, best), ms
+
+
+def _cached_dtype(cache: str, key: str, use_cache: bool, message: str,
+                  log) -> tuple[torch.dtype, dict[str, float]] | None:
+    """A dtype choice stored under ``key`` in ``cache`` (``(dtype, ms)``, reported with
+    ``message % (dtype, ms)``), or None when there is none or measuring is asked for."""
+    if not (use_cache and _read_cache()):
+        return None
+    rec = cache_read(cache, key)
+    if rec is None or not hasattr(torch, str(rec.get("dtype"))):
+        return None
+    print(message % (rec["dtype"], _fmt(rec.get("ms", {}))), file=log)
+    return getattr(torch, rec["dtype"]), dict(rec.get("ms", {}))
 
 
 def _fmt(ms: Mapping[str, float]) -> str:

@@ -41,19 +41,16 @@ def test_bad_values_fail_before_loading(argv, needle, capsys):
     assert rc == 2 and needle in err
 
 
-def test_bad_dtype_names_the_choices(capsys):
+@pytest.mark.parametrize("flag, value, choices", [
+    ("--dtype", "float16", "'auto', 'float32', 'bfloat16'"),
+    ("--draft-dtype", "float16", "'auto', 'float32', 'bfloat16'"),
+    ("--backend", "cuda", "'auto', 'reference', 'numba', 'triton'"),
+])
+def test_bad_choice_names_the_choices(flag, value, choices, capsys):
     with pytest.raises(SystemExit) as e:  # argparse's own choice check, before any loading
-        cli.main(["generate", "--dtype", "float16"])
+        cli.main(["generate", flag, value])
     assert e.value.code == 2
-    assert "argument --dtype: invalid choice: 'float16' (choose from 'auto', 'float32', 'bfloat16')" in capsys.readouterr().err
-
-
-def test_bad_draft_dtype_names_the_choices(capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["generate", "--draft-dtype", "float16"])
-    assert e.value.code == 2
-    assert ("argument --draft-dtype: invalid choice: 'float16' (choose from 'auto', 'float32', 'bfloat16')"
-            in capsys.readouterr().err)
+    assert f"argument {flag}: invalid choice: '{value}' (choose from {choices})" in capsys.readouterr().err
 
 
 def test_draft_dtype_reaches_the_loader(capsys, monkeypatch):
@@ -74,14 +71,6 @@ def test_load_default_refuses_an_unknown_draft_dtype_before_loading():
 
     with pytest.raises(ValueError, match=r"draft_dtype='fp16' is not one of \('auto', 'float32', 'bfloat16'\)"):
         load_default(draft_dtype="fp16")
-
-
-def test_bad_backend_names_the_choices(capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["generate", "--backend", "cuda"])
-    assert e.value.code == 2
-    assert ("argument --backend: invalid choice: 'cuda' (choose from 'auto', 'reference', 'numba', 'triton')"
-            in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("command", ["generate", "dump"])
