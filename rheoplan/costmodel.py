@@ -626,6 +626,34 @@ class CostModel:
         return best
 
 
+    def needed_continuation(self, batch: int, speedup: float, *, ctx: int, max_depth: int,
+                            width: int = 1, step: float = 0.01) -> tuple[float, int] | None:
+        """The smallest per-depth continuation rate ``c`` (on a grid of ``step``) at which
+        ``plan_for_batch(batch, continuation=[c] * max_depth)`` predicts at least ``speedup``
+        times plain autoregressive steps, with the tree depth it picks; None when not even
+        ``c = 1`` (every drafted token accepted) gets there. What a head must reach on this
+        machine for a speed goal: the latencies are measured, only acceptance is free.
+
+        Example: with the flat verify cost of ``plan_for_batch``'s example, a 1.5x speed-up
+        needs about half of the drafted tokens at every depth:
+
+            >>> flat = Timings((1, 64), (10.0, 10.0), (10.0, 10.0), 0, 1000, (1,), (0.5,), 0.0, 0.0)
+            >>> CostModel(flat).needed_continuation(1, 1.5, ctx=64, max_depth=4)
+            (0.45, 3)
+        """
+        if not (isinstance(speedup, (int, float)) and speedup > 0):
+            raise ValueError(f"speedup={speedup!r} is out of range: allowed a number > 0")
+        if not (isinstance(step, float) and 0.0 < step <= 0.5):
+            raise ValueError(f"step={step!r} is out of range: allowed a float in (0, 0.5]")
+        n = int(round(1.0 / step))
+        for i in range(n + 1):
+            c = round(i * step, 10)
+            p = self.plan_for_batch(batch, ctx=ctx, max_depth=max_depth, width=width, continuation=[c] * max_depth)
+            if p.tokens_per_s >= speedup * p.ar_tokens_per_s:
+                return c, p.depth
+        return None
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """``CostModel.plan_for_batch``'s answer for one batch size."""

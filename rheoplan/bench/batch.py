@@ -255,6 +255,25 @@ def report(rows: list[dict], machine: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+#: the speed-ups ``needs_table`` asks the cost model about: drafting gaining 5%, and 1.3x
+NEED_SPEEDUPS = (1.05, 1.3)
+
+
+def needs_table(needs: dict) -> str:
+    """Per batch size, the per-depth continuation rate a head needs for each speed-up over
+    plain steps, by the cost model with this machine's latencies
+    (``CostModel.needed_continuation``): ``{batch: {"1.3x": (rate, depth) or None}}``."""
+    heads = list(next(iter(needs.values())))
+    lines = ["What a head must accept for each speed-up over plain autoregressive steps (the cost model "
+             "with the latencies measured here; rate = share of the walks that go on at every depth):", "",
+             "| batch | " + " | ".join(f"{h}: rate (depth)" for h in heads) + " |",
+             "|---|" + "---|" * len(heads)]
+    for b, row in needs.items():
+        cells = ["out of reach" if v is None else f"{v[0]:.2f} ({v[1]})" for v in row.values()]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     """Throughput against batch size, one line per method, one panel per (dtype, T)."""
     import matplotlib
@@ -335,6 +354,8 @@ def main(argv=None) -> int:
     ctx = int(statistics.mean(len(p) for p in prompts)) + args.tokens // 2
     plans = {b: cost.plan_for_batch(b, ctx=ctx, max_depth=tree.depth).as_dict() if cost else None
              for b in args.batch_sizes}
+    needs = {b: {f"{x}x": cost.needed_continuation(b, x, ctx=ctx, max_depth=tree.depth) for x in NEED_SPEEDUPS}
+             for b in args.batch_sizes} if cost else {}
     # warm-up, untimed: one short batch per method (numba compiles, the allocator grows)
     warm = prompts[:min(2, len(prompts))]
     for t in args.temperatures:
@@ -351,9 +372,9 @@ def main(argv=None) -> int:
                                draft_dtype=model_dtype(draft.head) if hasattr(draft, "head") else None)
                     records.append(rec)
     rows = summarise(records)
-    table = report(rows, machine)
-    (out / "bench_batch.json").write_text(json.dumps({"machine": machine, "plans": plans, "records": records,
-                                                      "summary": rows}, indent=1))
+    table = report(rows, machine) + ("\n\n" + needs_table(needs) if needs else "")
+    (out / "bench_batch.json").write_text(json.dumps({"machine": machine, "plans": plans, "needed_continuation": needs,
+                                                      "records": records, "summary": rows}, indent=1))
     (out / "bench_batch.md").write_text(table + "\n")
     print(table)
     print(f"\nrecords in {out / 'bench_batch.json'}, table in {out / 'bench_batch.md'}")

@@ -196,6 +196,24 @@ def test_plan_for_batch_reads_the_prior_calibration_and_checks_its_input():
             m.plan_for_batch(args.pop("batch"), **args)
 
 
+def test_needed_continuation_is_the_smallest_rate_that_reaches_the_speedup():
+    mixed = CostModel(linear_tm(4.0, 1.0))
+    c1, d1 = mixed.needed_continuation(1, 1.3, ctx=64, max_depth=5)
+    p = mixed.plan_for_batch(1, ctx=64, max_depth=5, continuation=[c1] * 5)
+    assert p.depth == d1 >= 1 and p.tokens_per_s >= 1.3 * p.ar_tokens_per_s
+    below = mixed.plan_for_batch(1, ctx=64, max_depth=5, continuation=[c1 - 0.01] * 5)
+    assert below.tokens_per_s < 1.3 * below.ar_tokens_per_s  # one grid step less does not reach it
+    # more rows make tokens dearer: a higher rate is needed, and at 16 rows none suffices for 2x
+    c4, _ = mixed.needed_continuation(4, 1.3, ctx=64, max_depth=5)
+    assert c4 > c1
+    assert mixed.needed_continuation(16, 2.0, ctx=64, max_depth=5) is None
+    assert mixed.needed_continuation(4, 1.0, ctx=64, max_depth=5) == (0.0, 0)  # plain steps already do 1x
+    for kw, match in ((dict(speedup=0), "speedup=0"), (dict(step=0.0), "step=0.0"), (dict(step=1), "step=1")):
+        args = dict(speedup=1.3, ctx=64, max_depth=3) | kw
+        with pytest.raises(ValueError, match=match):
+            mixed.needed_continuation(1, **args)
+
+
 def test_measured_batch_draft_and_bookkeeping_replace_the_model():
     modelled = grid_tm()
     assert modelled.overhead_batch(4) == 4 * modelled.overhead_ms  # per row, not measured

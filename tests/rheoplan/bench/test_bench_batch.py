@@ -160,3 +160,19 @@ def test_the_real_batched_loop_end_to_end_when_it_exists():
     for t in (1.0, 0.0):
         (rec,) = bench.run_batch_size(model, 0, draft, prompts, 4, t, 0, 5, ["batched"], cost_model(), tree)
         assert rec["tokens"] == 5 * 4 and rec["mean_accepted_length"] >= 1.0 and 0.0 <= rec["drafted_share"] <= 1.0
+
+
+def test_needs_table_reads_the_cost_models_answers():
+    from rheoplan.costmodel import CostModel, Timings
+
+    rows, sizes = (1, 2, 4, 8), (1, 4, 16)
+    tm = Timings((1, 64), (5.0, 68.0), (5.0, 68.0), 0, 1000, (1,), (0.5,), 0.0, 0.0, sizes, rows,
+                 tuple(tuple(4.0 + B * n for n in rows) for B in sizes))
+    cost = CostModel(tm)
+    needs = {b: {f"{x}x": cost.needed_continuation(b, x, ctx=64, max_depth=4) for x in bench.NEED_SPEEDUPS}
+             for b in sizes}
+    assert needs[16]["1.3x"] is None and needs[1]["1.3x"] is not None
+    text = bench.needs_table(needs)
+    c, d = needs[1]["1.3x"]
+    assert "| batch | 1.05x: rate (depth) | 1.3x: rate (depth) |" in text
+    assert f"{c:.2f} ({d})" in text and "| 16 |" in text and "out of reach" in text
