@@ -9,6 +9,7 @@ with the same fixed tree). Prints one table row per (head, method, temperature):
 tokens/s, speed-up against ``generate`` over the same prompts, mean accepted length.
 
     python examples/compare_heads.py --heads auto /tmp/head_work/export --prompts 16 --tokens 64
+    python examples/compare_heads.py --heads auto --draft-dtypes float32 bfloat16 --methods default rheo-m1-ot
 
 ``auto`` is the shipped head (``rheoplan/assets/smollm2-eagle3``); any other value is a
 directory written by ``rheoplan train-draft`` (or any EAGLE-3 checkpoint for SmolLM2).
@@ -22,8 +23,8 @@ import os
 import torch
 
 from rheoplan.bench.decode import decode_prompt, load_prompts, methods_for
-from rheoplan.loading import SHIPPED_HEAD, encode_prompt, load_cost_model, load_default
-from rheoplan.models import load_eagle3_checkpoint
+from rheoplan.loading import (DRAFT_DTYPES, SHIPPED_HEAD, encode_prompt, load_cost_model, load_default, load_head,
+                              model_dtype)
 
 
 def main() -> None:
@@ -35,6 +36,8 @@ def main() -> None:
     p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--draft-dtypes", nargs="+", default=["auto"], choices=list(DRAFT_DTYPES),
+                   help="run each head in each of these dtypes (default auto, as rheoplan generate)")
     p.add_argument("--threads", type=int, default=None)
     a = p.parse_args()
     if not 1 <= a.prompts <= 40:
@@ -55,12 +58,14 @@ def main() -> None:
     heads = {}
     for h in a.heads:
         path = SHIPPED_HEAD if h == "auto" else h
-        draft = load_eagle3_checkpoint(path, model)
-        costs = {m: load_cost_model(model, tok, draft, known[m].tree, draft_id=f"eagle3:{os.path.abspath(path)}")
-                 for m in a.methods if known[m].cost}
-        heads[h] = (draft, costs)
+        for dt in a.draft_dtypes:
+            draft = load_head(path, model, dt)
+            costs = {m: load_cost_model(model, tok, draft, known[m].tree, draft_id=f"eagle3:{os.path.abspath(path)}")
+                     for m in a.methods if known[m].cost}
+            label = h if len(a.draft_dtypes) == 1 else f"{h} ({model_dtype(draft.head)}, asked {dt})"
+            heads[label] = (draft, costs)
     prompts = [encode_prompt(tok, text, chat=True) for _, text in load_prompts(a.prompts)]
-    cols = [("ar-hf", None)] + [(m, h) for h in a.heads for m in a.methods]
+    cols = [("ar-hf", None)] + [(m, h) for h in heads for m in a.methods]
     seconds = {(m, h, t): 0.0 for m, h in cols for t in a.temperatures}
     tokens, steps = dict.fromkeys(seconds, 0), dict.fromkeys(seconds, 0)
     for j, ids in enumerate(prompts):

@@ -121,20 +121,25 @@ def load_default(*, method: str = "rheo", draft: str = "auto", dtype: str = "aut
     drf = None
     if method != "autoregressive":
         kind, arg = parse_draft_spec(draft)
-        if kind == "early-exit":
-            drf = early_exit_draft(model, int(arg))
-        else:
-            drf = load_eagle3_checkpoint(arg, model)
-            if draft_dtype == "auto":
-                head_dt, _ = choose_head_dtype(drf.head, head_id=f"eagle3:{Path(arg).resolve()}")
-            else:
-                head_dt = getattr(torch, draft_dtype)
-            if head_dt != torch.float32:
-                drf = load_eagle3_checkpoint(arg, model, dtype=head_dt)
+        drf = early_exit_draft(model, int(arg)) if kind == "early-exit" else load_head(arg, model, draft_dtype)
         print(f"draft: {kind} {arg}" + (f" ({model_dtype(drf.head)})" if kind == "eagle3" else ""),
               file=sys.stderr)
     print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return model, tok, drf
+
+
+def load_head(path, model, draft_dtype: str = "auto"):
+    """The EAGLE-3 head in ``path`` drafting for ``model``, in ``draft_dtype``
+    (``DRAFT_DTYPES``; ``'auto'``: ``rheoplan.probe.choose_head_dtype``, cached per machine
+    and head directory)."""
+    if draft_dtype not in DRAFT_DTYPES:
+        raise ValueError(f"draft_dtype={draft_dtype!r} is not one of {DRAFT_DTYPES}")
+    drf = load_eagle3_checkpoint(path, model)
+    if draft_dtype == "auto":
+        dt, _ = choose_head_dtype(drf.head, head_id=f"eagle3:{Path(path).resolve()}")
+    else:
+        dt = getattr(torch, draft_dtype)
+    return drf if dt == torch.float32 else load_eagle3_checkpoint(path, model, dtype=dt)
 
 
 def auto_tree(tree: TreeConfig, depth, budget) -> TreeConfig:
