@@ -234,7 +234,8 @@ def choose_head_dtype(head: torch.nn.Module, *, head_id: str, rows: int = 3, rep
                         "draft dtype auto: %s (cached; measured ms per head call: %s)", log)
     if hit is not None:
         return hit
-    cands = {str(dt).removeprefix("torch."): _head_matmuls(copy.deepcopy(head).to(dt), rows)
+    own = next(head.parameters()).dtype  # timed as it is; the other dtypes on cast copies
+    cands = {str(dt).removeprefix("torch."): _head_matmuls(head if dt == own else copy.deepcopy(head).to(dt), rows)
              for dt in supported_dtypes(dev)}
     _, ms = fastest(cands, reps=reps, timer=timer)
     best = "float32"
