@@ -20,10 +20,12 @@ from rheoplan.bench import kernels as bench_kernels
 from rheoplan.bench import planner as bench_planner
 from rheoplan.backends import BACKENDS, resolve_backend
 from rheoplan.config import PROXIES, VERIFIERS, SamplingConfig, TreeConfig
-from rheoplan.costmodel import CostPlan
+from rheoplan.calibrate import MAX_TRIALS, calibrate_head, training_prompts
+from rheoplan.costmodel import PRIORS_FILE, CostPlan, save_priors
 from rheoplan.decode import draft_answer, plan_and_decode
 from rheoplan.loading import (AUTO_BUDGET, AUTO_DEPTH, AUTO_OPTIONS, DEFAULTS, METHODS, add_dtype, auto_tree,
-                              encode_prompt, int_or_auto, load_cost_model, load_default, parse_draft_spec)
+                              encode_prompt, int_or_auto, load_cost_model, load_default, model_dtype,
+                              parse_draft_spec)
 from rheoplan.models import as_draft
 from rheoplan.pipeline import DumpIR
 from rheoplan.plan import plan_tree
@@ -67,7 +69,9 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
     g.add_argument("--proxy", choices=PROXIES, help="sampled-slot score (default: default)")
     g.add_argument("--calibration", metavar="FILE",
                    help="with auto depth/budget: start the online acceptance calibration from FILE "
-                        "(written by --save-calibration); the same seed and file give the same tokens")
+                        "(written by --save-calibration), or from nothing with 'none'; default: the "
+                        "EAGLE-3 head's calibration.json for the nearest temperature when it has one "
+                        "(rheoplan calibrate). The same seed and prior give the same tokens")
     g.add_argument("--config", metavar="FILE",
                    help="JSON or TOML file with any of the sampling/tree options above "
                         "(keys as the flags, with underscores); flags override it")
@@ -183,6 +187,24 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     t.add_argument("rest", nargs=argparse.REMAINDER, help="trainer arguments (try --help)")
 
+    c = sub.add_parser("calibrate", help="measure an EAGLE-3 head's acceptance priors for the cost model",
+                       description="Decode training prompts (never the held-out ones) with the cost model, "
+                                   "once per temperature, and write the acceptance calibration they end with "
+                                   "(capped per bucket) next to the head's weights, where generate, dump "
+                                   "and the benchmarks start from it (docs/cost_model.md).")
+    c.add_argument("--prompts", type=int, default=16, help="training prompts decoded per temperature (default 16)")
+    c.add_argument("--tokens", type=int, default=64, help="new tokens per prompt (default 64)")
+    c.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0],
+                   help="one prior per temperature; a decode uses the nearest (default 1 0)")
+    c.add_argument("--max-trials", type=float, default=MAX_TRIALS,
+                   help=f"trials per bucket the prior keeps, so a decode's own counts take over "
+                        f"(default {MAX_TRIALS:g})")
+    c.add_argument("--out", metavar="FILE",
+                   help=f"where to write (default: {PRIORS_FILE} in the head's directory)")
+    c.add_argument("--seed", type=int, default=0, help="prompt i decodes with seed + i (default 0)")
+    _add_model(c)
+    _add_tree(c)
+
     b = sub.add_parser("bench", help="benchmarks: decode (side by side on SmolLM2), batch, cost, kernels, planner",
                        description="Run a benchmark script and print measured numbers.")
     b.add_argument("what", choices=list(BENCHES),
@@ -223,7 +245,7 @@ def tree_config_from(args):
                           proxy=args.proxy)
     if args.calibration and not uses_cost_model(args):
         raise ValueError("--calibration needs --depth auto or --budget auto (the cost model)")
-    if args.calibration and not Path(args.calibration).is_file():
+    if args.calibration and args.calibration != "none" and not Path(args.calibration).is_file():
         raise ValueError(f"--calibration={args.calibration}: no such file")
     if args.method == "chain":
         return tree
@@ -281,7 +303,7 @@ def cmd_dump(args) -> int:
     if uses_cost_model(args):  # measured before the draft starts on the prompt (it decodes)
         cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration=args.calibration,
                                sampling=sampling)
-        plan = CostPlan.from_calibration(cost.timings, cost.fresh_calibration())
+        plan = CostPlan.from_calibration(cost.timings, cost.fresh_calibration(sampling.temperature))
         passes = cost_pipeline(plan, on_decision=decisions.append)
     ids = encode_prompt(tok, args.prompt, not args.no_chat)
     drf = as_draft(draft)
@@ -302,6 +324,42 @@ def cmd_dump(args) -> int:
     (out / "tree.dot").write_text(dump.to_dot(t, tokenizer=tok))
     dump.draw_png(t, out / "tree.png", tokenizer=tok)
     print(f"wrote {out}/tree.txt, tree.json, tree.dot, tree.png" + (f" and {out}/passes/" if args.passes else ""))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    tree = tree_config_from(args)
+    if args.method == "autoregressive" or not uses_cost_model(args):
+        raise ValueError("calibrate needs the cost model: --depth auto or --budget auto, and a draft")
+    if args.calibration:
+        raise ValueError("--calibration: calibrate starts from no prior; drop it")
+    for name, v, lo in (("--prompts", args.prompts, 1), ("--tokens", args.tokens, 1)):
+        if v < lo:
+            raise ValueError(f"{name}={v} is out of range: allowed >= {lo}")
+    if any(t < 0 for t in args.temperatures):
+        raise ValueError(f"--temperatures={args.temperatures}: allowed numbers >= 0")
+    if not args.max_trials > 0:
+        raise ValueError(f"--max-trials={args.max_trials} is out of range: allowed > 0")
+    kind, arg = parse_draft_spec(args.draft)
+    if kind != "eagle3" and not args.out:
+        raise ValueError(f"--draft={args.draft!r} is not an EAGLE-3 head directory: pass --out FILE")
+    out = Path(args.out) if args.out else Path(arg) / PRIORS_FILE
+    texts = training_prompts(args.prompts)
+    backend = resolve_backend(args.backend, _model_device())  # before the model loads
+    model, tok, draft = load_default(method=args.method, draft=args.draft, dtype=args.dtype,
+                                      draft_dtype=args.draft_dtype)
+    cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration="none")
+    ids = [encode_prompt(tok, t, not args.no_chat) for t in texts]
+    priors = calibrate_head(model, draft, ids, timings=cost.timings, tree=tree, temperatures=args.temperatures,
+                            tokens=args.tokens, max_trials=args.max_trials, seed=args.seed, backend=backend)
+    meta = {"draft": args.draft, "prompts": args.prompts, "tokens": args.tokens, "max_trials": args.max_trials,
+            "seed": args.seed, "target_dtype": model_dtype(model),
+            "draft_dtype": model_dtype(draft.head) if hasattr(draft, "head") else None}
+    save_priors(out, priors, meta)
+    for t, cal in sorted(priors.items()):
+        cont = ", ".join(f"{c:.2f}" for c in cal.continuation()[:4])
+        print(f"T={t:g}: continuation by depth [{cont}]")
+    print(f"priors written to {out}")
     return 0
 
 
@@ -355,7 +413,7 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"generate": cmd_generate, "dump": cmd_dump, "bench": cmd_bench,
+    handler = {"generate": cmd_generate, "dump": cmd_dump, "bench": cmd_bench, "calibrate": cmd_calibrate,
                "train-draft": cmd_train_draft}[args.command]
     try:
         return handler(args)

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from rheoplan.backends import check_backend, resolve_backend
 from rheoplan.config import ConfigError, SamplingConfig, TreeConfig
-from rheoplan.costmodel import Calibration, CostModel, CostPlan, DraftSchedule
+from rheoplan.costmodel import Calibration, CostModel, CostPlan, DraftSchedule, batch_margin
 from rheoplan.distributions import SubsetLogits
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.models import as_draft, as_target
@@ -284,7 +284,7 @@ class DecodeState:
         self.streams = Streams(self.seed)
         self.root, self.prefix_len = self.prompt[-1], len(self.prompt) - 1
         if self.cost is not None and self.calibration is None:
-            self.calibration = self.cost.fresh_calibration()
+            self.calibration = self.cost.fresh_calibration(self.sampling.temperature)
 
     @property
     def plan_device(self) -> torch.device:
@@ -618,6 +618,8 @@ def _decode(s: DecodeState) -> DecodeResult:
         st.t_verify_forward, st.t_walk = t2 - t1, t3 - t2
         if s.calibration is not None and st.drafted:
             s.calibration.update(t, res.path)  # known only now: it shapes later steps' trees
+            if st.predicted_tokens is not None:
+                s.calibration.record_step(max(0.0, st.predicted_tokens - 1), st.accepted)
         result.tokens += emitted
         if bar is not None:
             bar.update(len(emitted))
@@ -839,21 +841,22 @@ class BatchState:
         if self.max_batch is None:
             self.max_batch = len(self.rows)
         if self.cost is not None and self.calibration is None:
-            self.calibration = self.cost.fresh_calibration()
+            self.calibration = self.cost.fresh_calibration(self.sampling.temperature)
 
 
 def _tree_can_pay(s: BatchState, live: list[_Row]) -> bool:
     """A batch of several rows drafts only while some tree can pay a priori at this many
-    live rows (``CostModel.plan_for_batch`` with the continuation rates calibrated so far):
-    where even the best chain loses to a plain step (16 rows on a 2-core CPU: the verify
-    forward is compute-bound), drafting would only cost its probes. One row keeps the
+    live rows (``CostModel.plan_for_batch`` with the continuation rates and the scale
+    calibrated so far, by ``batch_margin``): where even the best chain loses to a plain
+    step (16 rows on a 2-core CPU: the verify forward is compute-bound), drafting would
+    only cost its probes. One row keeps the
     batch-1 schedule (probe, back off). Depends only on frozen latencies and past steps."""
     if len(live) == 1:
         return True
     ctx = max(r.prefix_len for r in live)
     plan = s.cost.plan_for_batch(len(live), ctx=ctx, max_depth=s.tree.depth,
-                                 continuation=s.calibration.continuation())
-    return plan.depth > 0
+                                 continuation=s.calibration.continuation(), scale=s.calibration.scale())
+    return plan.depth > 0 and plan.tokens_per_s > batch_margin(len(live)) * plan.ar_tokens_per_s
 
 
 def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
@@ -972,6 +975,9 @@ def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None
                 stops.append(stop)
                 stats.append(st)
             t3 = time.perf_counter()
+            if s.calibration is not None and st0.drafted and st0.predicted_tokens is not None:
+                s.calibration.record_step(max(0.0, st0.predicted_tokens - len(live)),
+                                          sum(st.accepted for st in stats))
             going = [b for b, stop in enumerate(stops) if stop is None]
             if going:
                 # every row commits (a finished row's commit is harmless), then the finished rows leave

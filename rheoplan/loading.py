@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.costmodel import Calibration, CostModel
+from rheoplan.costmodel import PRIORS_FILE, Calibration, CostModel, load_priors
 from rheoplan.models.eagle3 import load_eagle3_checkpoint
 from rheoplan.models.early_exit import early_exit_draft
 from rheoplan.models.smollm import GGUF_FILE, load_smollm2, resolve_dtype
@@ -154,16 +154,37 @@ def auto_tree(tree: TreeConfig, depth, budget) -> TreeConfig:
 def load_cost_model(model, tok, draft, tree: TreeConfig, *, draft_id: str = "",
                     calibration: str | None = None, sampling: SamplingConfig | None = None) -> CostModel:
     """The cost model for ``model`` + ``draft`` with trees up to ``tree``: latencies measured
-    on this machine (a few seconds the first time, then read from the cache) and, from
-    ``calibration`` (a JSON file written by ``--save-calibration``), a prior calibration."""
-    prior = Calibration.load(calibration) if calibration else None
+    on this machine (a few seconds the first time, then read from the cache) and the prior
+    calibration a decode starts from: ``calibration`` (a JSON file written by
+    ``--save-calibration``); without one, the draft head's own priors per temperature
+    (``calibration.json`` in an ``eagle3`` head's directory, made by ``rheoplan calibrate``;
+    ``draft_id`` is the ``--draft`` spec that names it); ``'none'``: no prior at all."""
+    prior = Calibration.load(calibration) if calibration not in (None, "none") else None
+    priors: tuple = ()
+    if calibration is None:
+        path = head_priors_path(draft_id)
+        if path is not None:
+            priors = tuple(sorted(load_priors(path).items()))
+            print(f"cost model: acceptance priors from {path} (temperatures "
+                  f"{', '.join(f'{t:g}' for t, _ in priors)})", file=sys.stderr)
     ids = encode_prompt(tok, PROBE_PROMPT, chat=True)
     head = getattr(draft, "head", None)
     if head is not None:  # a head in another dtype has other latencies
         draft_id = f"{draft_id} ({model_dtype(head)})"
     tm = measure_timings(model, draft, ids, tree=tree, sampling=sampling or SamplingConfig(),
                          model_id=SMOLLM2_ID, draft_id=draft_id)
-    return CostModel(tm, prior)
+    return CostModel(tm, prior, priors)
+
+
+def head_priors_path(draft_spec: str) -> Path | None:
+    """The priors file (``costmodel.PRIORS_FILE``) of the EAGLE-3 head a ``--draft`` spec
+    names, if it has one; None for other drafts or specs that name none."""
+    try:
+        kind, arg = parse_draft_spec(draft_spec)
+    except ValueError:
+        return None
+    p = Path(arg) / PRIORS_FILE
+    return p if kind == "eagle3" and p.is_file() else None
 
 
 def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:

@@ -30,7 +30,7 @@ from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write, reme
 from rheoplan.decode import plan_and_decode
 from rheoplan.ir import empty_tree
 from rheoplan.models import as_draft, as_target, hashed_context_lm
-from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache, output_head
+from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache
 from rheoplan.models.base import DraftModel
 from rheoplan.models.hf_target import HFTarget
 from rheoplan.pipeline import PassContext
@@ -306,17 +306,19 @@ class _TimedDraft(DraftModel):
 
 
 def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
-                         row_sizes: Sequence[int] = BATCH_ROW_SIZES, ctx: int = 64, path: int = 5,
+                         row_sizes: Sequence[int] = BATCH_ROW_SIZES, ctx: int = 64,
                          reps: int = 2, timer: Timer = time.perf_counter) -> tuple[tuple[float, ...], ...]:
     """``c_v(B, n)`` on a grid: the median latency (ms) of one batched verify forward of ``B``
     rows x ``n`` new tokens each over ``ctx`` cached tokens per row, for every ``B`` in
     ``batch_sizes`` and ``n`` in ``row_sizes`` (each row monotone in ``n``).
 
-    Each forward is what a batched decode's verify forward does: the decoder stack over a
-    rectangular ``[B, n]`` block (rows padded to the widest tree) with a 4-D mask (every
-    row sees its cached prefix and the block's causal part; a one-token step passes no
-    mask, as ``generate`` does), then the output head on the first ``min(n, path)`` tokens
-    of each row (the lazy logits of the accepted path). The cache is filled with random
+    Each forward is what a batched decode's verify forward does (``forward_trees``, the
+    span ``StepStats.t_verify_forward`` times): the decoder stack over a rectangular
+    ``[B, n]`` block (rows padded to the widest tree) with a 4-D mask (every row sees its
+    cached prefix and the block's causal part; a one-token step passes no mask, as
+    ``generate`` does). The output projections are left out: the walk makes them, so
+    they are in the bookkeeping ``c_o`` measured from real decodes (counting them here too
+    priced them twice and made trees at batch 4 look cheaper than plain steps). The cache is filled with random
     keys and values (the latency does not depend on them, and it saves a prefill of
     ``B * ctx`` tokens) and cropped back to ``ctx`` after every forward. With the default
     grid, 12 short forwards (x ``reps + 1``).
@@ -327,7 +329,7 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
             raise ValueError(f"{name}={list(xs)}: allowed increasing ints >= 1")
     if ctx < 1:
         raise ValueError(f"ctx={ctx} is out of range: allowed >= 1")
-    base, head = base_model(model), output_head(model)
+    base = base_model(model)
     p = next(model.parameters())
     cfg = model.config
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
@@ -351,12 +353,10 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
                     allowed = torch.ones(n, ctx + n, dtype=torch.bool, device=p.device)
                     allowed[:, ctx:] = torch.ones(n, n, dtype=torch.bool, device=p.device).tril()
                     mask = additive_mask(allowed, p.dtype).expand(B, 1, n, ctx + n)
-                k = min(n, path)
 
                 def fwd() -> None:
-                    out = base(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True,
-                               **{_cache_kwarg(base): cache})
-                    head(out.last_hidden_state[:, :k])
+                    base(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True,
+                         **{_cache_kwarg(base): cache})
                     crop_cache(cache, ctx)
                     if p.device.type == "cuda":
                         torch.cuda.synchronize(p.device)
@@ -437,7 +437,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     key = cache_key("timings", mid, dev, dtype=dt, draft=draft_id,
                     tree=f"{tree.depth}x{tree.frontier}x{tree.slots}",
                     batch="x".join(map(str, batch_sizes)) + "/" + "x".join(map(str, batch_row_sizes)),
-                    batched_loop=batch_sizes != () and batched_decode_unavailable() is None)
+                    batched_loop=batch_sizes != () and batched_decode_unavailable() is None,
+                    verify="forward")  # c_v without the output projections (older records had them)
     if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:
@@ -458,14 +459,15 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                 row = []
                 for n in sizes:
                     lin = chain_linear(prompt[-1], c, n)
-                    path = list(range(min(n, tree.depth + 1)))
-                    row.append(median_ms(lambda: tgt.forward_tree(lin).prefetch(path), reps=reps, timer=timer))
+                    # the forward alone, as StepStats.t_verify_forward times it: the walk's
+                    # output projections are bookkeeping (c_o), measured in the decodes below
+                    row.append(median_ms(lambda: tgt.forward_tree(lin), reps=reps, timer=timer))
                 lo_hi.append(monotone(row))
     finally:
         if hasattr(tgt, "close"):
             tgt.close()
     grid = (measure_batch_verify(model, batch_sizes=batch_sizes, row_sizes=batch_row_sizes, ctx=ctx[0],
-                                 path=tree.depth + 1, reps=min(reps, 2), timer=timer) if batch_sizes else ())
+                                 reps=min(reps, 2), timer=timer) if batch_sizes else ())
     inner = as_draft(draft)
     timed = _TimedDraft(inner, timer)
     ids = list(prompt_ids)

@@ -432,6 +432,9 @@ def model_card(r: dict) -> str:
         "",
         "(equivalently `python -m rheoplan.train.cli ...`; see docs/train.md). Full report: `report.json`.",
         "",
+        "Then `rheoplan calibrate --draft eagle3:DIR` (DIR: this directory) writes `calibration.json`, "
+        "the cost model's acceptance priors for this head (docs/cli.md).",
+        "",
     ]
     return "\n".join(lines)
 

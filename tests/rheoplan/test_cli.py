@@ -35,6 +35,14 @@ def no_model_loading(monkeypatch):
     (["generate", "--draft", "foo"], "--draft='foo' is not understood"),
     (["generate", "--draft", "eagle3:/no/such/dir"], "is not a directory"),
     (["dump", "--method", "autoregressive"], "has no draft tree to dump"),
+    (["calibrate", "--prompts", "0"], "--prompts=0 is out of range: allowed >= 1"),
+    (["calibrate", "--tokens", "0"], "--tokens=0 is out of range: allowed >= 1"),
+    (["calibrate", "--temperatures", "1", "-1"], "--temperatures=[1.0, -1.0]: allowed numbers >= 0"),
+    (["calibrate", "--max-trials", "0"], "--max-trials=0.0 is out of range: allowed > 0"),
+    (["calibrate", "--depth", "4", "--budget", "8"], "calibrate needs the cost model"),
+    (["calibrate", "--method", "autoregressive"], "calibrate needs the cost model"),
+    (["calibrate", "--calibration", "none"], "calibrate starts from no prior"),
+    (["calibrate", "--draft", "early-exit:6"], "is not an EAGLE-3 head directory: pass --out FILE"),
 ])
 def test_bad_values_fail_before_loading(argv, needle, capsys):
     rc, err = run(argv, capsys)
@@ -147,6 +155,8 @@ def test_sampling_flags_and_config_file_make_the_sampling_config(tmp_path):
 @pytest.mark.parametrize("argv, needle", [
     (["generate", "--budget", "many"], "argument --budget: invalid int_or_auto value: 'many'"),
     (["generate", "--calibration", "/no/such.json"], "--calibration=/no/such.json: no such file"),
+    (["generate", "--budget", "8", "--depth", "4", "--calibration", "none"],
+     "--calibration needs --depth auto or --budget auto"),
     (["generate", "--budget", "8", "--depth", "4", "--calibration", "x.json"],
      "--calibration needs --depth auto or --budget auto"),
     (["generate", "--budget", "8", "--depth", "4", "--save-calibration", "x.json"],

@@ -291,3 +291,87 @@ def test_projection_timings_are_cached_per_shape(tmp_path, monkeypatch):
     monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")
     projection_timings(project, 13, 8)
     assert len(calls) == 2 * n  # measured again
+
+
+def test_capped_calibration_keeps_rates_and_bounds_trials():
+    cal = Calibration()
+    cal.trials[0][3], cal.accepts[0][3] = 200.0, 50.0
+    cal.trials[1][1], cal.accepts[1][1] = 10.0, 7.0
+    cal.cont_trials[0], cal.cont_accepts[0] = 80.0, 60.0
+    c = cal.capped(40)
+    assert (c.trials[0][3], c.accepts[0][3]) == (40.0, 10.0)
+    assert (c.trials[1][1], c.accepts[1][1]) == (10.0, 7.0)  # under the cap: as it was
+    assert (c.cont_trials[0], c.cont_accepts[0]) == (40.0, 30.0)
+    assert cal.trials[0][3] == 200.0  # a copy
+    for bad in (0, -1.0, float("inf"), "40"):
+        with pytest.raises(ValueError, match="max_trials"):
+            cal.capped(bad)
+
+
+def test_priors_file_round_trip_and_errors(tmp_path):
+    from rheoplan.costmodel import load_priors, save_priors
+
+    hot, cold = Calibration(), Calibration()
+    hot.trials[0][9], hot.accepts[0][9] = 4.0, 1.0
+    cold.trials[0][9], cold.accepts[0][9] = 4.0, 4.0
+    f = save_priors(tmp_path / "calibration.json", {1.0: hot, 0.0: cold}, {"prompts": 2})
+    assert load_priors(f) == {0.0: cold, 1.0: hot}
+    with pytest.raises(ValueError, match="no such file"):
+        load_priors(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="is empty"):
+        save_priors(tmp_path / "x.json", {})
+    for text, match in (("{", "not valid JSON"), ('{"format": "other"}', "not a rheoplan-calibration-priors"),
+                        ('{"format": "rheoplan-calibration-priors/1", "temperatures": {}}', "no temperature"),
+                        ('{"format": "rheoplan-calibration-priors/1", "temperatures": {"hot": {}}}', "not a number")):
+        f.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            load_priors(f)
+
+
+def test_a_decode_starts_from_the_prior_of_the_nearest_temperature():
+    hot, cold, mine = Calibration(), Calibration(), Calibration()
+    hot.trials[0][0] = 1.0
+    cold.trials[0][1] = 1.0
+    mine.trials[0][2] = 1.0
+    cm = CostModel(tm(), priors=((0.0, cold), (1.0, hot)))
+    assert cm.prior_for(0.0) == (0.0, cold) and cm.prior_for(0.8) == (1.0, hot)
+    assert cm.prior_for(0.5) == (0.0, cold)  # a tie goes to the lower temperature
+    assert cm.fresh_calibration(1.3) == hot and cm.fresh_calibration(1.3) is not hot
+    assert cm.fresh_calibration() == Calibration()  # no temperature: no prior
+    explicit = CostModel(tm(), mine, priors=((1.0, hot),))  # an explicit calibration wins
+    assert explicit.prior_for(1.0) == (None, mine) and explicit.fresh_calibration(1.0) == mine
+
+
+def test_scale_compares_raw_predictions_with_what_was_accepted():
+    from rheoplan.costmodel import SCALE_PRIOR, CostPlan, node_acceptance
+
+    cal = Calibration()
+    assert cal.scale() == 1.0
+    cal.record_step(8.0, 4.0)  # planned with scale 1: 8 predicted, 4 accepted
+    s1 = (4.0 + SCALE_PRIOR) / (8.0 + SCALE_PRIOR)
+    assert cal.scale() == pytest.approx(s1)
+    cal.record_step(8.0 * s1, 4.0)  # planned with the scale: the raw 8 is what is counted
+    assert cal.predicted == pytest.approx(16.0) and cal.scale() == pytest.approx((8 + SCALE_PRIOR) / (16 + SCALE_PRIOR))
+    for bad in ((-1.0, 0.0), (1.0, float("nan"))):
+        with pytest.raises(ValueError, match="record_step"):
+            cal.record_step(*bad)
+    assert Calibration.from_dict(cal.to_dict()) == cal
+    old = cal.to_dict()
+    del old["predicted"], old["realized"]  # a file from before: no correction
+    assert Calibration.from_dict(old).scale() == 1.0
+    # node estimates shrink by the scale (the root stays 1)
+    tgt = hashed_context_lm(6, seed=1, sharpness=1.0)
+    t = plan_tree(functional_draft_fn(tgt, (0, 1)), [1], tree=TreeConfig(depth=2, frontier=2, slots=2, budget=4,
+                                                                         support=6),
+                  sampling=SamplingConfig(), prefix_len=[1])
+    plain = CostPlan.from_calibration(tm(), Calibration())
+    half = CostPlan.from_calibration(tm(), cal)
+    a, b = node_acceptance(plain, t), node_acceptance(half, t)
+    assert b[0] == 1.0 and torch.allclose(b[1:], (a[1:] * cal.scale()).clamp(max=1.0))
+    # and so does the a-priori plan's expected length
+    cm = CostModel(tm())
+    full = cm.plan_for_batch(1, ctx=100, max_depth=2, continuation=[0.5, 0.5])
+    assert cm.plan_for_batch(1, ctx=100, max_depth=2, continuation=[0.5, 0.5], scale=0.0).depth == 0
+    assert full.depth == 0 or full.expected_tokens > 1.0
+    with pytest.raises(ValueError, match="scale=-1"):
+        cm.plan_for_batch(1, ctx=100, max_depth=2, continuation=[0.5, 0.5], scale=-1)

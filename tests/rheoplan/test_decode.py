@@ -367,19 +367,36 @@ def _cost(slope: float, draft_ms: float = 0.5, overhead: float = 0.5):
                              (1, 4), (draft_ms, 2 * draft_ms), overhead, overhead))
 
 
+def _optimistic_priors(cost):
+    """``cost`` with a prior (T = 1) that believes every drafted node is accepted: big trees."""
+    from rheoplan.costmodel import Calibration, CostModel
+
+    sure = Calibration()
+    for c in range(len(sure.trials)):
+        sure.trials[c] = [40.0] * len(sure.trials[c])
+        sure.accepts[c] = [40.0] * len(sure.accepts[c])
+    sure.cont_trials = [40.0] * len(sure.cont_trials)
+    sure.cont_accepts = [40.0] * len(sure.cont_accepts)
+    return CostModel(cost.timings, priors=((1.0, sure),)), sure
+
+
 @pytest.mark.no_ir_lint
-@pytest.mark.parametrize("slope,mutations", [(1.0, ()), (5.0, ()), (1.0, ("reuse_draft_stream",))],
-                         ids=["exact-slope1", "exact-slope5", "reuse_draft_stream"])
-def test_cost_model_decode_loop_matches_target_law(slope, mutations, record_property):
+@pytest.mark.parametrize("slope,mutations,prior", [(1.0, (), False), (5.0, (), False), (5.0, (), True),
+                                                   (1.0, ("reuse_draft_stream",), False),
+                                                   (5.0, ("reuse_draft_stream",), True)],
+                         ids=["exact-slope1", "exact-slope5", "exact-prior", "reuse_draft_stream",
+                              "reuse_draft_stream-prior"])
+def test_cost_model_decode_loop_matches_target_law(slope, mutations, prior, record_property):
     """Trees that change step to step with the online calibration (and AR steps when no
-    tree pays) keep the output law: chi-square against the exact target law. The same
-    test catches a lossy loop (control (c): verification reading the draft stream)."""
+    tree pays) keep the output law: chi-square against the exact target law, also when the
+    decode starts from a head's prior (an optimistic one: bigger trees). The same test
+    catches a lossy loop (control (c): verification reading the draft stream)."""
     tgt, drf = hashed_context_lm(4, seed=3, sharpness=2.0), hashed_context_lm(4, seed=4, sharpness=2.0)
     s = SamplingConfig(temperature=1.0)
     cfg = TreeConfig(depth=3, frontier=2, slots=2, budget=6, rheostat=1, support=4, verifier="ot")
     n = 3
     law = target_law(tgt, PREFIX, n, s)
-    cost = _cost(slope)
+    cost = _optimistic_priors(_cost(slope))[0] if prior else _cost(slope)
     samples, sizes, drafted = [], set(), set()
     with mutation(*mutations):
         for r in range(800):
@@ -388,7 +405,8 @@ def test_cost_model_decode_loop_matches_target_law(slope, mutations, record_prop
             samples.append(tuple(res.tokens))
             sizes |= {st.tree_size for st in res.steps}
             drafted |= {st.drafted for st in res.steps}
-    assert len(sizes) >= 2  # the cost model really chose different trees
+    # the cost model really chose different trees; the sure prior, the whole budget
+    assert len(sizes) >= 2 if not prior else cfg.budget in sizes
     res = chi_square(law, samples)
     _assert_chi_square(res, mutations, record_property)
 
@@ -410,6 +428,22 @@ def test_cost_model_greedy_parity_and_determinism(greedy_models, draft_kind, slo
         assert any(not st.drafted for st in runs[0].steps) and any(st.drafted for st in runs[0].steps)
     for st in runs[0].steps:
         assert st.predicted_tokens is not None and st.predicted_tokens >= 1.0
+
+
+def test_a_head_prior_is_the_decodes_starting_calibration():
+    """``CostModel(priors=...)`` at T = 1 decodes exactly as the same calibration passed
+    explicitly; the prior changes the trees (it believes every node is accepted)."""
+    from rheoplan.costmodel import CostModel
+
+    tgt, drf = hashed_context_lm(6, seed=1, sharpness=1.5), hashed_context_lm(6, seed=2, sharpness=1.5)
+    cfg = TreeConfig(depth=4, frontier=2, slots=3, budget=10, rheostat=1, support=6)
+    with_priors, sure = _optimistic_priors(_cost(2.0))
+    runs = [plan_and_decode(tgt, drf, PREFIX, max_new_tokens=30, tree=cfg, seed=7, cost_model=c)
+            for c in (with_priors, CostModel(with_priors.timings, sure), _cost(2.0))]
+    assert runs[0].tokens == runs[1].tokens
+    assert [st.tree_size for st in runs[0].steps] == [st.tree_size for st in runs[1].steps]
+    assert [st.tree_size for st in runs[0].steps] != [st.tree_size for st in runs[2].steps]
+    assert with_priors.fresh_calibration(1.0) == sure  # each decode calibrated its own copy
 
 
 def test_cost_model_sampled_tokens_repeat_with_the_same_seed():
