@@ -10,6 +10,11 @@ tokens/s, speed-up against ``generate`` over the same prompts, mean accepted len
 
     python examples/compare_heads.py --heads auto /tmp/head_work/export --prompts 16 --tokens 64
     python examples/compare_heads.py --heads auto --draft-dtypes float32 bfloat16 --methods default rheo-m1-ot
+    python examples/compare_heads.py --heads auto --priors head none --prompts 12
+
+``--priors head none`` runs the cost model from each head's ``calibration.json`` (the
+acceptance priors of ``rheoplan calibrate``, what ``rheoplan generate`` does) and from
+no prior, side by side.
 
 ``auto`` is the shipped head (``rheoplan/assets/smollm2-eagle3``); any other value is a
 directory written by ``rheoplan train-draft`` (or any EAGLE-3 checkpoint for SmolLM2).
@@ -38,6 +43,9 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--draft-dtypes", nargs="+", default=["auto"], choices=list(DRAFT_DTYPES),
                    help="run each head in each of these dtypes (default auto, as rheoplan generate)")
+    p.add_argument("--priors", nargs="+", default=["head"], choices=["head", "none"],
+                   help="the cost model's starting calibration: the head's calibration.json "
+                        "(default, as rheoplan generate) and/or none")
     p.add_argument("--threads", type=int, default=None)
     a = p.parse_args()
     if not 1 <= a.prompts <= 40:
@@ -60,10 +68,14 @@ def main() -> None:
         path = SHIPPED_HEAD if h == "auto" else h
         for dt in a.draft_dtypes:
             draft = load_head(path, model, dt)
-            costs = {m: load_cost_model(model, tok, draft, known[m].tree, draft_id=f"eagle3:{os.path.abspath(path)}")
-                     for m in a.methods if known[m].cost}
-            label = h if len(a.draft_dtypes) == 1 else f"{h} ({model_dtype(draft.head)}, asked {dt})"
-            heads[label] = (draft, costs)
+            for prior in a.priors:
+                costs = {m: load_cost_model(model, tok, draft, known[m].tree,
+                                            draft_id=f"eagle3:{os.path.abspath(path)}",
+                                            calibration=None if prior == "head" else "none")
+                         for m in a.methods if known[m].cost}
+                label = h if len(a.draft_dtypes) == 1 else f"{h} ({model_dtype(draft.head)}, asked {dt})"
+                label += "" if len(a.priors) == 1 else f", prior {prior}"
+                heads[label] = (draft, costs)
     prompts = [encode_prompt(tok, text, chat=True) for _, text in load_prompts(a.prompts)]
     cols = [("ar-hf", None)] + [(m, h) for h in heads for m in a.methods]
     seconds = {(m, h, t): 0.0 for m, h in cols for t in a.temperatures}

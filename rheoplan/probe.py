@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write, remeasure_requested
+from rheoplan.costmodel import Timings, interp, cache_key, cache_read, cache_write, remeasure_requested
 from rheoplan.decode import plan_and_decode
 from rheoplan.ir import empty_tree
 from rheoplan.models import as_draft, as_target, hashed_context_lm
@@ -51,7 +51,7 @@ PROBE_TREE = 9
 #: the batched verify grid (``measure_batch_verify``): live rows B x tokens per row n;
 #: small on purpose (12 forwards, 315 token rows in all), ``Timings.verify_batch`` interpolates
 BATCH_SIZES = (1, 4, 16)
-BATCH_ROW_SIZES = (1, 2, 4, 8)
+BATCH_ROW_SIZES = (1, 2, 4, 8, 16)
 
 Timer = Callable[[], float]
 
@@ -408,6 +408,33 @@ def measure_batch_steps(model, draft, prompt_ids: Sequence[int], *, tree, sampli
     return tuple(draft_ms), tuple(tree_oh), tuple(ar_oh)
 
 
+#: the small fixed tree ``measure_batch_tree_verify`` decodes with (depth, budget): about
+#: the size of the trees the cost model keeps at a few rows
+SMALL_TREE = (3, 6)
+
+
+def measure_batch_tree_verify(model, draft, prompt_ids: Sequence[int], *, tree, sampling, batch_sizes: Sequence[int],
+                              steps: int = 8) -> tuple[tuple[float, float], ...]:
+    """Per batch size ``B`` in ``batch_sizes`` (each > 1): ``(verify ms, row tokens)``, the
+    median ``t_verify_forward`` of a short batched decode of ``B`` copies of ``prompt_ids``
+    with a small fixed tree (``tree`` cut to ``SMALL_TREE``) and the median widest row
+    (root included) those forwards carried; the steps while every row was live, the first
+    left out. What a real tree forward costs at ``B`` rows, against which
+    ``measure_timings`` scales the grid of rectangular forwards (``Timings.batch_tree_scale``)."""
+    depth, budget = SMALL_TREE
+    small = tree.with_(depth=min(tree.depth, depth), budget=min(tree.budget, budget))
+    out = []
+    for B in batch_sizes:
+        rows = [list(prompt_ids) for _ in range(B)]
+        res = plan_and_decode(model, draft, rows, max_new_tokens=steps, sampling=sampling, tree=small, seed=0)
+        live = min(len(r.steps) for r in res)
+        idx = list(range(1, live)) or [0]
+        ms = statistics.median([1e3 * res[0].steps[i].t_verify_forward for i in idx])
+        widest = statistics.median([1 + max(r.steps[i].tree_size for r in res) for i in idx])
+        out.append((ms, float(widest)))
+    return tuple(out)
+
+
 def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=None,
                     ctx: tuple[int, int] = (64, 512), sizes: Sequence[int] = VERIFY_SIZES,
                     reps: int = 3, steps: int = 24, model_id: str | None = None,
@@ -438,7 +465,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                     tree=f"{tree.depth}x{tree.frontier}x{tree.slots}",
                     batch="x".join(map(str, batch_sizes)) + "/" + "x".join(map(str, batch_row_sizes)),
                     batched_loop=batch_sizes != () and batched_decode_unavailable() is None,
-                    verify="forward")  # c_v without the output projections (older records had them)
+                    verify="forward",  # c_v without the output projections (older records had them)
+                    tree_scale=True)  # batch_tree_scale measured (older records lack it)
     if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:
@@ -467,7 +495,7 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
         if hasattr(tgt, "close"):
             tgt.close()
     grid = (measure_batch_verify(model, batch_sizes=batch_sizes, row_sizes=batch_row_sizes, ctx=ctx[0],
-                                 reps=min(reps, 2), timer=timer) if batch_sizes else ())
+                                 reps=reps, timer=timer) if batch_sizes else ())
     inner = as_draft(draft)
     timed = _TimedDraft(inner, timer)
     ids = list(prompt_ids)
@@ -491,6 +519,12 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
         stepped = dict(batch_draft_ms=pick(_per_call_draft_ms(res.steps[1:] or res.steps, tree.depth), d),
                        batch_draft_width=(1 + (tree.depth - 1) * tree.frontier) / max(1, tree.depth),
                        batch_overhead_ms=pick(_overhead_ms(res), o), batch_ar_overhead_ms=pick(_overhead_ms(ar), a))
+        real = measure_batch_tree_verify(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
+        scale = []
+        for B, (ms, n) in zip(more, real):
+            row = grid[batch_sizes.index(B)]
+            scale.append(max(ms, 1e-3) / max(interp(batch_row_sizes, row, n), 1e-3))
+        stepped["batch_tree_scale"] = pick(1.0, scale)
     tm = Timings(tuple(sizes), lo_hi[0], lo_hi[1], ctx[0], ctx[1],
                  tuple(sorted(widths)), tuple(statistics.median(widths[w]) for w in sorted(widths)),
                  _overhead_ms(res), _overhead_ms(ar),
@@ -539,4 +573,7 @@ def _describe(tm: Timings) -> str:
     if tm.batch_draft_ms:
         d = ", ".join(f"{B}:{x:.1f}/{o:.1f}" for B, x, o in zip(tm.batch_sizes, tm.batch_draft_ms, tm.batch_overhead_ms))
         out += f"; batched draft call / overhead ms by rows [{d}]"
+    if tm.batch_tree_scale:
+        d = ", ".join(f"{B}:{x:.2f}" for B, x in zip(tm.batch_sizes, tm.batch_tree_scale))
+        out += f"; real tree forward / grid by rows [{d}]"
     return out

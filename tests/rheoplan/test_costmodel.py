@@ -375,3 +375,15 @@ def test_scale_compares_raw_predictions_with_what_was_accepted():
     assert full.depth == 0 or full.expected_tokens > 1.0
     with pytest.raises(ValueError, match="scale=-1"):
         cm.plan_for_batch(1, ctx=100, max_depth=2, continuation=[0.5, 0.5], scale=-1)
+
+
+def test_batch_tree_scale_multiplies_the_grid_for_trees_only():
+    grid = dict(batch_sizes=(1, 4), batch_row_sizes=(1, 2), batch_verify=((10.0, 12.0), (14.0, 22.0)))
+    plain, scaled = tm(**grid), tm(**grid, batch_tree_scale=(1.0, 1.5))
+    assert scaled.verify_batch(4, 1, 100) == plain.verify_batch(4, 1, 100)  # one token per row: as measured
+    assert scaled.verify_batch(4, 2, 100) == pytest.approx(1.5 * 22.0)
+    assert scaled.verify_batch(1, 2, 100) == plain.verify_batch(1, 2, 100)  # batch 1: its own curve
+    assert Timings.from_dict(scaled.to_dict()) == scaled
+    for bad in ((1.0,), (1.0, 0.0), (1.0, float("inf"))):
+        with pytest.raises(ValueError, match="batch_tree_scale"):
+            tm(**grid, batch_tree_scale=bad)
