@@ -526,14 +526,18 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Calibration":
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"calibration={str(path)!r}: no such file")
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"calibration={str(path)!r} is not valid JSON: {exc}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(_read_json(path, "calibration"))
+
+
+def _read_json(path: str | os.PathLike, what: str):
+    """The JSON in ``path``; a ValueError naming ``what`` when it is missing or not JSON."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{what}={str(path)!r}: no such file")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what}={str(path)!r} is not valid JSON: {exc}") from None
 
 
 # -- a draft head's shipped priors -------------------------------------------------------------
@@ -556,13 +560,7 @@ def save_priors(path: str | os.PathLike, priors: dict[float, Calibration], meta:
 
 def load_priors(path: str | os.PathLike) -> dict[float, Calibration]:
     """``{temperature: Calibration}`` from a ``save_priors`` file."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"priors={str(path)!r}: no such file")
-    try:
-        rec = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"priors={str(path)!r} is not valid JSON: {exc}") from None
+    rec = _read_json(path, "priors")
     if not isinstance(rec, dict) or rec.get("format") != PRIORS_FORMAT or not isinstance(rec.get("temperatures"), dict):
         raise ValueError(f"priors={str(path)!r}: not a {PRIORS_FORMAT} file")
     out = {}
