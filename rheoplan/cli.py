@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Decode training prompts (never the held-out ones) with the cost model, "
                                    "once per temperature, and write the acceptance calibration they end with "
                                    "(capped per bucket) next to the head's weights, where generate, dump "
-                                   "and the benchmarks start from it (docs/cost_model.md).")
+                                   "and the benchmarks start from it (docs/cli.md, rheoplan calibrate).")
     c.add_argument("--prompts", type=int, default=16, help="training prompts decoded per temperature (default 16)")
     c.add_argument("--tokens", type=int, default=64, help="new tokens per prompt (default 64)")
     c.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0],

@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.costmodel import Timings, interp, cache_key, cache_read, cache_write, remeasure_requested
+from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write, interp, remeasure_requested
 from rheoplan.decode import plan_and_decode
 from rheoplan.ir import empty_tree
 from rheoplan.models import as_draft, as_target, hashed_context_lm
@@ -49,7 +49,7 @@ VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: how many tokens the dtype probe's verify tree carries (the CLI's default tree: root + 8)
 PROBE_TREE = 9
 #: the batched verify grid (``measure_batch_verify``): live rows B x tokens per row n;
-#: small on purpose (12 forwards, 315 token rows in all), ``Timings.verify_batch`` interpolates
+#: small on purpose (15 forwards, 651 token rows in all), ``Timings.verify_batch`` interpolates
 BATCH_SIZES = (1, 4, 16)
 BATCH_ROW_SIZES = (1, 2, 4, 8, 16)
 
@@ -317,11 +317,11 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
     ``[B, n]`` block (rows padded to the widest tree) with a 4-D mask (every row sees its
     cached prefix and the block's causal part; a one-token step passes no mask, as
     ``generate`` does). The output projections are left out: the walk makes them, so
-    they are in the bookkeeping ``c_o`` measured from real decodes (counting them here too
-    priced them twice and made trees at batch 4 look cheaper than plain steps). The cache is filled with random
-    keys and values (the latency does not depend on them, and it saves a prefill of
-    ``B * ctx`` tokens) and cropped back to ``ctx`` after every forward. With the default
-    grid, 12 short forwards (x ``reps + 1``).
+    they are in the bookkeeping ``c_o`` measured from real decodes (counting them here
+    too priced every step's projections twice). The cache is filled with random keys and
+    values (the latency does not depend on them, and it saves a prefill of ``B * ctx``
+    tokens) and cropped back to ``ctx`` after every forward. With the default grid, 15
+    short forwards (x ``reps + 1``).
     """
     for name, xs in (("batch_sizes", batch_sizes), ("row_sizes", row_sizes)):
         if not xs or list(xs) != sorted(set(xs)) or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
@@ -451,8 +451,10 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
       ``tree`` (median draft-call time per frontier width; median bookkeeping per step);
     * ``c_o'``: the same for a plain autoregressive decode;
     * where ``plan_and_decode`` takes a list of prompts: the batched draft call and the
-      bookkeeping per step at each batch size > 1 (``measure_batch_steps``); otherwise
-      they are modelled from the batch-1 numbers (``Timings.draft_batch``).
+      bookkeeping per step at each batch size > 1 (``measure_batch_steps``), and a real
+      small-tree forward at each, which scales the grid (``measure_batch_tree_verify``,
+      ``Timings.batch_tree_scale``); otherwise they are modelled from the batch-1 numbers
+      (``Timings.draft_batch``).
 
     Takes a few seconds the first time on a CPU; the cache makes later loads instant.
     """
