@@ -48,7 +48,7 @@ LAYERS = [
     ["rheoplan.kernels"],
     ["rheoplan.models"],
     ["rheoplan.decode", "rheoplan.walk", "rheoplan.stream"],
-    ["rheoplan.testing", "rheoplan.dump", "rheoplan.loading", "rheoplan.probe"],
+    ["rheoplan.testing", "rheoplan.dump", "rheoplan.loading", "rheoplan.probe", "rheoplan.calibrate"],
     ["rheoplan.bench", "rheoplan.train"],
     ["rheoplan.cli"],
     ["rheoplan"],  # the package's __init__ only (matched exactly)
