@@ -241,13 +241,14 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     V = int(model.config.vocab_size)
     shared = tr.common_prefix_len(train_rows + held_rows)
     vocab_path = os.path.join(a.work_dir, "draft_vocab.pt")
+    # counted again on resume too (a second or two): the model card reports the coverage
+    counts = tr.token_counts(train_rows, V, skip_prefix=shared)
     if a.resume and os.path.exists(vocab_path):
         draft_ids = torch.load(vocab_path)
     else:
-        counts = tr.token_counts(train_rows, V, skip_prefix=shared)
         draft_ids = tr.choose_draft_vocab(counts, min(a.draft_vocab, V), always=[eos])
         torch.save(draft_ids, vocab_path)
-        report["draft_vocab_train_coverage"] = float(counts[draft_ids].sum() / counts.sum().clamp(min=1))
+    report["draft_vocab_train_coverage"] = float(counts[draft_ids].sum() / counts.sum().clamp(min=1))
     report["draft_vocab_size"] = int(draft_ids.numel())
     scale_path = os.path.join(a.work_dir, "feature_scale.pt")
     if a.resume and os.path.exists(scale_path):
@@ -335,6 +336,16 @@ def stage_export(a, model, head: tr.Eagle3Head | None, report: dict) -> None:
     print(f"exported {out} ({size / 2**20:.1f} MiB, {n_params / 1e6:.2f} M params)")
 
 
+def _wall_line(trn: dict) -> str:
+    """The card's training-time line: every sitting of a resumed run, and this one."""
+    this = trn.get("wall_s", 0) / 3600
+    total = trn.get("wall_s_total")
+    if total is None or trn.get("started_at_step", 0) == 0:
+        return f"- training wall time: {this:.2f} h"
+    return f"- training wall time: {total / 3600:.2f} h over all sittings (the last, resumed at step " \
+           f"{trn['started_at_step']}: {this:.2f} h)"
+
+
 def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
@@ -400,7 +411,7 @@ def model_card(r: dict) -> str:
         f"{r.get('machine', {}).get('cpu_threads')} CPU thread(s)",
         f"- loss: soft cross-entropy to the target's top-k distribution restricted to the draft vocabulary; "
         f"EAGLE-3 training-time test with {cfg.get('ttt_steps')} steps (step weights {cfg.get('step_decay')}^(k-1))",
-        f"- training wall time (this run): {trn.get('wall_s', 0) / 3600:.2f} h",
+        _wall_line(trn),
         "",
         "## Measured quality per draft depth (answer positions)",
         "",

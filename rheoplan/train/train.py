@@ -442,12 +442,17 @@ def save_checkpoint(path: str, head: Eagle3Head, opt: torch.optim.Optimizer, ste
     os.replace(tmp, path)
 
 
+def _total(earlier_s: float | None, t0: float) -> float | None:
+    return None if earlier_s is None else earlier_s + time.time() - t0
+
+
 def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig, *,
                ckpt_path: str | None = None, resume: bool = False, log_path: str | None = None,
                progress: bool = True, max_steps: int | None = None,
                on_epoch_end: Callable[[int], dict] | None = None,
                scale: torch.Tensor | None = None) -> dict:
-    """Train ``head`` in place; returns a summary (steps, wall time, last losses).
+    """Train ``head`` in place; returns a summary (steps, wall time of this sitting and of
+    all sittings, last losses).
 
     ``train_ex``: a list of ``Example`` or a source with ``lengths()`` / ``get(indices)``
     (``features.RowExamples`` makes each chunk's examples by target forwards on demand).
@@ -472,11 +477,14 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     start = 0
+    earlier_s = 0.0  # training wall time of the earlier sittings this run resumes
     if resume and ckpt_path and os.path.exists(ckpt_path):
         ck = torch.load(ckpt_path, weights_only=False)
         head.load_state_dict(ck["head"])
         opt.load_state_dict(ck["opt"])
         start = int(ck["step"])
+        # None: a checkpoint written before sittings were timed; the total is then unknown
+        earlier_s = ck.get("extra", {}).get("wall_s_total")
     head.train()
     t0 = time.time()
     log = open(log_path, "a") if log_path else None
@@ -522,7 +530,8 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
                       f"loss {rec['loss']:.3f} (step-1 {rec['loss_step1']:.3f}) | {rec['tokens_per_s']:.0f} tok/s "
                       f"| ETA {rec['eta_s'] / 3600:.2f} h", flush=True)
         if ckpt_path and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
-            save_checkpoint(ckpt_path, head, opt, step + 1, {"train_config": asdict(cfg)})
+            save_checkpoint(ckpt_path, head, opt, step + 1,
+                            {"train_config": asdict(cfg), "wall_s_total": _total(earlier_s, t0)})
         last_of_epoch = step + 1 == total or schedule[step + 1][0] != epoch
         if on_epoch_end is not None and last_of_epoch:
             ev = {"epoch": epoch, "step": step + 1, "elapsed_s": time.time() - t0, **on_epoch_end(epoch)}
@@ -535,5 +544,5 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
         log.close()
     head.eval()
     return {"steps_total": total, "steps_done": end, "started_at_step": start,
-            "wall_s": time.time() - t0, "last": history[-1] if history else None, "history": history,
+            "wall_s": time.time() - t0, "wall_s_total": _total(earlier_s, t0), "last": history[-1] if history else None, "history": history,
             "epoch_evals": epoch_evals}

@@ -133,10 +133,14 @@ def test_resume_continues_where_the_checkpoint_left(setup, tmp_path):
     part = tr.init_head(setup["cfg"], setup["ids"], seed=1)
     tr.train_head(part, setup["embed"], setup["ex"], cfg, ckpt_path=ck, progress=False, max_steps=4,
                   scale=setup["scale"])
+    first = torch.load(ck, weights_only=False)["extra"]["wall_s_total"]  # the first sitting's time
     resumed = tr.init_head(setup["cfg"], setup["ids"], seed=2)  # other init: everything comes from the ckpt
     r_res = tr.train_head(resumed, setup["embed"], setup["ex"], cfg, ckpt_path=ck, resume=True, progress=False,
                           max_steps=6, scale=setup["scale"])
     assert r_res["started_at_step"] == 4 and r_res["steps_done"] == 6
+    # the wall time adds up over the sittings (the first one's came from the checkpoint)
+    assert first > 0 and r_res["wall_s"] > 0
+    assert r_res["wall_s_total"] == pytest.approx(first + r_res["wall_s"], abs=0.05)
     assert r_res["last"]["loss"] == pytest.approx(r_full["last"]["loss"], rel=1e-4)
     for (k, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=k)

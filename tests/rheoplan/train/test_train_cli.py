@@ -92,4 +92,7 @@ def test_the_pipeline_runs_and_resumes_on_a_local_model(tiny_target_dir, tmp_pat
     assert ev["positions_step1"] > 0 and 0 <= ev["top1_step1"] <= ev["top3_step1"] <= 1 and "top1_step3" in ev
     card = open(os.path.join(work, "export", "MODEL_CARD.md")).read()
     assert "H=32, 4 heads / 2 kv heads" in card and "| held-out (exported fp16 head) | 3 |" in card
+    # a resumed run still reports its vocabulary coverage and the time of both sittings
+    assert 0 < rep["draft_vocab_train_coverage"] <= 1 and "covering n/a" not in card
+    assert "over all sittings (the last, resumed at step 3" in card
     assert read_eagle3(os.path.join(work, "export")).config.draft_vocab_size == 40
