@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from rheoplan.config import SamplingConfig, VERIFIERS
-from rheoplan.distributions import RESIDUAL_EPS as _RESIDUAL_EPS, tail_law, target_probs
+from rheoplan.distributions import RESIDUAL_EPS as _RESIDUAL_EPS, process_scores, tail_law, target_probs
 from rheoplan.ir import DraftTree
 from rheoplan.mutation import active
 from rheoplan.rng import Purpose, Streams, gumbel_from_uniform
@@ -255,10 +255,11 @@ def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams,
                          f"{len(keys)} keys and {len(nodes)} nodes")
     if logits.shape[0] == 0:
         return []
-    p = target_probs(logits, sampling)
     if sampling.greedy:
-        # p is one-hot: argmax(log p + g) is its token whatever the noise, so draw none
-        return p.argmax(dim=-1).tolist()
+        # the law is a one-hot on the processed scores' argmax: argmax(log p + g) is that
+        # token whatever the noise, so draw none, and skip building the [R, V] one-hot
+        return process_scores(logits, sampling).argmax(dim=-1).tolist()
+    p = target_probs(logits, sampling)
     V = p.shape[-1]
     if uniforms is None:
         u = torch.stack([streams.uniform(s, k, v, Purpose.VERIFY_RESIDUAL, V) for s, k, v in zip(steps, keys, nodes)])

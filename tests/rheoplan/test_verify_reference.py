@@ -15,7 +15,7 @@ from rheoplan.distributions import draft_probs, rank_support, tail_law, target_p
 from rheoplan.rng import Purpose, Streams, gumbel_from_uniform
 from rheoplan.testing import strategies as rst
 from rheoplan.verify import (accept_prob, children_tokens, coupling_law, coupling_sample,
-                             gumbel_max, gumbel_max_uniform, walk)
+                             gumbel_max, gumbel_max_uniform, walk, walk_roots)
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -308,3 +308,28 @@ def test_gumbel_max_uniform_equals_gumbel_max_any_law(V, R, seed, data):
     p = torch.stack([target_probs(data.draw(rst.logit_rows(V)), s) for _ in range(R)])
     u = torch.stack([Streams(seed).uniform(0, r, 0, Purpose.VERIFY_RESIDUAL, V) for r in range(R)])
     assert torch.equal(gumbel_max_uniform(p, u), gumbel_max(p, gumbel_from_uniform(u)))
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0, top_k=2),
+                                      SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9)],
+                         ids=["greedy", "greedy-topk", "T1", "T0.7-topp"])
+def test_walk_roots_draws_each_rows_walk_token(sampling):
+    """``walk_roots`` (a batch's draft-free rows in one call; greedy rows take the argmax of
+    the processed scores without building the one-hot law) emits, row by row, the token
+    ``walk`` emits at the same root: ties to the lowest id included."""
+    from rheoplan.decode import _root_only_rows
+
+    g = torch.Generator().manual_seed(5)
+    R, V = 6, 50
+    logits = 3 * torch.randn(R, V, generator=g)
+    logits[1, [7, 3]] = logits[1].max() + 1.0  # a tie for the best token: the lowest id wins
+    logits[2, :] = 0.0  # every token tied
+    tree = _root_only_rows(list(range(R)), [4] * R, TreeConfig(depth=1, frontier=1, slots=2, budget=1))
+    s, steps, keys = Streams(11), [3, 4, 5, 6, 7, 8], [9, 2, 0, 5, 1, 3]
+    nodes = tree.linear.node[:, 0].tolist()
+    got = walk_roots(logits, sampling, s, steps, keys, nodes)
+    want = [walk(tree, b, lambda i, b=b: logits[b], sampling, "ot", s, steps[b], key=keys[b]).emitted[0]
+            for b in range(R)]
+    assert got == want
+    if sampling.greedy:
+        assert got[1] == 3 and got[2] == 0
