@@ -120,6 +120,10 @@ class Timings:
     #: grid predicts for it (``probe.measure_batch_tree_verify``); multiplies the grid for
     #: rows of more than one token (empty: 1)
     batch_tree_scale: tuple[float, ...] = ()
+    #: per ``batch_sizes`` entry: the real batched forward of one token per row (a plain
+    #: autoregressive step's, ``probe.measure_batch_steps``) over what the grid predicts;
+    #: multiplies the grid for rows of one token (empty: 1)
+    batch_ar_scale: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.sizes or len(self.sizes) != len(self.verify_lo) or len(self.sizes) != len(self.verify_hi):
@@ -146,10 +150,11 @@ class Timings:
         if any(steps) and (not self.batch_sizes or any(len(x) != len(self.batch_sizes) for x in steps)):
             raise ValueError(f"Timings: batch_draft_ms, batch_overhead_ms and batch_ar_overhead_ms must hold one "
                              f"latency per batch size ({len(self.batch_sizes)}), all three or none")
-        if self.batch_tree_scale and (len(self.batch_tree_scale) != len(self.batch_sizes) or any(
-                not (v > 0 and math.isfinite(v)) for v in self.batch_tree_scale)):
-            raise ValueError(f"Timings: batch_tree_scale must hold one finite factor > 0 per batch size "
-                             f"({len(self.batch_sizes)})")
+        for name in ("batch_tree_scale", "batch_ar_scale"):
+            f = getattr(self, name)
+            if f and (len(f) != len(self.batch_sizes) or any(not (v > 0 and math.isfinite(v)) for v in f)):
+                raise ValueError(f"Timings: {name} must hold one finite factor > 0 per batch size "
+                                 f"({len(self.batch_sizes)})")
         if not (self.batch_draft_width >= 1 and math.isfinite(self.batch_draft_width)):
             raise ValueError(f"Timings: batch_draft_width={self.batch_draft_width} must be >= 1")
         vals = list(self.verify_lo) + list(self.verify_hi) + list(self.draft_ms) + [self.overhead_ms, self.ar_overhead_ms]
@@ -184,7 +189,9 @@ class Timings:
         run over a uniform random cache, a real batch's tree forward over rows of different
         lengths with their tree masks (measured on the 2-core machine: 1.00 at 4 and 16 rows
         with a grid of 3 repetitions; 1.09 / 1.06 once the grid itself came out noisy, which
-        the factor then corrects); the context term is the batch-1 curve's, taken at the batch's total tokens
+        the factor then corrects), or times ``batch_ar_scale`` when ``n = 1`` (a real
+        plain step's forward: 4 rows ran in 35 ms where the grid said 38.5, which made
+        drafting look better than it was); the context term is the batch-1 curve's, taken at the batch's total tokens
         ``B * n`` (every row's tokens attend to their own ``ctx`` cached ones). Batch 1 is
         ``verify(n, ctx)``.
         Without a grid (timings measured before batches existed) a batch costs what one
@@ -199,8 +206,9 @@ class Timings:
             return self.verify(total, ctx)
         at_b = [interp(self.batch_row_sizes, row, row_tokens) for row in self.batch_verify]
         v = interp(self.batch_sizes, at_b, batch)
-        if row_tokens > 1 and self.batch_tree_scale:
-            v *= interp(self.batch_sizes, self.batch_tree_scale, batch)
+        scale = self.batch_tree_scale if row_tokens > 1 else self.batch_ar_scale
+        if scale:
+            v *= interp(self.batch_sizes, scale, batch)
         v += self.verify(total, ctx) - self.verify(total, self.ctx_lo)
         return max(v, 1e-3)
 
@@ -252,7 +260,8 @@ class Timings:
         if missing:
             raise ValueError(f"Timings: missing fields {missing}")
         for k in ("sizes", "verify_lo", "verify_hi", "draft_widths", "draft_ms", "batch_sizes", "batch_row_sizes",
-                  "batch_draft_ms", "batch_overhead_ms", "batch_ar_overhead_ms", "batch_tree_scale"):
+                  "batch_draft_ms", "batch_overhead_ms", "batch_ar_overhead_ms", "batch_tree_scale",
+                  "batch_ar_scale"):
             if k in known:
                 known[k] = tuple(known[k])
         if "batch_verify" in known:

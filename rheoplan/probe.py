@@ -387,14 +387,14 @@ def _per_call_draft_ms(steps, depth: int) -> float:
 
 
 def measure_batch_steps(model, draft, prompt_ids: Sequence[int], *, tree, sampling, batch_sizes: Sequence[int],
-                        steps: int = 8) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+                        steps: int = 8) -> tuple[tuple[float, ...], ...]:
     """Per batch size ``B`` in ``batch_sizes`` (each > 1): a short batched decode of ``B``
     copies of ``prompt_ids`` with the fixed tree ``tree`` and one without a draft, giving
-    ``(draft ms per batched call, bookkeeping ms per tree step, per autoregressive step)``
-    of the whole batch (medians over the steps while every row was live, the first step
-    left out: it runs the prompts through the draft). Needs batched decoding
-    (``batched_decode_unavailable() is None``)."""
-    draft_ms, tree_oh, ar_oh = [], [], []
+    ``(draft ms per batched call, bookkeeping ms per tree step, per autoregressive step,
+    forward ms per autoregressive step)`` of the whole batch (medians over the steps while
+    every row was live, the first step left out: it runs the prompts through the draft).
+    Needs batched decoding (``batched_decode_unavailable() is None``)."""
+    draft_ms, tree_oh, ar_oh, ar_fw = [], [], [], []
     for B in batch_sizes:
         rows = [list(prompt_ids) for _ in range(B)]
         res = plan_and_decode(model, draft, rows, max_new_tokens=steps, sampling=sampling, tree=tree, seed=0)
@@ -404,8 +404,10 @@ def measure_batch_steps(model, draft, prompt_ids: Sequence[int], *, tree, sampli
         tree_oh.append(_overhead_ms_of(st))
         ar = plan_and_decode(model, None, rows, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
         live = min(len(r.steps) for r in ar)
-        ar_oh.append(_overhead_ms_of(ar[0].steps[1:live] or ar[0].steps[:1]))
-    return tuple(draft_ms), tuple(tree_oh), tuple(ar_oh)
+        ar_steps = ar[0].steps[1:live] or ar[0].steps[:1]
+        ar_oh.append(_overhead_ms_of(ar_steps))
+        ar_fw.append(statistics.median([1e3 * s.t_verify_forward for s in ar_steps]))
+    return tuple(draft_ms), tuple(tree_oh), tuple(ar_oh), tuple(ar_fw)
 
 
 #: the small fixed tree ``measure_batch_tree_verify`` decodes with (depth, budget): about
@@ -468,7 +470,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                     batch="x".join(map(str, batch_sizes)) + "/" + "x".join(map(str, batch_row_sizes)),
                     batched_loop=batch_sizes != () and batched_decode_unavailable() is None,
                     verify="forward",  # c_v without the output projections (older records had them)
-                    tree_scale=True)  # batch_tree_scale measured (older records lack it)
+                    tree_scale=True,  # batch_tree_scale measured (older records lack it)
+                    ar_rows=3)  # the leaner batched plain step (f57ec9c) and batch_ar_scale
     if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:
@@ -515,7 +518,7 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     stepped: dict = {}
     if grid and batched_decode_unavailable() is None:
         more = [b for b in batch_sizes if b > 1]
-        d, o, a = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
+        d, o, a, fw = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
         one = [b for b in batch_sizes if b == 1]  # batch 1: the batch-1 decodes above
         pick = lambda first, rest: tuple([first] * len(one) + list(rest))  # noqa: E731
         stepped = dict(batch_draft_ms=pick(_per_call_draft_ms(res.steps[1:] or res.steps, tree.depth), d),
@@ -527,6 +530,10 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
             row = grid[batch_sizes.index(B)]
             scale.append(max(ms, 1e-3) / max(interp(batch_row_sizes, row, n), 1e-3))
         stepped["batch_tree_scale"] = pick(1.0, scale)
+        # the same anchor for one-token rows: a real plain step's forward over the grid's
+        stepped["batch_ar_scale"] = pick(1.0, [
+            max(ms, 1e-3) / max(interp(batch_row_sizes, grid[batch_sizes.index(B)], 1), 1e-3)
+            for B, ms in zip(more, fw)])
     tm = Timings(tuple(sizes), lo_hi[0], lo_hi[1], ctx[0], ctx[1],
                  tuple(sorted(widths)), tuple(statistics.median(widths[w]) for w in sorted(widths)),
                  _overhead_ms(res), _overhead_ms(ar),
@@ -578,4 +585,7 @@ def _describe(tm: Timings) -> str:
     if tm.batch_tree_scale:
         d = ", ".join(f"{B}:{x:.2f}" for B, x in zip(tm.batch_sizes, tm.batch_tree_scale))
         out += f"; real tree forward / grid by rows [{d}]"
+    if tm.batch_ar_scale:
+        d = ", ".join(f"{B}:{x:.2f}" for B, x in zip(tm.batch_sizes, tm.batch_ar_scale))
+        out += f"; real one-token forward / grid by rows [{d}]"
     return out

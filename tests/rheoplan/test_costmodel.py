@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -387,3 +389,18 @@ def test_batch_tree_scale_multiplies_the_grid_for_trees_only():
     for bad in ((1.0,), (1.0, 0.0), (1.0, float("inf"))):
         with pytest.raises(ValueError, match="batch_tree_scale"):
             tm(**grid, batch_tree_scale=bad)
+
+
+def test_batch_ar_scale_multiplies_the_grid_for_one_token_rows_only():
+    """The plain step's anchor: a grid that prices 4 one-token rows high (38.5 ms where a
+    real step ran in 35) made trees look better than they were against plain steps."""
+    grid = dict(batch_sizes=(1, 4), batch_row_sizes=(1, 2), batch_verify=((10.0, 12.0), (14.0, 22.0)))
+    plain, scaled = tm(**grid), tm(**grid, batch_ar_scale=(1.0, 0.5))
+    assert scaled.verify_batch(4, 1, 100) == pytest.approx(plain.verify_batch(4, 1, 100) - 7.0)
+    assert scaled.verify_batch(4, 2, 100) == plain.verify_batch(4, 2, 100)  # trees: batch_tree_scale's
+    assert scaled.ar_step_batch(4, 100) == pytest.approx(plain.ar_step_batch(4, 100) - 7.0)
+    assert scaled.verify_batch(1, 1, 100) == plain.verify_batch(1, 1, 100)  # batch 1: its own curve
+    assert Timings.from_dict(json.loads(json.dumps(scaled.to_dict()))) == scaled  # as the cache keeps it
+    for bad in ((1.0,), (1.0, -2.0), (1.0, float("nan"))):
+        with pytest.raises(ValueError, match="batch_ar_scale"):
+            tm(**grid, batch_ar_scale=bad)

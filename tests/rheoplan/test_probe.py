@@ -206,9 +206,10 @@ def test_measure_batch_steps_takes_medians_of_the_live_steps(monkeypatch):
         return [DecodeResult(tokens=[0], steps=steps), DecodeResult(tokens=[0], steps=steps + [st(9.0)] * 5)][:len(rows)]
 
     monkeypatch.setattr(probe, "plan_and_decode", fake)
-    d, o, a = probe.measure_batch_steps(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,), steps=8)
+    d, o, a, fw = probe.measure_batch_steps(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,), steps=8)
     assert seen == [(False, 2, 8), (True, 2, 4)]
     assert d == pytest.approx((2.0,)) and o == pytest.approx((6.0,)) and a == pytest.approx((6.0,))
+    assert fw == pytest.approx((10.0,))  # the plain steps' forward
 
 
 def test_measure_batch_tree_verify_takes_the_real_forward_and_widest_row(monkeypatch):
