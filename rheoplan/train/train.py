@@ -443,6 +443,7 @@ def save_checkpoint(path: str, head: Eagle3Head, opt: torch.optim.Optimizer, ste
 
 
 def _total(earlier_s: float | None, t0: float) -> float | None:
+    """Training wall time of every sitting so far (None when an earlier one's is unknown)."""
     return None if earlier_s is None else earlier_s + time.time() - t0
 
 
@@ -544,5 +545,5 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
         log.close()
     head.eval()
     return {"steps_total": total, "steps_done": end, "started_at_step": start,
-            "wall_s": time.time() - t0, "wall_s_total": _total(earlier_s, t0), "last": history[-1] if history else None, "history": history,
-            "epoch_evals": epoch_evals}
+            "wall_s": time.time() - t0, "wall_s_total": _total(earlier_s, t0),
+            "last": history[-1] if history else None, "history": history, "epoch_evals": epoch_evals}
