@@ -8,8 +8,9 @@ Stages (all by default, each resumable):
    (``rheoplan.train.tokens``); finished shards are skipped, so a killed job resumes.
 2. ``train``: draft vocabulary from the sampled token counts, head init, AdamW + cosine,
    training-time test; each chunk's EAGLE-3 features and soft targets come from a batched
-   teacher-forced target forward (``rheoplan.train.features``), nothing cached on disk (kept
-   in memory across epochs up to ``--feature-cache-gb``).
+   teacher-forced target forward (``rheoplan.train.features``), kept in memory across
+   epochs up to ``--feature-cache-gb`` and, with ``--feature-cache-dir``, on disk across
+   epochs, sittings and runs).
    Checkpoint ``WORK/ckpt.pt`` every ``--ckpt-every`` steps (``--resume`` continues it);
    held-out evaluation after every epoch.
 3. ``export``: fp16 ``config.json`` + ``model.safetensors`` in ``--out`` (the format
@@ -96,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the training rows' target features in memory up to this many GB, so epochs after "
                         "the first skip those rows' target forwards (most of a step's time); 0 = make them "
                         "again every epoch. About 3.8 KB per position for SmolLM2 in bfloat16")
+    g.add_argument("--feature-cache-dir", default=None,
+                   help="also keep every training row's target features on disk in this folder (one file per "
+                        "row, ~3.8 KB per position for SmolLM2 in bfloat16: ~8.6 GB for the shipped shards), so "
+                        "later epochs, resumed sittings and new runs over the same rows and target skip its "
+                        "forwards; files are named by a digest of the target and the row")
     g.add_argument("--calib-rows", type=int, default=64, help="rows whose features set the per-channel scale")
     g.add_argument("--max-rows", type=int, default=None, help="train on the first N rows only (smoke runs)")
     g.add_argument("--no-bf16", action="store_true", help="train the head in fp32 instead of bf16 autocast")
@@ -263,7 +269,10 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     head = tr.init_head(cfg, draft_ids, model, seed=a.seed).float()
     embed = model.get_input_embeddings().weight.detach().float()
     train_src = ft.RowExamples(model, train_rows, topk=a.topk, shared_prefix=shared, prompt_weight=a.prompt_weight,
-                               batch_tokens=2 * a.chunk_tokens, cache_gb=a.feature_cache_gb or None)
+                               batch_tokens=2 * a.chunk_tokens, cache_gb=a.feature_cache_gb or None,
+                               cache_dir=a.feature_cache_dir)
+    if a.feature_cache_dir:
+        print(f"[train] feature files: {a.feature_cache_dir} (rows already there are read, not made)", flush=True)
     if a.feature_cache_gb and a.epochs > 1:
         need = sum(train_src.lengths()) * train_src.pair_bytes() / 2**30
         print(f"[train] feature cache: the training rows' features take ~{need:.1f} GB; up to "
@@ -288,7 +297,8 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     report["train"] = {**summary, "config": tcfg.__dict__, "shared_prefix_tokens": shared,
                        "target_dtype": a.train_dtype, "topk": a.topk,
                        "feature_cache": {"gb": a.feature_cache_gb, "rows": train_src.cached_rows(),
-                                         "of_rows": len(train_rows)}}
+                                         "of_rows": len(train_rows), "dir": a.feature_cache_dir,
+                                         "rows_read_from_dir": train_src.disk_hits}}
     report["eval_train_subset"] = tr.evaluate(head, embed, sub_src, steps=depths, chunk_tokens=a.chunk_tokens,
                                               draft_ids=draft_ids, t2d_index=t2d_index, scale=scale)
     return head

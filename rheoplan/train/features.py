@@ -12,7 +12,7 @@ trainer needs, per position ``t`` of each row:
 padded, and since attention is causal a real position never sees a pad, so no attention
 mask and no position shift are needed (``tests/rheoplan/train`` checks a padded batch
 against one forward per row). The forward runs in the target's dtype (the training
-dtype), so features never touch the disk.
+dtype); features touch the disk only when ``RowExamples`` is given a ``cache_dir``.
 
 ``RowExamples`` turns rows into training ``Example`` objects on demand, one chunk at a
 time, which is what ``train.train_head`` and ``train.evaluate`` consume.
@@ -28,6 +28,8 @@ Example (a tiny random model):
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import replace
 from typing import Sequence
 
@@ -66,6 +68,21 @@ def teacher_forced(model: torch.nn.Module, rows: Sequence[dict], *, topk: int) -
             for i, (r, n) in enumerate(zip(rows, lens))]
 
 
+def model_digest(model: torch.nn.Module) -> str:
+    """A short digest of ``model``'s config, dtype and weights (every parameter's sum and
+    the first values of each): what names ``RowExamples``' files on disk, so features of
+    another model or another precision are never read for this one."""
+    h = hashlib.sha1()
+    cfg = getattr(model, "config", None)
+    h.update((cfg.to_json_string() if hasattr(cfg, "to_json_string") else repr(cfg)).encode())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().flatten()
+            h.update(f"{name}|{p.dtype}|{tuple(p.shape)}|{float(flat.float().sum()):.9g}|".encode())
+            h.update(flat[:8].float().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 class RowExamples:
     """Training examples over token-only rows, made on demand by ``teacher_forced``.
 
@@ -79,11 +96,19 @@ class RowExamples:
     the target forwards of the cached rows, which are most of a step's time. Cached
     features are stored in the target's dtype, which loses nothing (they are its hidden
     states); ``collate`` turns them back to float32.
+
+    ``cache_dir`` also keeps every made row on disk (one file per row, about 3.8 KB per
+    position for SmolLM2 in bfloat16, top-32): a later epoch, a resumed sitting or a new run
+    over the same rows reads the file instead of running the target. A file is named by a
+    digest of the row's tokens, ``topk`` and the target (``model_digest``: its config, dtype
+    and weights), so a changed model or row never reads a stale file. Files are written
+    whole or not at all (a temporary file renamed), so an interrupted run leaves none half
+    written.
     """
 
     def __init__(self, model: torch.nn.Module, rows: Sequence[dict], *, topk: int, shared_prefix: int,
                  prompt_weight: float, batch_tokens: int = 2048, cache: bool = False,
-                 cache_gb: float | None = None) -> None:
+                 cache_gb: float | None = None, cache_dir: str | os.PathLike | None = None) -> None:
         if cache_gb is not None and not cache_gb >= 0:
             raise ValueError(f"cache_gb={cache_gb}: allowed >= 0 (GB of memory for cached examples)")
         self.model, self.rows, self.topk = model, list(rows), topk
@@ -92,6 +117,12 @@ class RowExamples:
         self._cache = {} if (cache or cache_gb) else None
         self._cache_left = None if cache_gb is None else int(cache_gb * 2**30)
         self._store_dtype = next(model.parameters()).dtype
+        self._dir = None if cache_dir is None else os.fspath(cache_dir)
+        self._digest = None
+        if self._dir is not None:
+            os.makedirs(self._dir, exist_ok=True)
+            self._digest = model_digest(model)
+        self.disk_hits = 0  #: rows read from ``cache_dir`` instead of made
 
     def pair_bytes(self) -> int:
         """Memory of one cached pair (features in the target's dtype, top-k ids and log-probs,
@@ -125,9 +156,42 @@ class RowExamples:
     def lengths(self) -> list[int]:
         return [max(int(r["tokens"].numel()) - 1, 0) for r in self.rows]
 
+    def _path(self, i: int) -> str:
+        r = self.rows[i]
+        h = hashlib.sha1(f"{self._digest}|topk={self.topk}|".encode())
+        h.update(r["tokens"].to(torch.int64).numpy().tobytes())
+        return os.path.join(self._dir, h.hexdigest()[:2], h.hexdigest() + ".pt")
+
+    def _load(self, i: int) -> dict | None:
+        path = self._path(i)
+        if not os.path.exists(path):
+            return None
+        d = torch.load(path, weights_only=True)
+        return {**self.rows[i], "feats": d["feats"], "topk_ids": d["topk_ids"].long(), "topk_logp": d["topk_logp"]}
+
+    def _save(self, i: int, row: dict) -> None:
+        path = self._path(i)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        # own copies in the stored dtypes: the made tensors are views of the whole batch
+        torch.save({"feats": row["feats"].to(self._store_dtype, copy=True),
+                    "topk_ids": row["topk_ids"].to(torch.int32, copy=True),
+                    "topk_logp": row["topk_logp"].clone()}, tmp)
+        os.replace(tmp, path)
+
+    def _example(self, row: dict) -> tr.Example | None:
+        return tr.make_example(row, shared_prefix=self.shared_prefix, prompt_weight=self.prompt_weight)
+
     def get(self, indices: Sequence[int]) -> list[tr.Example]:
         want = [i for i in indices if self._cache is None or i not in self._cache]
         made: dict[int, tr.Example | None] = {}
+        if self._dir is not None:
+            for i in want:
+                row = self._load(i)
+                if row is not None:
+                    made[i] = self._example(row)
+                    self.disk_hits += 1
+            want = [i for i in want if i not in made]
         # Longest first, so a batch's padding stays small.
         order = sorted(want, key=lambda i: -int(self.rows[i]["tokens"].numel()))
         b: list[int] = []
@@ -135,7 +199,9 @@ class RowExamples:
             n = 0 if i is None else int(self.rows[i]["tokens"].numel())
             if b and (i is None or n * (len(b) + 1) > self.batch_tokens):
                 for j, row in zip(b, teacher_forced(self.model, [self.rows[k] for k in b], topk=self.topk)):
-                    made[j] = tr.make_example(row, shared_prefix=self.shared_prefix, prompt_weight=self.prompt_weight)
+                    if self._dir is not None:
+                        self._save(j, row)
+                    made[j] = self._example(row)
                 b = []
             if i is not None:
                 b.append(i)

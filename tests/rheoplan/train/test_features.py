@@ -90,3 +90,39 @@ def test_cached_features_are_stored_in_the_target_dtype_without_loss(tiny_target
 def test_bad_cache_budget_is_rejected(tiny_target):
     with pytest.raises(ValueError, match="cache_gb"):
         ft.RowExamples(tiny_target, _rows(), topk=4, shared_prefix=1, prompt_weight=0.3, cache_gb=-1)
+
+
+def test_cache_dir_makes_each_row_once_across_sources_and_reads_the_same_examples(tiny_target, tmp_path,
+                                                                                  monkeypatch):
+    rows = _rows()
+    fresh = ft.RowExamples(tiny_target, rows, topk=4, shared_prefix=1, prompt_weight=0.3).get([0, 1, 2])
+    first = ft.RowExamples(tiny_target, rows, topk=4, shared_prefix=1, prompt_weight=0.3, cache_dir=tmp_path)
+    first.get([0, 1, 2])
+    assert first.disk_hits == 0 and len(list(tmp_path.rglob("*.pt"))) == 3
+    assert not list(tmp_path.rglob("*.tmp"))
+    # a new source (a resumed sitting, a new run) over the same rows and target: no forward
+    monkeypatch.setattr(ft, "teacher_forced", lambda *a, **k: pytest.fail("a row was made again"))
+    again = ft.RowExamples(tiny_target, rows, topk=4, shared_prefix=1, prompt_weight=0.7, cache_dir=tmp_path)
+    got = again.get([2, 0, 1])
+    assert again.disk_hits == 3
+    for g, w in zip(got, [fresh[2], fresh[0], fresh[1]]):
+        assert torch.equal(g.tokens, w.tokens) and torch.equal(g.topk_ids, w.topk_ids)
+        assert torch.equal(g.feats.float(), w.feats) and torch.equal(g.topk_logp, w.topk_logp)
+    # the weights follow the new source's prompt_weight (only the target's outputs are stored)
+    assert float(got[1].weight[0]) == pytest.approx(0.7) and float(fresh[0].weight[0]) == pytest.approx(0.3)
+
+
+def test_cache_dir_files_belong_to_one_target_and_topk(tiny_target, tmp_path):
+    rows = _rows()
+    ft.RowExamples(tiny_target, rows, topk=4, shared_prefix=1, prompt_weight=0.3, cache_dir=tmp_path).get([0])
+    other_k = ft.RowExamples(tiny_target, rows, topk=3, shared_prefix=1, prompt_weight=0.3, cache_dir=tmp_path)
+    other_k.get([0])
+    changed = copy.deepcopy(tiny_target)
+    with torch.no_grad():
+        next(changed.parameters()).add_(0.01)
+    other_m = ft.RowExamples(changed, rows, topk=4, shared_prefix=1, prompt_weight=0.3, cache_dir=tmp_path)
+    got = other_m.get([0])
+    assert other_k.disk_hits == 0 and other_m.disk_hits == 0
+    assert ft.model_digest(changed) != ft.model_digest(tiny_target)
+    assert len(list(tmp_path.rglob("*.pt"))) == 3
+    assert got[0].topk_ids.shape[-1] == 4
