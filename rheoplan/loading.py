@@ -26,6 +26,7 @@ from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import PRIORS_FILE, Calibration, CostModel, load_priors
 from rheoplan.models.eagle3 import load_eagle3_checkpoint
 from rheoplan.models.early_exit import early_exit_draft
+from rheoplan.models.packed_linear import PackedLinear, pack_if_it_pays
 from rheoplan.models.smollm import GGUF_FILE, load_smollm2, resolve_dtype
 from rheoplan.probe import choose_dtype, choose_head_dtype, measure_timings
 
@@ -118,6 +119,7 @@ def load_default(*, method: str = "rheo", draft: str = "auto", dtype: str = "aut
         torch_dtype, _ = choose_dtype(model, model_id=SMOLLM2_ID)
         if torch_dtype != torch.float32:
             model = model.to(torch_dtype)
+    pack_if_it_pays(model, "target")
     drf = None
     if method != "autoregressive":
         kind, arg = parse_draft_spec(draft)
@@ -139,7 +141,16 @@ def load_head(path, model, draft_dtype: str = "auto"):
         dt, _ = choose_head_dtype(drf.head, head_id=f"eagle3:{Path(path).resolve()}")
     else:
         dt = getattr(torch, draft_dtype)
-    return drf if dt == torch.float32 else load_eagle3_checkpoint(path, model, dtype=dt)
+    if dt != torch.float32:
+        drf = load_eagle3_checkpoint(path, model, dtype=dt)
+        pack_if_it_pays(drf.head, "draft head")
+    return drf
+
+
+def speed_tag(model) -> str:
+    """What, beyond its dtype, changes a model's latencies: ``' packed'`` when its linear
+    weights are packed (``pack_if_it_pays``), else ``''``. Part of the latency caches' keys."""
+    return " packed" if any(isinstance(m, PackedLinear) for m in model.modules()) else ""
 
 
 def auto_tree(tree: TreeConfig, depth, budget) -> TreeConfig:
@@ -169,10 +180,10 @@ def load_cost_model(model, tok, draft, tree: TreeConfig, *, draft_id: str = "",
                   f"{', '.join(f'{t:g}' for t, _ in priors)})", file=sys.stderr)
     ids = encode_prompt(tok, PROBE_PROMPT, chat=True)
     head = getattr(draft, "head", None)
-    if head is not None:  # a head in another dtype has other latencies
-        draft_id = f"{draft_id} ({model_dtype(head)})"
+    if head is not None:  # a head in another dtype (or packed) has other latencies
+        draft_id = f"{draft_id} ({model_dtype(head)}{speed_tag(head)})"
     tm = measure_timings(model, draft, ids, tree=tree, sampling=sampling or SamplingConfig(),
-                         model_id=SMOLLM2_ID, draft_id=draft_id)
+                         model_id=SMOLLM2_ID + speed_tag(model), draft_id=draft_id)
     return CostModel(tm, prior, priors)
 
 

@@ -33,6 +33,7 @@ from rheoplan.models import as_draft, as_target, hashed_context_lm
 from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache
 from rheoplan.models.base import DraftModel
 from rheoplan.models.hf_target import HFTarget
+from rheoplan.models.packed_linear import pack_linears, packing_pays
 from rheoplan.pipeline import PassContext
 from rheoplan.plan import plan_tree
 from rheoplan.planner.linearize import linearize
@@ -170,7 +171,9 @@ def choose_dtype(model, *, model_id: str | None = None, reps: int = 5, prompt_le
     """
     dev = next(model.parameters()).device
     mid = model_id or model_identity(model)
-    key = cache_key("dtype", mid, dev)
+    # bfloat16 candidates are timed with packed linear weights where that pays (the loader
+    # packs them then); the key names it, so choices made before packing are measured again
+    key = cache_key("dtype", f"{mid} (packed when it pays)", dev)
     hit = _cached_dtype(DTYPE_CACHE, key, use_cache, f"dtype auto: %s (cached; measured ms per 1-token + "
                         f"{PROBE_TREE}-token forward: %s)", log)
     if hit is not None:
@@ -180,6 +183,8 @@ def choose_dtype(model, *, model_id: str | None = None, reps: int = 5, prompt_le
     copies = []
     for dt in supported_dtypes(dev):
         m = model if dt == own else copy.deepcopy(model).to(dt)
+        if m is not model and packing_pays(m):
+            pack_linears(m)
         copies.append(m)
         cands[str(dt).removeprefix("torch.")] = _forwards(m, prompt_len, PROBE_TREE)
     with torch.no_grad():

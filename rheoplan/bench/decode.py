@@ -7,6 +7,10 @@ prompt j + 1 (the methods' order rotates per prompt), so a machine that slows do
 mid-benchmark slows every method alike:
 
 * ``ar-hf``: autoregressive sampling with transformers ``generate`` (dynamic cache, eager)
+  on the loaded model, whose bfloat16 linear weights the loader packs for oneDNN where that
+  pays (``rheoplan.models.packed_linear``): ``generate`` gets that speed too
+* ``ar-hf-unpacked``: the same ``generate`` with the linear weights as transformers loads
+  them (unpacked for its run, packed again after): what a user has without rheoplan
 * ``default``: what ``rheoplan generate`` does by default: RheoSampling (m = 1, ``ot``)
   with the cost model planning every tree (``--depth auto --budget auto``); its rows
   also show the cost model's predicted tokens per step next to the measured ones
@@ -47,6 +51,7 @@ from rheoplan.costmodel import machine_name
 from rheoplan.decode import plan_and_decode
 from rheoplan.loading import (DRAFT_DTYPES, FIXED_TREE, auto_tree, encode_prompt, load_cost_model, load_default,
                               model_dtype)
+from rheoplan.models.packed_linear import pack_linears, unpack_linears
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 
@@ -55,11 +60,11 @@ HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 class Method:
     name: str
     tree: TreeConfig | None  #: None = transformers generate
-    kind: str = "rheoplan"  #: 'rheoplan', 'generate' or 'generate-static'
+    kind: str = "rheoplan"  #: 'rheoplan', 'generate', 'generate-unpacked' or 'generate-static'
     cost: bool = False  #: plan by the cost model (``tree`` is the largest shape)
 
 
-GENERATE_KINDS = ("generate", "generate-static")
+GENERATE_KINDS = ("generate", "generate-unpacked", "generate-static")
 
 
 def methods_for(depth: int, frontier: int, slots: int, budget: int) -> dict[str, Method]:
@@ -70,6 +75,7 @@ def methods_for(depth: int, frontier: int, slots: int, budget: int) -> dict[str,
         "default": Method("default", auto, cost=True),
         "ar-hf": Method("ar-hf", None, "generate"),
         "ar-hf-static": Method("ar-hf-static", None, "generate-static"),
+        "ar-hf-unpacked": Method("ar-hf-unpacked", None, "generate-unpacked"),
         "chain": Method("chain", TreeConfig.chain(depth=depth)),
         "eagle": Method("eagle", TreeConfig.eagle(depth=depth, frontier=frontier, slots=slots, budget=budget)),
     }
@@ -184,12 +190,18 @@ def decode_prompt(model, tok, draft, method: Method, ids: list[int], temperature
         kw = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
         if method.kind == "generate-static":
             kw.update(static_generate_kwargs(model, len(ids) + tokens))
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
-                                 top_k=0, top_p=1.0, pad_token_id=tok.eos_token_id, **kw)
+        packed = method.kind == "generate-unpacked" and unpack_linears(model) > 0
+        try:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
+                                     top_k=0, top_p=1.0, pad_token_id=tok.eos_token_id, **kw)
+            sec = time.perf_counter() - t0
+        finally:
+            if packed:
+                pack_linears(model)
         new = out.shape[1] - len(ids)
-        return new, new, time.perf_counter() - t0, None
+        return new, new, sec, None
     t0 = time.perf_counter()
     r = plan_and_decode(model, draft, ids, max_new_tokens=tokens, sampling=SamplingConfig(temperature=temperature),
                         tree=method.tree, seed=seed, cost_model=cost_model if method.cost else None)

@@ -35,6 +35,7 @@ import torch
 
 from rheoplan.models.eagle3 import load_eagle3_checkpoint, save_eagle3
 from rheoplan.models.hf_target import eagle3_layers
+from rheoplan.models.packed_linear import pack_if_it_pays
 from rheoplan.models.smollm import DTYPES
 from rheoplan.train import features as ft
 from rheoplan.train import generate as gen
@@ -474,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         if dtype_name not in loaded:
             loaded.clear()  # one copy in memory at a time
             model, tok, name = sd.load_target(a.target, DTYPES[dtype_name])
+            # the target only runs inference here: packed weights give the same outputs sooner
+            pack_if_it_pays(model, "target")
             loaded[dtype_name] = (model, tok, name)
         return loaded[dtype_name]
 

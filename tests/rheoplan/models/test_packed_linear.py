@@ -1,0 +1,94 @@
+"""Packed linear weights: the same outputs bit for bit, a model that still behaves as one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rheoplan.models.packed_linear import (PackedLinear, pack_if_it_pays, pack_linears, packing_available,
+                                           packing_pays, unpack_linears)
+
+needs_packing = pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu"),
+                                   reason="this torch build cannot pack bfloat16 linear weights")
+
+
+@needs_packing
+@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536), (8192, 576), (96, 1728)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_outputs_equal_the_plain_product_bit_for_bit(shape, bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(shape[1], shape[0], bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 9, 16, 17, 64, 150):
+            x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
+            assert torch.equal(packed(x), lin(x)), rows
+        x3 = torch.randn(2, 5, shape[1], dtype=torch.bfloat16)  # [batch, tokens, features]
+        assert torch.equal(packed(x3), lin(x3))
+
+
+def _tiny_llama(dtype=torch.bfloat16):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=101, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval().to(dtype)
+
+
+@needs_packing
+def test_a_packed_model_gives_the_same_logits_and_keeps_its_parameters():
+    model = _tiny_llama()
+    ids = torch.tensor([[1, 5, 9, 33, 7, 2]])
+    with torch.no_grad():
+        want = model(ids).logits
+    names = [n for n, _ in model.named_parameters()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert pack_linears(model) == 2 * 7 + 1  # q k v o gate up down per layer, and the lm_head
+    with torch.no_grad():
+        got = model(ids).logits
+    assert torch.equal(got, want)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied weights stay tied
+    assert unpack_linears(model) == 15 and not any(isinstance(m, PackedLinear) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+
+
+@needs_packing
+def test_repack_follows_changed_weights_and_training_uses_the_plain_product():
+    lin = torch.nn.Linear(32, 16, bias=False).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    packed.repack()
+    with torch.no_grad():
+        assert torch.equal(packed(x), lin(x))
+    packed.train()
+    x.requires_grad_(True)
+    packed(x).float().sum().backward()  # the packed op has no gradient: training takes the plain path
+    assert x.grad is not None and packed.weight.grad is not None
+
+
+def test_float32_models_are_left_alone():
+    model = _tiny_llama(torch.float32)
+    assert packing_pays(model) is None
+    assert pack_linears(model) == 0
+    assert pack_if_it_pays(model, "tiny") is False
+
+
+@needs_packing
+def test_pack_if_it_pays_follows_the_measurement(monkeypatch, capsys):
+    import rheoplan.models.packed_linear as pl
+
+    model = _tiny_llama()
+    monkeypatch.setattr(pl, "packing_pays", lambda m: False)
+    assert pl.pack_if_it_pays(model, "tiny") is False
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert "not packed" in capsys.readouterr().err
+    monkeypatch.setattr(pl, "packing_pays", lambda m: True)
+    assert pl.pack_if_it_pays(model, "tiny") is True
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 15
