@@ -150,7 +150,8 @@ def load_head(path, model, draft_dtype: str = "auto"):
 def speed_tag(model) -> str:
     """What, beyond its dtype, changes a model's latencies: ``' packed'`` when its linear
     weights are packed (``pack_if_it_pays``), else ``''``. Part of the latency caches' keys."""
-    return " packed" if any(isinstance(m, PackedLinear) for m in model.modules()) else ""
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    return " packed" if any(isinstance(m, PackedLinear) for m in modules) else ""
 
 
 def auto_tree(tree: TreeConfig, depth, budget) -> TreeConfig:

@@ -45,9 +45,13 @@ from rheoplan.bench.decode import load_prompts, machine_info
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.decode import plan_and_decode
 from rheoplan.loading import DRAFT_DTYPES, auto_tree, encode_prompt, load_cost_model, load_default, model_dtype
+from rheoplan.models.packed_linear import pack_linears, unpack_linears
 from rheoplan.probe import batched_decode_unavailable
 
-METHODS = ("generate", "rowwise", "batched")
+#: ``generate`` runs on the loaded model (linear weights packed where the loader packed
+#: them: the fastest ``generate``, the speed-ups' baseline); ``generate-unpacked`` on the
+#: weights as transformers loads them (what a user has without rheoplan)
+METHODS = ("generate", "generate-unpacked", "rowwise", "batched")
 #: prompts in rheoplan/data/prompts_heldout.txt (``load_prompts`` checks the range too)
 HELDOUT_PROMPTS = 40
 #: the plot's default path (small PNG, linked from docs/results.md)
@@ -135,16 +139,23 @@ def _row_stats(results) -> dict:
             "kept_sum": sum(st.tree_size for st in drafted), "drafted_steps": len(drafted), "steps": steps}
 
 
-def run_generate(model, pad_id: int, rows: list[list[int]], temperature: float, seed: int, tokens: int) -> dict:
-    """``generate`` on the left-padded batch; exactly ``tokens`` new tokens per row."""
+def run_generate(model, pad_id: int, rows: list[list[int]], temperature: float, seed: int, tokens: int,
+                 unpacked: bool = False) -> dict:
+    """``generate`` on the left-padded batch; exactly ``tokens`` new tokens per row.
+    ``unpacked``: on the linear weights as transformers loads them (packed again after)."""
     ids, mask = left_pad(rows, pad_id)
     torch.manual_seed(seed)
     kw = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, top_k=0,
-                             top_p=1.0, pad_token_id=pad_id, **kw)
-    seconds = time.perf_counter() - t0
+    repack = unpacked and unpack_linears(model) > 0
+    try:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, top_k=0,
+                                 top_p=1.0, pad_token_id=pad_id, **kw)
+        seconds = time.perf_counter() - t0
+    finally:
+        if repack:
+            pack_linears(model)
     new = (out.shape[1] - ids.shape[1]) * len(rows)
     return {"tokens": new, "seconds": seconds, "row_tau": [1.0] * len(rows), "kept_sum": 0, "drafted_steps": 0,
             "steps": new}
@@ -186,8 +197,8 @@ def run_batch_size(model, pad_id: int, draft, prompts: list[list[int]], batch: i
         j = (k // batch) % len(methods)
         bseed = seed * 1000 + k
         for m in methods[j:] + methods[:j]:
-            if m == "generate":
-                r = run_generate(model, pad_id, rows, temperature, bseed, tokens)
+            if m.startswith("generate"):
+                r = run_generate(model, pad_id, rows, temperature, bseed, tokens, unpacked=m == "generate-unpacked")
             elif m == "rowwise":
                 r = run_rowwise(model, draft, rows, temperature, bseed, tokens, cost, tree)
             else:
@@ -243,7 +254,7 @@ def report(rows: list[dict], machine: dict | None = None) -> str:
         tps = f"{r['tokens_per_second']:.1f}"
         if r["seeds"] > 1 and r["tps_min"] != r["tps_max"]:
             tps += f" ({r['tps_min']:.1f}–{r['tps_max']:.1f})"
-        if r["method"] == "generate":
+        if r["method"].startswith("generate"):
             planned = kept = "–"
         else:
             p = r.get("plan") or {}
@@ -315,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per row (default 64)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0], help="default 1 0")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="default 0")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="default: all three")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="default: all four")
     ap.add_argument("--draft", default="auto", help="as for rheoplan generate (default auto)")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="target dtype (default auto: the one measured fastest here)")

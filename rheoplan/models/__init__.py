@@ -25,10 +25,12 @@ from rheoplan.models.functional import (FunctionalDraft, FunctionalLM, Functiona
                                         hashed_context_lm)
 from rheoplan.models.hf_draft import HFDraft
 from rheoplan.models.hf_target import HFTarget
+from rheoplan.models.packed_linear import pack_if_it_pays, pack_linears, unpack_linears
 
 __all__ = ["DraftModel", "TargetModel", "TreeLogits", "FunctionalLM", "hashed_context_lm",
            "FunctionalTarget", "FunctionalDraft", "HFTarget", "HFDraft", "Eagle3Draft",
-           "load_eagle3_checkpoint", "as_draft", "as_target"]
+           "load_eagle3_checkpoint", "as_draft", "as_target", "pack_if_it_pays", "pack_linears",
+           "unpack_linears"]
 
 
 def _is_hf_causal_lm(model: Any) -> bool:

@@ -13,6 +13,7 @@ from rheoplan.bench import batch as bench
 from rheoplan.config import TreeConfig
 from rheoplan.costmodel import CostModel, Timings
 from rheoplan.decode import DecodeResult, StepStats
+from rheoplan.models.packed_linear import PackedLinear, pack_linears, packing_available
 
 
 def run_cli(argv, capsys):
@@ -176,3 +177,20 @@ def test_needs_table_reads_the_cost_models_answers():
     c, d = needs[1]["1.3x"]
     assert "| batch | 1.05x: rate (depth) | 1.3x: rate (depth) |" in text
     assert f"{c:.2f} ({d})" in text and "| 16 |" in text and "out of reach" in text
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu"), reason="no oneDNN linear packing in this build")
+def test_generate_unpacked_runs_on_plain_weights_and_packs_them_again(monkeypatch):
+    model = tiny_llama(seed=1).to(torch.bfloat16)
+    n = pack_linears(model)
+    seen = []
+    real = model.generate
+
+    def gen(ids, attention_mask, **kw):
+        seen.append(sum(isinstance(m, PackedLinear) for m in model.modules()))
+        return real(ids, attention_mask=attention_mask, **kw)
+
+    monkeypatch.setattr(model, "generate", gen)
+    bench.run_generate(model, 0, [[1, 2, 3]], 0.0, 0, 3, unpacked=True)
+    bench.run_generate(model, 0, [[1, 2, 3]], 0.0, 0, 3)
+    assert seen == [0, n] and sum(isinstance(m, PackedLinear) for m in model.modules()) == n

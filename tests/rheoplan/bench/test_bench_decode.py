@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from _bench_models import CharTokenizer, tiny_llama
 from rheoplan.bench import decode as bench
+from rheoplan.models.packed_linear import PackedLinear, pack_linears, packing_available
 
 
 def test_plan_runs_keeps_every_seed_at_t0_but_one_rheo_variant():
@@ -191,3 +193,23 @@ def test_main_writes_one_record_per_method_and_resumes_by_group(monkeypatch, tmp
     groups.clear()
     assert bench.main(argv) == 0
     assert groups == [["eagle"]]  # only the missing run of the unfinished group
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu"), reason="no oneDNN linear packing in this build")
+def test_ar_hf_unpacked_generates_on_plain_weights_and_packs_them_again(monkeypatch):
+    target = tiny_llama(0).to(torch.bfloat16)
+    n = pack_linears(target)
+    seen = []
+    real = target.generate
+
+    def gen(*a, **kw):
+        seen.append(sum(isinstance(m, PackedLinear) for m in target.modules()))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(target, "generate", gen)
+    methods = bench.methods_for(3, 2, 2, 5)
+    for name in ("ar-hf-unpacked", "ar-hf"):
+        rec = bench.run_one(target, CharTokenizer(), None, methods[name], [("chat", "hello")], temperature=1.0,
+                            seed=0, tokens=4)
+        assert rec["tokens"] == 4
+    assert seen == [0, n] and sum(isinstance(m, PackedLinear) for m in target.modules()) == n
