@@ -18,12 +18,12 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
-from rheoplan.models._hf_common import additive_mask
+from rheoplan.bench.kernels import _time_cpu
+from rheoplan.models._hf_common import additive_mask, crop_cache
 from rheoplan.models.packed_linear import pack_linears, packing_available, unpack_linears
 from rheoplan.models.smollm import load_smollm2
 
@@ -32,14 +32,8 @@ STATIC_LEN = 512  # static cache columns
 
 
 def median_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    fn()  # a first call warms the allocator and the caches
+    return _time_cpu(fn, reps) * 1e3
 
 
 def dynamic_forward(model, n: int):
@@ -60,7 +54,7 @@ def dynamic_forward(model, n: int):
         with torch.no_grad():
             h = model.model(input_ids=tok, position_ids=pos, attention_mask=mask, past_key_values=cache,
                             use_cache=True).last_hidden_state
-            cache.crop(CTX)
+            crop_cache(cache, CTX)
             return model.lm_head(h)
     return run
 
