@@ -171,7 +171,7 @@ def choose_dtype(model, *, model_id: str | None = None, reps: int = 5, prompt_le
     """
     dev = next(model.parameters()).device
     mid = model_id or model_identity(model)
-    # bfloat16 candidates are timed with packed linear weights where that pays (the loader
+    # cast bfloat16 copies are timed with packed linear weights where that pays (the loader
     # packs them then); the key names it, so choices made before packing are measured again
     key = cache_key("dtype", f"{mid} (packed when it pays)", dev)
     hit = _cached_dtype(DTYPE_CACHE, key, use_cache, f"dtype auto: %s (cached; measured ms per 1-token + "

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import nullcontext
 import math
 import statistics
 import sys
@@ -45,7 +46,7 @@ from rheoplan.bench.decode import load_prompts, machine_info
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.decode import plan_and_decode
 from rheoplan.loading import DRAFT_DTYPES, auto_tree, encode_prompt, load_cost_model, load_default, model_dtype
-from rheoplan.models.packed_linear import pack_linears, unpack_linears
+from rheoplan.models.packed_linear import unpacked as unpacked_weights
 from rheoplan.probe import batched_decode_unavailable
 
 #: ``generate`` runs on the loaded model (linear weights packed where the loader packed
@@ -146,16 +147,12 @@ def run_generate(model, pad_id: int, rows: list[list[int]], temperature: float, 
     ids, mask = left_pad(rows, pad_id)
     torch.manual_seed(seed)
     kw = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
-    repack = unpacked and unpack_linears(model) > 0
-    try:
+    with unpacked_weights(model) if unpacked else nullcontext():
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, top_k=0,
                                  top_p=1.0, pad_token_id=pad_id, **kw)
         seconds = time.perf_counter() - t0
-    finally:
-        if repack:
-            pack_linears(model)
     new = (out.shape[1] - ids.shape[1]) * len(rows)
     return {"tokens": new, "seconds": seconds, "row_tau": [1.0] * len(rows), "kept_sum": 0, "drafted_steps": 0,
             "steps": new}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import nullcontext
 import platform
 import statistics
 import sys
@@ -51,7 +52,7 @@ from rheoplan.costmodel import machine_name
 from rheoplan.decode import plan_and_decode
 from rheoplan.loading import (DRAFT_DTYPES, FIXED_TREE, auto_tree, encode_prompt, load_cost_model, load_default,
                               model_dtype)
-from rheoplan.models.packed_linear import pack_linears, unpack_linears
+from rheoplan.models.packed_linear import unpacked
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 
@@ -190,16 +191,12 @@ def decode_prompt(model, tok, draft, method: Method, ids: list[int], temperature
         kw = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
         if method.kind == "generate-static":
             kw.update(static_generate_kwargs(model, len(ids) + tokens))
-        packed = method.kind == "generate-unpacked" and unpack_linears(model) > 0
-        try:
+        with unpacked(model) if method.kind == "generate-unpacked" else nullcontext():
             t0 = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
                                      top_k=0, top_p=1.0, pad_token_id=tok.eos_token_id, **kw)
             sec = time.perf_counter() - t0
-        finally:
-            if packed:
-                pack_linears(model)
         new = out.shape[1] - len(ids)
         return new, new, sec, None
     t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -83,6 +84,19 @@ def unpack_linears(model: torch.nn.Module) -> int:
                 setattr(parent, name, lin)
                 n += 1
     return n
+
+
+@contextmanager
+def unpacked(model: torch.nn.Module):
+    """Run a block on ``model``'s weights as transformers loaded them: unpack its packed
+    linears (if any) for the block and pack them again after, even if it raises (the
+    benchmarks time ``generate`` so, as a user without rheoplan has it)."""
+    repack = unpack_linears(model) > 0
+    try:
+        yield model
+    finally:
+        if repack:
+            pack_linears(model)
 
 
 def packing_pays(model: torch.nn.Module, rows: tuple[int, ...] = (1, 16), reps: int = 30) -> bool | None:
