@@ -55,6 +55,14 @@ def _philox_block(c0, c1, c2, c3, k0, k1, out):
 
 
 @njit(cache=True)
+def unit_double(word):
+    """A uniform in (0, 1) from one 64-bit word, as ``Streams.uniform`` makes it: numpy's
+    53-bit double, clipped away from 0 and 1."""
+    u = np.float64(word >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+    return min(max(u, _TINY), _ONE_MINUS)
+
+
+@njit(cache=True)
 def streams_uniform(seed, counters, counts, out):
     """Uniforms of ``Streams.uniform`` for many counters at once.
 
@@ -66,7 +74,6 @@ def streams_uniform(seed, counters, counts, out):
     k0 = np.uint64(seed)
     k1 = np.uint64(0)
     one = np.uint64(1)
-    s11 = np.uint64(11)
     for r in range(counters.shape[0]):
         c0, c1, c2, c3 = counters[r, 0], counters[r, 1], counters[r, 2], counters[r, 3]
         for i in range(counts[r]):
@@ -79,5 +86,4 @@ def streams_uniform(seed, counters, counts, out):
                         if c2 == 0:
                             c3 = c3 + one
                 _philox_block(c0, c1, c2, c3, k0, k1, buf)
-            u = np.float64(buf[i % 4] >> s11) * (1.0 / 9007199254740992.0)
-            out[r, i] = min(max(u, _TINY), _ONE_MINUS)
+            out[r, i] = unit_double(buf[i % 4])

@@ -53,13 +53,23 @@ def another_depth_pays(plan: CostPlan, tree: DraftTree, frontier: int, budget: i
     return (now.expected + gain) / cost_more > now.expected / now.predicted_ms
 
 
-def cost_expand_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, inner) -> DraftTree:
+def cost_expand_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, inner,
+                     declined: list | None = None) -> DraftTree:
+    """``inner(tree, ctx)`` if another depth pays, else ``tree`` unchanged. ``declined``
+    (a list the pass owns) remembers the tree it last returned unchanged: the later
+    ``expand`` passes of the run get that very tree back (``assign`` finds nothing to
+    draw in it) and would decide the same, so they return it without deciding again
+    (the decision is a third of a millisecond; a run has up to ``depth`` of them)."""
+    if declined and declined[0] is tree:
+        return tree
     cfg = ctx.tree_cfg
     if not another_depth_pays(plan, tree, cfg.frontier, cfg.budget):
+        if declined is not None:
+            declined[:] = [tree]
         return tree
     return inner(tree, ctx)
 
 
 def cost_expand(plan: CostPlan, inner) -> FnPass:
     """``inner`` (an ``expand`` pass) gated by the cost model; it keeps the name ``expand``."""
-    return FnPass("expand", partial(cost_expand_tree, plan=plan, inner=inner))
+    return FnPass("expand", partial(cost_expand_tree, plan=plan, inner=inner, declined=[]))

@@ -204,7 +204,7 @@ def gumbel_max(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 #: relative slack of ``gumbel_max_uniform``'s filter; the keys' rounding is ~1e-13 of a
 #: key, so 1e-9 keeps every possible winner (a test breaks it on purpose)
-_FILTER_SLACK = 1e-9
+FILTER_SLACK = 1e-9
 
 
 def gumbel_max_uniform(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -227,7 +227,7 @@ def gumbel_max_uniform(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """
     top = p.argmax(dim=-1, keepdim=True)
     bound = torch.log(p.gather(-1, top)) + gumbel_from_uniform(u.gather(-1, top))
-    can_win = (1.0 - u) <= p * (torch.exp(-bound) * (1.0 + _FILTER_SLACK))
+    can_win = (1.0 - u) <= p * (torch.exp(-bound) * (1.0 + FILTER_SLACK))
     can_win.scatter_(-1, top, True)
     rows, cols = can_win.nonzero(as_tuple=True)  # row-major: tokens in increasing order per row
     keys = torch.log(p[rows, cols]) + gumbel_from_uniform(u[rows, cols])
@@ -272,7 +272,8 @@ def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams,
 
 def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], sampling: SamplingConfig,
          verifier: str, streams: Streams, step: int, key: int | None = None,
-         history: Sequence[int] | None = None, processors: Sequence = ()) -> WalkResult:
+         history: Sequence[int] | None = None, processors: Sequence = (),
+         node_draw: Callable[[torch.Tensor, int, int, int], int] | None = None) -> WalkResult:
     """Verify tree ``b`` (docs/method.md §5), reading target logits only where the walk goes.
 
     ``logits_at(i)`` returns the raw target logits ``[V]`` at linear node ``i``; they are
@@ -285,6 +286,11 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
     drawn changes no other number). ``key`` replaces ``b`` in those
     counters when the tree's index in the batch is not its stream id (default: ``b``);
     the draft sampler must use the same id.
+
+    ``node_draw(p, row, y, v) -> token``: a lowered draw at a node (``row`` its expansion
+    row, -1 when nothing was drafted below it; ``y`` its ``node_y``; ``v`` its creation
+    id) that reads the same stream numbers as the rule below and returns the same token
+    (``rheoplan.kernels.verify.cpu.NodeDrawer``, what ``backend='numba'`` walks with).
 
     Example (one node, nothing drafted below the root: emits one target sample):
         >>> import torch
@@ -320,7 +326,9 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
             u = streams.uniform(step, sk, v, Purpose.VERIFY_RESIDUAL, V)
             return int(gumbel_max_uniform(r[None], u[None])[0])
 
-        if row < 0:
+        if node_draw is not None:
+            x = node_draw(p, row, node_y(tree, b, row) if row >= 0 else -1, v)
+        elif row < 0:
             x = draw(p)
         else:
             u = float(streams.uniform(step, sk, v, Purpose.VERIFY_ACCEPT, 1)[0])

@@ -5,6 +5,9 @@
   projection of the likely path and then node by node at the nodes the walk visits off
   it, whichever the adapter measured cheaper (``TreeLogits.prefers_all_logits``; an
   ``HFTarget`` times its output projection once, ``rheoplan.costmodel.ProjectionTimings``).
+  ``numba`` lowers each visited node's draw to ``kernels.verify.cpu.walk_node_draw``,
+  which generates only the stream numbers it uses (the reference walk builds a numpy
+  generator and ``V`` uniforms per draw and filters them in torch).
 * ``triton``: the whole walk on the target's device. Every node's logits in one
   projection (``TreeLogits.all_logits``), the target law by ``distributions.target_probs``,
   the phantom rule as a tensor op, then the Triton walk kernel, which draws the accept
@@ -12,7 +15,7 @@
   ``Streams``); the host receives the emitted tokens, the path and the step's
   statistics in one transfer.
 
-Both return a ``StepWalk`` with the same fields; for the same seed the tokens are equal
+All return a ``StepWalk`` with the same fields; for the same seed the tokens are equal
 (``tests/rheoplan/test_backends.py``).
 """
 
@@ -27,6 +30,7 @@ from rheoplan.config import SamplingConfig
 from rheoplan.distributions import BROKEN_TARGET, broken_rows, target_probs
 from rheoplan.ir import DraftTree
 from rheoplan.kernels.noise import numba_uniform
+from rheoplan.kernels.verify.cpu import NodeDrawer
 from rheoplan.models.base import TreeLogits
 from rheoplan.mutation import active
 from rheoplan.rng import Purpose, Streams
@@ -85,8 +89,14 @@ def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, st
         else:
             fw.prefetch(path)
             read = lambda i: fw.logits(i).cpu()  # noqa: E731
+    # 'numba': each visited node's draw is one kernel call that makes its own noise (the
+    # reference builds a numpy generator and V uniforms per draw, then filters in torch)
+    draw = None
+    if backend == "numba" and not active("raw_q_ratio"):
+        draw = NodeDrawer(tree, b, verifier, streams.seed, step, b if key is None else int(key),
+                          streams.purpose_key(Purpose.VERIFY_ACCEPT), streams.purpose_key(Purpose.VERIFY_RESIDUAL))
     res = walk(tree, b, read, sampling, verifier, streams, step, key=key, history=history,
-               processors=processors)
+               processors=processors, node_draw=draw)
     lin = tree.linear
     trials = sum(1 for i in res.path if int(lin.n_children[b, i]) > 0)
     return StepWalk(list(res.path), list(res.nodes), list(res.emitted), res.visited, trials,

@@ -19,10 +19,13 @@ import numpy as np
 import torch
 from numba import njit
 
+from rheoplan.kernels.philox import _philox_block, unit_double
 from rheoplan.kernels.verify import VERIFIER_CODES
 from rheoplan.kernels.verify.reference import WalkOut
 
 from rheoplan.distributions import RESIDUAL_EPS as _RESIDUAL_EPS  # numba reads it as a constant
+from rheoplan.rng import philox_counter
+from rheoplan.verify import FILTER_SLACK as _FILTER_SLACK
 
 
 @njit(cache=True)
@@ -112,6 +115,126 @@ def walk_kernel(p, u, g, token, first_child, n_children, exp_row, sup_token, sup
                 break
             i = nxt
         n_emitted[b] = k
+
+
+# -- the walk's per-node draw with its own noise (what ``backend='numba'`` walks with) --------
+
+
+@njit(cache=True)
+def _stream_at(k0, c1, c2, c3, i, buf):
+    """Number ``i`` of the stream with counter ``[0, c1, c2, c3]`` (``Streams.uniform``):
+    numpy's Philox bumps word 0 once before each block of 4, so number ``i`` is word
+    ``i % 4`` of block ``i // 4 + 1``."""
+    _philox_block(np.uint64(i // 4 + 1), c1, c2, c3, k0, np.uint64(0), buf)
+    return unit_double(buf[i % 4])
+
+
+@njit(cache=True)
+def _gumbel_max_stream(p, law, scale, k0, c1, c2, c3, buf):
+    """``gumbel_max_uniform(r, u)`` for ``r = max(0, p - law) / scale`` (``scale`` 1: plain
+    ``p``) and ``u`` the stream's first ``V`` numbers, generated here block by block: the
+    bound is the key of ``r``'s most likely token, and only tokens that pass the same
+    filter get an exact key (first token on ties, as the reference)."""
+    V = p.shape[0]
+    top, rtop = 0, -1.0
+    for t in range(V):
+        r = p[t] - law[t]
+        r = (r if r > 0.0 else 0.0) / scale
+        if r > rtop:
+            top, rtop = t, r
+    bound = np.log(rtop) - np.log(-np.log(_stream_at(k0, c1, c2, c3, top, buf)))
+    thr = np.exp(-bound) * (1.0 + _FILTER_SLACK)
+    best, arg = -np.inf, top
+    for blk in range((V + 3) // 4):
+        _philox_block(np.uint64(blk + 1), c1, c2, c3, k0, np.uint64(0), buf)
+        for w in range(4):
+            t = blk * 4 + w
+            if t >= V:
+                break
+            u = unit_double(buf[w])
+            r = p[t] - law[t]
+            r = (r if r > 0.0 else 0.0) / scale
+            if t == top or (1.0 - u) <= r * thr:
+                key = np.log(r) - np.log(-np.log(u))
+                if key > best:  # tokens in increasing order: the first wins a tie
+                    best, arg = key, t
+    return arg
+
+
+@njit(cache=True)
+def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
+    """The emitted token at one node (``rheoplan.verify._coupling_draw`` with the walk's
+    streams): the accept uniform is number 0 of counter ``acc``, the residual noise the
+    first ``V`` numbers of counter ``res``; neither is generated where it is not used.
+    ``law`` is a zeroed ``[V]`` scratch vector, returned zeroed."""
+    buf = np.empty(4, dtype=np.uint64)
+    if code == 0 or m >= K or y < 0:  # no proposal: X ~ p
+        return _gumbel_max_stream(p, law, 1.0, k0, res[1], res[2], res[3], buf)
+    z = 0.0
+    for i in range(m, n):
+        z += np.float64(sup_q[i])
+    for i in range(m, n):  # q~ on the tail ranks
+        law[sup_token[i]] = np.float64(sup_q[i]) / z if z > 0 else 1.0 / (n - m)
+    e = y
+    if code == 2:  # ot: E = e(Y), e~ moves the mass of A = r_1..r_{K-1} onto r_K
+        rK = sup_token[K - 1]
+        extra = 0.0
+        for i in range(K - 1):
+            if sup_token[i] == y:
+                e = rK
+            extra += law[sup_token[i]]
+        law[rK] = law[rK] + extra
+        for i in range(K - 1):
+            law[sup_token[i]] = 0.0
+    mass = 0.0
+    for t in range(p.shape[0]):
+        r = p[t] - law[t]
+        if r > 0.0:
+            mass += r
+    x = e
+    if mass > _RESIDUAL_EPS:
+        le = law[e]
+        a = 1.0 if le <= 0.0 else min(1.0, p[e] / le)
+        if not _stream_at(k0, acc[1], acc[2], acc[3], 0, buf) < a:
+            x = _gumbel_max_stream(p, law, mass, k0, res[1], res[2], res[3], buf)
+    for i in range(n):  # every entry written above is a support token
+        law[sup_token[i]] = 0.0
+    return x
+
+
+class NodeDrawer:
+    """``rheoplan.verify.walk``'s ``node_draw`` for tree ``b``: the token at a visited node,
+    drawn by ``walk_node_draw`` from the counter-based streams the reference walk reads
+    (``Streams(seed)``, step ``step``, stream id ``key``; ``accept`` / ``residual`` the
+    purposes' counter words, ``Streams.purpose_key``). The same tokens as the reference for
+    the same seed (the last-bit caveat of this module's docstring)."""
+
+    def __init__(self, tree, b: int, verifier: str, seed: int, step: int, key: int, accept: int, residual: int):
+        self.sup_token = _i64(tree.sup_token[b])
+        self.sup_q = tree.sup_q[b].detach().cpu().float().contiguous().numpy()
+        self.sup_n = _i64(tree.sup_n[b])
+        self.m, self.K, self.code = int(tree.rheostat), int(tree.slots), VERIFIER_CODES[verifier]
+        self.seed, self.step, self.key = int(seed), int(step), int(key)
+        self.accept, self.residual = int(accept), int(residual)
+        self.law = None
+
+    def _counter(self, node: int, purpose: int) -> np.ndarray:
+        return np.array(philox_counter(self.step, self.key, node, purpose), dtype=np.uint64)
+
+    def __call__(self, p: torch.Tensor, row: int, y: int, node: int) -> int:
+        """Token at linear node with creation id ``node``, target law ``p [V]`` (float64),
+        expansion row ``row`` (-1: nothing drafted below it) and sampled token ``y``."""
+        pn = _f64(p)
+        if self.law is None or self.law.shape[0] != pn.shape[0]:
+            self.law = np.zeros(pn.shape[0])
+        if row < 0:
+            n, y = 0, -1
+            tok, q = self.sup_token[0], self.sup_q[0]
+        else:
+            n, tok, q = int(self.sup_n[row]), self.sup_token[row], self.sup_q[row]
+        return int(walk_node_draw(pn, tok, q, n, self.m, self.K, int(y), self.code, np.uint64(self.seed),
+                                    self._counter(node, self.accept), self._counter(node, self.residual),
+                                    self.law))
 
 
 def _f64(x):

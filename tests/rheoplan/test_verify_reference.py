@@ -297,7 +297,7 @@ def test_gumbel_max_uniform_equals_gumbel_max():
 def test_gumbel_max_uniform_test_catches_a_too_strict_filter(monkeypatch):
     import rheoplan.verify as verify
 
-    monkeypatch.setattr(verify, "_FILTER_SLACK", -0.9)  # keeps only tokens with 1 - u <= p e^-B / 10
+    monkeypatch.setattr(verify, "FILTER_SLACK", -0.9)  # keeps only tokens with 1 - u <= p e^-B / 10
     assert _mismatches() > 0
 
 

@@ -225,3 +225,36 @@ def test_philox_streams_bit_exact(device, seed, step, tree, node, purpose):
     assert torch.equal(u[1], st.uniform(step, tree + 1, node, purpose, 37))
     g = pt.streams_gumbel(seed, step, trees, nodes, purpose, 37).cpu()
     torch.testing.assert_close(g[0], st.gumbel(step, tree, node, purpose, 37), rtol=4e-16, atol=0)
+
+
+@pytest.mark.parametrize("verifier", ["onehot", "rheo", "ot"])
+@pytest.mark.parametrize("V,S,m,K", [(30, 16, 1, 4), (3000, 64, 1, 3), (64, 32, 2, 6), (20, 8, 4, 4)])
+def test_walk_node_draw_reads_the_walks_streams(verifier, V, S, m, K):
+    """``backend='numba'``'s per-node draw, which makes its own noise, emits the token the
+    reference walk's rule (``_coupling_draw`` with ``Streams`` numbers, the residual
+    filtered by ``gumbel_max_uniform``) emits at the same node, step and stream id; rows
+    cover accepted and rejected proposals, no proposal, one-hot and truncated laws."""
+    import numpy as np
+
+    from rheoplan.rng import Purpose, Streams, philox_counter
+    from rheoplan.verify import _coupling_draw, gumbel_max_uniform
+
+    p, tok, q, n, y, _, _ = _rows(40, V, S, m, K, seed=V + m)
+    st, step, key = Streams(77), 4, 2
+    law = np.zeros(V)
+    code = cpu.VERIFIER_CODES[verifier]
+    outcomes = set()
+    for r in range(p.shape[0]):
+        node = 3 * r + 1
+        res = lambda x, node=node: int(gumbel_max_uniform(  # noqa: E731
+            x[None], st.uniform(step, key, node, Purpose.VERIFY_RESIDUAL, V)[None])[0])
+        u = float(st.uniform(step, key, node, Purpose.VERIFY_ACCEPT, 1)[0])
+        yr = int(y[r])
+        want = _coupling_draw(p[r], tok[r], q[r], int(n[r]), m, K, yr if yr >= 0 else None, verifier, u, res)
+        ctr = lambda purpose, node=node: np.array(philox_counter(step, key, node, int(purpose)), dtype=np.uint64)  # noqa: E731
+        got = cpu.walk_node_draw(p[r].numpy(), tok[r].numpy(), q[r].numpy(), int(n[r]), m, K, yr, code,
+                                   np.uint64(77), ctr(Purpose.VERIFY_ACCEPT), ctr(Purpose.VERIFY_RESIDUAL), law)
+        assert int(got) == want, r
+        assert not law.any()  # the scratch law comes back zeroed
+        outcomes.add("accepted" if yr >= 0 and want == yr else "drawn")
+    assert outcomes == {"accepted", "drawn"} or verifier == "onehot"
