@@ -111,6 +111,26 @@ def test_depth_gate_stops_when_another_draft_call_cannot_pay():
     assert not another_depth_pays(skip, root, 1, 8)
 
 
+def test_declined_expand_is_not_decided_again(monkeypatch):
+    """Once the gate declines, the later ``expand`` passes of the run get that very tree
+    back and return it without deciding again; another tree is decided afresh."""
+    from rheoplan.planner import cost_depth
+
+    calls = []
+    real = cost_depth.another_depth_pays
+    monkeypatch.setattr(cost_depth, "another_depth_pays", lambda *a: calls.append(1) or real(*a))
+    dear = CostPlan.from_calibration(timings(0.0, draft=1e4), Calibration())
+    inner = FnPass("expand", lambda t, ctx: pytest.fail("a declined depth was drafted"))
+    gate = cost_depth.cost_expand(dear, inner)
+    ctx = PassContext(tree_cfg=TreeConfig(depth=4, frontier=1, slots=2, budget=8, rheostat=2, support=2),
+                      sampling=SamplingConfig())
+    t = from_text(BEFORE)
+    assert gate(gate(gate(t, ctx), ctx), ctx) is t
+    assert len(calls) == 1
+    other = from_text(BEFORE)
+    assert gate(other, ctx) is other and len(calls) == 2
+
+
 # -- exactness: the oracle with a fixed calibration --------------------------------------------
 
 
