@@ -16,7 +16,9 @@ mid-benchmark slows every method alike:
   also show the cost model's predicted tokens per step next to the measured ones
 * ``ar-hf-static``: ``generate`` on its own fast path: a static cache and a
   ``torch.compile``d forward (compiled once per dtype before the clock starts; the compile
-  time is recorded; if compiling fails on this machine the run records why instead)
+  time is recorded; if compiling fails on this machine the run records why instead); on
+  a model with packed linear weights it runs on an unpacked copy (``static_model``:
+  inductor cannot lower prepacked oneDNN weights)
 * ``chain``: chain speculative sampling (depth D, one sampled token per depth)
 * ``eagle``: EAGLE's dynamic top-K tree with one-hot verification
 * ``rheo-m{m}-{verifier}[-{proxy}]``: RheoSampling variants
@@ -33,6 +35,7 @@ variant of the same dtype and temperature, and the report names the CPU and its 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from contextlib import nullcontext
 import platform
@@ -52,7 +55,7 @@ from rheoplan.costmodel import machine_name
 from rheoplan.decode import plan_and_decode
 from rheoplan.loading import (DRAFT_DTYPES, FIXED_TREE, auto_tree, encode_prompt, load_cost_model, load_default,
                               model_dtype)
-from rheoplan.models.packed_linear import unpacked
+from rheoplan.models.packed_linear import PackedLinear, unpacked
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 
@@ -144,10 +147,30 @@ def static_generate_kwargs(model, needed: int) -> dict:
             "compile_config": cc}
 
 
+#: id(model) -> (model, its unpacked copy) for ``ar-hf-static`` (``static_model``)
+_STATIC_TWINS: dict[int, tuple] = {}
+
+
+def static_model(model):
+    """The model ``ar-hf-static`` runs: ``model`` itself, or for a model with packed linear
+    weights an unpacked copy of it (the same weights, made once per process). Inductor
+    cannot lower oneDNN's prepacked weights (a ``LoweringException``), and unpacking the
+    original around each call would give the compiled graph new modules, so a recompile,
+    every prompt."""
+    if not any(isinstance(m, PackedLinear) for m in model.modules()):
+        return model
+    held = _STATIC_TWINS.get(id(model))
+    if held is None or held[0] is not model:
+        with unpacked(model):
+            held = _STATIC_TWINS[id(model)] = (model, copy.deepcopy(model))
+    return held[1]
+
+
 def warm_static_generate(model, tok) -> tuple[float, str | None]:
     """Compile ``generate``'s static-cache forward before any clock starts (greedy and
     sampled share it): ``(seconds, None)``, or ``(seconds, why it failed)``."""
     t0 = time.perf_counter()
+    model = static_model(model)
     try:
         ids = torch.tensor([[tok.eos_token_id or 0] * 4])
         with torch.no_grad():
@@ -189,12 +212,14 @@ def decode_prompt(model, tok, draft, method: Method, ids: list[int], temperature
     if method.kind in GENERATE_KINDS:
         torch.manual_seed(seed)
         kw = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+        gen = model
         if method.kind == "generate-static":
-            kw.update(static_generate_kwargs(model, len(ids) + tokens))
+            gen = static_model(model)
+            kw.update(static_generate_kwargs(gen, len(ids) + tokens))
         with unpacked(model) if method.kind == "generate-unpacked" else nullcontext():
             t0 = time.perf_counter()
             with torch.no_grad():
-                out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
+                out = gen.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
                                      top_k=0, top_p=1.0, pad_token_id=tok.eos_token_id, **kw)
             sec = time.perf_counter() - t0
         new = out.shape[1] - len(ids)

@@ -213,3 +213,24 @@ def test_ar_hf_unpacked_generates_on_plain_weights_and_packs_them_again(monkeypa
                             seed=0, tokens=4)
         assert rec["tokens"] == 4
     assert seen == [0, n] and sum(isinstance(m, PackedLinear) for m in target.modules()) == n
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu"), reason="no oneDNN packing in this torch build")
+def test_static_generate_runs_an_unpacked_copy_of_a_packed_model():
+    """``ar-hf-static`` on a packed model: inductor cannot lower prepacked weights, so it runs
+    on one unpacked copy (same weights, same greedy tokens), made once; the model itself
+    stays packed, and a model without packed weights is used as it is."""
+    plain = tiny_llama(0).to(torch.bfloat16)
+    assert bench.static_model(plain) is plain
+    target = tiny_llama(0).to(torch.bfloat16)
+    n = pack_linears(target)
+    twin = bench.static_model(target)
+    assert twin is not target and bench.static_model(target) is twin
+    assert not any(isinstance(m, PackedLinear) for m in twin.modules())
+    assert sum(isinstance(m, PackedLinear) for m in target.modules()) == n
+    for (k, a), (_, b) in zip(target.state_dict().items(), twin.state_dict().items()):
+        assert torch.equal(a, b), k
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(target.generate(ids, **kw), twin.generate(ids, **kw))
