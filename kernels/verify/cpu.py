@@ -29,17 +29,9 @@ from rheoplan.verify import FILTER_SLACK as _FILTER_SLACK
 
 
 @njit(cache=True)
-def _coupling_one(p, sup_token, sup_q, n, m, K, y, code, u, g, law):
-    """One draw of X (see ``rheoplan.verify.coupling_sample``). ``law`` is a zeroed
-    ``[V]`` scratch vector, returned zeroed."""
-    V = p.shape[0]
-    if code == 0 or m >= K or y < 0:
-        best, arg = -np.inf, 0
-        for t in range(V):
-            key = np.log(p[t]) + g[t]
-            if key > best:
-                best, arg = key, t
-        return arg
+def _write_proposal(sup_token, sup_q, n, m, K, y, code, law):
+    """Write the proposal law (``q~`` for 'rheo', ``e~`` for 'ot') into the zeroed scratch
+    ``law`` at the support's tokens; returns the proposal ``E`` (``Y``, or ``e(Y)``)."""
     z = 0.0
     for i in range(m, n):
         z += np.float64(sup_q[i])
@@ -56,6 +48,22 @@ def _coupling_one(p, sup_token, sup_q, n, m, K, y, code, u, g, law):
         law[rK] = law[rK] + extra
         for i in range(K - 1):
             law[sup_token[i]] = 0.0
+    return e
+
+
+@njit(cache=True)
+def _coupling_one(p, sup_token, sup_q, n, m, K, y, code, u, g, law):
+    """One draw of X (see ``rheoplan.verify.coupling_sample``). ``law`` is a zeroed
+    ``[V]`` scratch vector, returned zeroed."""
+    V = p.shape[0]
+    if code == 0 or m >= K or y < 0:
+        best, arg = -np.inf, 0
+        for t in range(V):
+            key = np.log(p[t]) + g[t]
+            if key > best:
+                best, arg = key, t
+        return arg
+    e = _write_proposal(sup_token, sup_q, n, m, K, y, code, law)
     mass = 0.0
     for t in range(V):  # dense pass; the sparse part is where law != 0
         r = p[t] - law[t]
@@ -170,22 +178,7 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
     buf = np.empty(4, dtype=np.uint64)
     if code == 0 or m >= K or y < 0:  # no proposal: X ~ p
         return _gumbel_max_stream(p, law, 1.0, k0, res[1], res[2], res[3], buf)
-    z = 0.0
-    for i in range(m, n):
-        z += np.float64(sup_q[i])
-    for i in range(m, n):  # q~ on the tail ranks
-        law[sup_token[i]] = np.float64(sup_q[i]) / z if z > 0 else 1.0 / (n - m)
-    e = y
-    if code == 2:  # ot: E = e(Y), e~ moves the mass of A = r_1..r_{K-1} onto r_K
-        rK = sup_token[K - 1]
-        extra = 0.0
-        for i in range(K - 1):
-            if sup_token[i] == y:
-                e = rK
-            extra += law[sup_token[i]]
-        law[rK] = law[rK] + extra
-        for i in range(K - 1):
-            law[sup_token[i]] = 0.0
+    e = _write_proposal(sup_token, sup_q, n, m, K, y, code, law)
     mass = 0.0
     for t in range(p.shape[0]):
         r = p[t] - law[t]
