@@ -195,6 +195,9 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
     return x
 
 
+_NO_TOKENS, _NO_PROBS = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)
+
+
 class NodeDrawer:
     """``rheoplan.verify.walk``'s ``node_draw`` for tree ``b``: the token at a visited node,
     drawn by ``walk_node_draw`` from the counter-based streams the reference walk reads
@@ -220,9 +223,9 @@ class NodeDrawer:
         pn = _f64(p)
         if self.law is None or self.law.shape[0] != pn.shape[0]:
             self.law = np.zeros(pn.shape[0])
-        if row < 0:
+        if row < 0:  # nothing drafted below the node: X ~ p, no support read
             n, y = 0, -1
-            tok, q = self.sup_token[0], self.sup_q[0]
+            tok, q = _NO_TOKENS, _NO_PROBS
         else:
             n, tok, q = int(self.sup_n[row]), self.sup_token[row], self.sup_q[row]
         return int(walk_node_draw(pn, tok, q, n, self.m, self.K, int(y), self.code, np.uint64(self.seed),
