@@ -1,0 +1,112 @@
+"""Inclusive wall time per step of the functions a decode step spends its time in.
+
+Decodes held-out prompts with the defaults of ``rheoplan generate`` (bfloat16, the shipped
+head, the cost model) and wraps each function listed in ``TARGETS`` with a timer, plus a
+timer per pass (a pipeline instrument). Prints ms per step and calls per step, largest
+first. Times are inclusive and nest (``pass.expand`` contains the draft calls); the
+timers add a few microseconds per call. docs/results.md ("Lean steps, seventh round")
+quotes this script.
+
+Usage:
+    python examples/function_timers.py [--prompts 6] [--tokens 64] [--temperature 1.0] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import time
+
+import torch
+
+#: (module, attribute) pairs timed where they are looked up (module globals, class methods)
+TARGETS = [
+    ("rheoplan.planner.cost_depth", "another_depth_pays"),
+    ("rheoplan.planner.cost_prune", "decide"),
+    ("rheoplan.kernels.slot_expansion.cpu_pass", "draft_probs"),
+    ("rheoplan.kernels.slot_expansion.cpu_pass", "rank_support_rows"),
+    ("rheoplan.kernels.slot_expansion.cpu_pass", "draw_rows"),
+    ("rheoplan.decode", "draft_answer"),
+    ("rheoplan.decode", "verify_tree"),
+    ("rheoplan.verify", "target_probs"),
+    ("rheoplan.verify", "gumbel_max_uniform"),
+    ("rheoplan.verify", "_coupling_terms"),
+    ("rheoplan.models.hf_target", "HFTarget.forward_tree"),
+    ("rheoplan.models.hf_target", "HFTarget.commit"),
+    ("rheoplan.rng", "Streams.uniform"),
+]
+
+
+def timed(totals, calls, label, f):
+    def g(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            totals[label] += time.perf_counter() - t
+            calls[label] += 1
+    return g
+
+
+def install(totals, calls) -> None:
+    import rheoplan.pipeline as pipeline
+
+    for mod, attr in TARGETS:
+        obj = importlib.import_module(mod)
+        *path, name = attr.split(".")
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, name, timed(totals, calls, attr, getattr(obj, name)))
+
+    class PassTimer(pipeline.Instrument):
+        def before_pass(self, index, name, tree, ctx):
+            self.t0 = time.perf_counter()
+
+        def after_pass(self, index, name, tree, ctx):
+            label = "pass." + name.split("@")[0]
+            totals[label] += time.perf_counter() - self.t0
+            calls[label] += 1
+
+    before = pipeline.debug_instruments
+    pipeline.debug_instruments = lambda: list(before()) + [PassTimer()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    from rheoplan.bench.batch import DEFAULT_TREE
+    from rheoplan.bench.decode import load_prompts
+    from rheoplan.config import SamplingConfig
+    from rheoplan.decode import plan_and_decode
+    from rheoplan.loading import encode_prompt, load_cost_model, load_default
+
+    torch.set_num_threads(args.threads)
+    totals, calls = collections.defaultdict(float), collections.Counter()
+    install(totals, calls)
+    model, tok, draft = load_default(method="rheo", draft="auto", dtype="bfloat16")
+    cost = load_cost_model(model, tok, draft, DEFAULT_TREE, draft_id="auto")
+    prompts = [encode_prompt(tok, p, chat=True) for _, p in load_prompts(args.prompts)]
+    sampling = SamplingConfig(temperature=args.temperature)
+    plan_and_decode(model, draft, prompts[0], max_new_tokens=8, sampling=sampling, tree=DEFAULT_TREE,
+                    cost_model=cost, seed=99)  # warm-up, not counted
+    totals.clear()
+    calls.clear()
+    steps = tokens = 0
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        r = plan_and_decode(model, draft, p, max_new_tokens=args.tokens, sampling=sampling, tree=DEFAULT_TREE,
+                            cost_model=cost, seed=i)
+        steps, tokens = steps + len(r.steps), tokens + len(r.tokens)
+    wall = time.perf_counter() - t0
+    print(f"{steps} steps, {tokens} tokens, {tokens / wall:.2f} tok/s, {1e3 * wall / steps:.2f} ms per step")
+    for label in sorted(totals, key=lambda k: -totals[k]):
+        print(f"{1e3 * totals[label] / steps:8.3f} ms/step {calls[label] / steps:6.2f} calls/step  {label}")
+
+
+if __name__ == "__main__":
+    main()
