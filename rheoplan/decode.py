@@ -222,12 +222,13 @@ def _check_int(name: str, value, lo: int) -> int:
 def _root_only(root: int, prefix_len: int, tree: TreeConfig, device: torch.device | str = "cpu") -> DraftTree:
     """A tree with no drafted nodes (an autoregressive step), linearised, on ``device``
     (the planner's: the target's for 'triton')."""
-    return _root_only_rows([root], [prefix_len], tree, device)
+    return root_only_rows([root], [prefix_len], tree, device)
 
 
-def _root_only_rows(roots: Sequence[int], prefix_lens: Sequence[int], tree: TreeConfig,
+def root_only_rows(roots: Sequence[int], prefix_lens: Sequence[int], tree: TreeConfig,
                     device: torch.device | str = "cpu") -> DraftTree:
-    """``len(roots)`` trees with no drafted nodes (a batch's autoregressive step).
+    """``len(roots)`` trees with no drafted nodes (a batch's autoregressive step, or the
+    first step a target serves from the prompt's forward), linearised, on ``device``.
 
     Built once per batch size and then only re-stamped with the root tokens and their
     positions: linearising one-node trees every step cost about 1% of a token at batch 1
@@ -251,7 +252,7 @@ def _root_only_rows(roots: Sequence[int], prefix_lens: Sequence[int], tree: Tree
     return tmpl.replace(token=token, prefix_len=pl, linear=replace(lin, token=lin_token, position=position))
 
 
-#: one linearised root-only batch per (batch size, slot count, device); ``_root_only_rows``
+#: one linearised root-only batch per (batch size, slot count, device); ``root_only_rows``
 #: copies it with new values
 _ROOT_ONLY: dict[tuple, DraftTree] = {}
 
@@ -277,7 +278,7 @@ class DecodeState:
     passes: Sequence | None = None  #: the pass list (None: ``DEFAULT_PIPELINE``), lowered to ``backend``
     backend: str = "numba"  #: a concrete backend ('reference', 'numba', 'triton'; ``rheoplan.backends``)
     dump_ir: Path | None = None
-    dump_steps: Collection[int] | None = (0,)
+    dump_steps: Collection[int] | None = (1,)
     progress: bool = False
     callback: Callable[[list[int]], None] | None = None
     #: caller logits processors of the target law (``plan_and_decode(logits_processors=)``)
@@ -315,7 +316,7 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                     tree: TreeConfig = TreeConfig(),
                     seed: int | None = None, eos_token_id: int | Collection[int] | None = None,
                     dump_ir: str | os.PathLike | None = None,
-                    dump_steps: Collection[int] | None = (0,),
+                    dump_steps: Collection[int] | None = (1,),
                     progress: bool = False, passes=None,
                     callback=None, logits_processors=None,
                     cost_model: CostModel | None = None, backend: str = "auto",
@@ -344,7 +345,9 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             ``None`` picks one at random.
         eos_token_id: stop at the first emitted token in this set (it is included).
         dump_ir: directory to write the IR after every pass, for the steps in ``dump_steps``
-            (``None`` = every step).
+            (``None`` = every step; default step 1, the first planned tree: step 0 draws the
+            first new token from the prompt's forward, with no tree to plan, for every target
+            adapter whose ``start_and_root`` serves it).
         progress: show a progress bar.
         passes: the pass list that plans each tree (default ``DEFAULT_PIPELINE``); its
             built-in passes are lowered to ``backend``, your own passes run as written.
@@ -560,6 +563,15 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
                      device=s.plan_device)
 
 
+def _start_draft(s: DecodeState) -> None:
+    """Start the draft on what is committed before the next root, and that root: the prompt
+    before the first step, or the prompt and the first token after a served step 0 (the
+    target's prompt features then cover every prompt token)."""
+    if s.draft is not None:
+        s.draft.start(s.prompt + s.result.tokens)
+        s.draft.take_prompt_features(s.target)
+
+
 def _cut_emitted(emitted, remaining: int, eos) -> tuple[list[int], str | None]:
     """A step's emitted tokens cut to the ``remaining`` budget, then just after the first EOS
     (``stop='eos'``, else None). Truncate first: an EOS past the budget is not emitted, so it
@@ -602,17 +614,25 @@ def _decode(s: DecodeState) -> DecodeResult:
     tgt, drf, result = s.target, s.draft, s.result
     bar = tqdm(total=s.max_new_tokens, unit="tok", desc="decode") if s.progress else None
     t_start = time.perf_counter()
-    tgt.start(s.prompt)
-    if drf is not None:
-        drf.start(s.prompt)
-        drf.take_prompt_features(tgt)
+    served = tgt.start_and_root(s.prompt)  # the prompt's forward serves step 0 (None: it cannot)
+    if served is None:
+        tgt.start(s.prompt)  # step 0 verifies the prompt's last token as its root
+        _start_draft(s)
     while s.remaining > 0:
         st = StepStats(0, 0, 0, 0, 0)
         t0 = time.perf_counter()
-        t = _plan(s, st)
+        if served is not None:
+            # step 0 is a plain step whose root the prefill ran: no plan, no forward, no commit
+            t, fw = _root_only(s.root, s.prefix_len, s.tree, s.plan_device), served
+            st.drafted = False
+            if s.cost is not None:  # one token, at no cost of its own (the prefill is not a step)
+                st.predicted_tokens, st.predicted_ms = 1.0, 0.0
+        else:
+            t = _plan(s, st)
         t1 = time.perf_counter()
         st.t_plan = t1 - t0 - st.t_draft
-        fw = tgt.forward_tree(t.linear)
+        if served is None:
+            fw = tgt.forward_tree(t.linear)
         t2 = time.perf_counter()
         # A context-dependent law (repetition penalty, caller processors) sees each node's
         # own context: every committed token (prompt + emitted, the root last) + the path.
@@ -638,10 +658,14 @@ def _decode(s: DecodeState) -> DecodeResult:
             s.callback(emitted)
         if stop is None and s.remaining > 0:
             t4 = time.perf_counter()
-            tgt.commit(list(res.path))
-            if drf is not None:
-                feats = [fw.features(i) for i in res.path]
-                drf.commit(t, list(res.nodes), list(res.emitted), feats)
+            if served is not None:
+                # the target cached the root in its prefill; the draft starts on prompt + token
+                _start_draft(s)
+            else:
+                tgt.commit(list(res.path))
+                if drf is not None:
+                    feats = [fw.features(i) for i in res.path]
+                    drf.commit(t, list(res.nodes), list(res.emitted), feats)
             st.t_commit = time.perf_counter() - t4
         st.t_step = time.perf_counter() - t0
         result.steps.append(st)
@@ -649,6 +673,7 @@ def _decode(s: DecodeState) -> DecodeResult:
             result.stopped_by = stop
             break
         s.root, s.prefix_len, s.step = res.emitted[-1], s.prefix_len + len(res.path), s.step + 1
+        served = None
     result.seconds = time.perf_counter() - t_start
     result.calibration = s.calibration
     if bar is not None:
@@ -834,7 +859,7 @@ class BatchState:
     passes: Sequence | None = None
     backend: str = "numba"
     dump_ir: Path | None = None
-    dump_steps: Collection[int] | None = (0,)
+    dump_steps: Collection[int] | None = (1,)
     progress: bool = False
     callback: Callable[[int, list[int]], None] | None = None  #: ``callback(row, new_tokens)``
     processors: tuple = ()
@@ -881,7 +906,7 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
         if s.cost is not None:
             st.predicted_tokens = 1.0
             st.predicted_ms = s.cost.timings.ar_step_batch(len(live), max(prefix))
-        return _root_only_rows(roots, prefix, s.tree)
+        return root_only_rows(roots, prefix, s.tree)
     drf = s.draft
     passes = s.passes
     if s.cost is not None:
@@ -913,12 +938,94 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
                      step=steps, passes=passes, instruments=instruments, backend=s.backend, stream_keys=keys)
 
 
-def _start_rows(s: BatchState, rows: list[_Row]) -> None:
-    """Start a batch of ``rows`` on both models (prefill; the draft takes the prompt features)."""
-    s.target.start_rows([r.prompt for r in rows])
-    if s.draft is not None:
-        s.draft.start_rows([r.prompt for r in rows])
-        s.draft.take_prompt_features_rows(s.target)
+def _join_rows(s: BatchState, rows: list[_Row], n_live: int, bar, t_start: float):
+    """Start ``rows`` on both models, after ``n_live`` live rows (continuous batching) or as
+    a fresh batch (``n_live == 0``). Where the target serves their first tokens from the
+    prompts' forward (``start_rows_and_roots`` / ``add_rows_and_roots``), each row draws its
+    first token now (its step 0, with no tree and no forward of its own) and the draft
+    starts on prompt + that token; else step 0 verifies the last prompt token. Returns
+    (rows still decoding, rows that finished at their first token)."""
+    tgt, drf = s.target, s.draft
+    prompts = [r.prompt for r in rows]
+    served = tgt.add_rows_and_roots(prompts) if n_live else tgt.start_rows_and_roots(prompts)
+    going = list(range(len(rows)))
+    if served is None:
+        (tgt.add_rows if n_live else tgt.start_rows)(prompts)
+    else:
+        t0 = time.perf_counter()
+        t = root_only_rows([r.root for r in rows], [r.prefix_len for r in rows], s.tree)
+        st0 = StepStats(0, 0, 0, 0, 0)
+        st0.drafted = False
+        if s.cost is not None:  # one token, at no cost of its own (the prefill is not a step)
+            st0.predicted_tokens, st0.predicted_ms = 1.0, 0.0
+        walks, stops, stats = _walk_rows(s, rows, t, served, st0, bar)
+        t1 = time.perf_counter()
+        for st in stats:
+            st.t_plan, st.t_walk = 0.0, t1 - t0
+        _advance_rows(s, rows, walks, stops, stats, t0, t_start)
+        going = [b for b, stop in enumerate(stops) if stop is None]
+        if len(going) < len(rows) and (going or n_live):
+            tgt.keep_rows(list(range(n_live)) + [n_live + b for b in going])
+    if drf is not None and going:
+        starts = [rows[b].prompt + rows[b].result.tokens for b in going]
+        (drf.add_rows if n_live else drf.start_rows)(starts)
+        drf.take_prompt_features_rows(tgt, list(range(n_live, n_live + len(going))) if n_live else None)
+    return [rows[b] for b in going], [r for b, r in enumerate(rows) if b not in going]
+
+
+def _walk_rows(s: BatchState, live: list[_Row], t: DraftTree, fws: list, st0: StepStats, bar):
+    """Every row's walk of its verified tree (``fws[b]`` for tree ``b``), its tokens emitted
+    (cut at its budget and EOS; callback, progress bar) and its calibration updated.
+    Returns (walks, stops, stats): per row its walk, why it stopped (None: it goes on) and
+    its ``StepStats`` (a copy of ``st0`` with the walk's counts)."""
+    walks, stops, stats = [], [], []
+    # every row's likely walk projected in one call (not B lm_head reads)
+    s.target.prefetch_rows(fws, [likely_path(t, b) for b in range(len(live))])
+    with_ctx = s.sampling.needs_context or bool(s.processors)
+    # rows with nothing drafted draw their token together (one softmax over [R, V])
+    roots = [] if with_ctx else [b for b in range(len(live)) if int(t.linear.n[b]) == 1]
+    root_walks = dict(zip(roots, verify_roots(t, [fws[b] for b in roots], roots, s.sampling, s.streams,
+                                              [live[b].step for b in roots], [live[b].key for b in roots],
+                                              s.backend)))
+    for b, row in enumerate(live):
+        ctx = row.prompt + row.result.tokens if with_ctx else None
+        res = root_walks.get(b) or verify_tree(t, fws[b], s.sampling, s.tree.verifier, s.streams, row.step,
+                                               s.backend, history=ctx, processors=s.processors, b=b,
+                                               key=row.key, prefetched=True)
+        emitted, stop = _cut_emitted(res.emitted, row.remaining, s.eos)
+        if stop is None and len(emitted) >= row.remaining:
+            stop = "max_new_tokens"
+        st = replace(st0, tree_size=res.tree_size, accepted=len(res.path) - 1, emitted=len(emitted),
+                     trials=res.trials, visited=res.visited)
+        if s.calibration is not None and st0.drafted:
+            s.calibration.update(t, res.path, b)
+        row.result.tokens += emitted
+        if bar is not None:
+            bar.update(len(emitted))
+        if s.callback is not None:
+            s.callback(row.index, emitted)
+        walks.append(res)
+        stops.append(stop)
+        stats.append(st)
+    return walks, stops, stats
+
+
+def _advance_rows(s: BatchState, live: list[_Row], walks, stops, stats, t0: float, t_start: float) -> None:
+    """Record each row's step (begun at ``t0``) and finish the rows that stopped; the others
+    move their root, prefix and step on."""
+    now = time.perf_counter()
+    for b, row in enumerate(live):
+        st = stats[b]
+        st.t_step = now - t0
+        row.result.steps.append(st)
+        if stops[b] is not None:
+            row.result.stopped_by = stops[b]
+            row.result.seconds = now - t_start
+            row.result.calibration = s.calibration
+        else:
+            row.root = walks[b].emitted[-1]
+            row.prefix_len += len(walks[b].path)
+            row.step += 1
 
 
 def _decode_rows(s: BatchState) -> list[DecodeResult]:
@@ -942,10 +1049,21 @@ def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None
     tgt, drf = s.target, s.draft
     bar = tqdm(total=total, unit="tok", desc="decode") if s.progress else None
     t_start = time.perf_counter()
+
+    def fill(live: list[_Row]):
+        # continuous batching: waiting prompts take the free rows, after the live ones;
+        # rows that finish at their first token are yielded at once and free their place
+        while len(live) < s.max_batch:
+            new = take(s.max_batch - len(live))
+            if not new:
+                return
+            started, finished = _join_rows(s, new, len(live), bar, t_start)
+            live += started
+            yield from finished
+
     try:  # the caller may stop iterating early (decode_requests): the bar is closed anyway
-        live = take(s.max_batch)
-        if live:
-            _start_rows(s, live)
+        live: list[_Row] = []
+        yield from fill(live)
         while live:
             st0 = StepStats(0, 0, 0, 0, 0)
             t0 = time.perf_counter()
@@ -954,35 +1072,7 @@ def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None
             st0.t_plan = t1 - t0 - st0.t_draft
             fws = tgt.forward_trees(t.linear)
             t2 = time.perf_counter()
-            walks, stops, stats = [], [], []
-            # every row's likely walk projected in one call (not B lm_head reads)
-            tgt.prefetch_rows(fws, [likely_path(t, b) for b in range(len(live))])
-            with_ctx = s.sampling.needs_context or bool(s.processors)
-            # rows with nothing drafted draw their token together (one softmax over [R, V])
-            roots = [] if with_ctx else [b for b in range(len(live)) if int(t.linear.n[b]) == 1]
-            root_walks = dict(zip(roots, verify_roots(t, [fws[b] for b in roots], roots, s.sampling, s.streams,
-                                                      [live[b].step for b in roots], [live[b].key for b in roots],
-                                                      s.backend)))
-            for b, row in enumerate(live):
-                ctx = row.prompt + row.result.tokens if with_ctx else None
-                res = root_walks.get(b) or verify_tree(t, fws[b], s.sampling, s.tree.verifier, s.streams, row.step,
-                                                       s.backend, history=ctx, processors=s.processors, b=b,
-                                                       key=row.key, prefetched=True)
-                emitted, stop = _cut_emitted(res.emitted, row.remaining, s.eos)
-                if stop is None and len(emitted) >= row.remaining:
-                    stop = "max_new_tokens"
-                st = replace(st0, tree_size=res.tree_size, accepted=len(res.path) - 1, emitted=len(emitted),
-                             trials=res.trials, visited=res.visited)
-                if s.calibration is not None and st0.drafted:
-                    s.calibration.update(t, res.path, b)
-                row.result.tokens += emitted
-                if bar is not None:
-                    bar.update(len(emitted))
-                if s.callback is not None:
-                    s.callback(row.index, emitted)
-                walks.append(res)
-                stops.append(stop)
-                stats.append(st)
+            walks, stops, stats = _walk_rows(s, live, t, fws, st0, bar)
             t3 = time.perf_counter()
             if s.calibration is not None and st0.drafted and st0.predicted_tokens is not None:
                 s.calibration.record_step(max(0.0, st0.predicted_tokens - len(live)),
@@ -1000,36 +1090,15 @@ def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None
                     if drf is not None:
                         drf.keep_rows(keep)
             t4 = time.perf_counter()
-            now = time.perf_counter()
-            for b, row in enumerate(live):
-                st = stats[b]
+            for st in stats:
                 st.t_verify_forward, st.t_walk, st.t_commit = t2 - t1, t3 - t2, t4 - t3
-                st.t_step = now - t0
-                row.result.steps.append(st)
-                if stops[b] is not None:
-                    row.result.stopped_by = stops[b]
-                    row.result.seconds = now - t_start
-                    row.result.calibration = s.calibration
-                else:
-                    row.root = walks[b].emitted[-1]
-                    row.prefix_len += len(walks[b].path)
-                    row.step += 1
+            _advance_rows(s, live, walks, stops, stats, t0, t_start)
             for b in range(len(live)):
                 if stops[b] is not None:
                     yield live[b]
             live = [live[b] for b in going]
             s.step += 1
-            # continuous batching: waiting prompts take the free rows, after the live ones
-            new = take(s.max_batch - len(live)) if len(live) < s.max_batch else []
-            if new:
-                if live:
-                    tgt.add_rows([r.prompt for r in new])
-                    if drf is not None:
-                        drf.add_rows([r.prompt for r in new])
-                        drf.take_prompt_features_rows(tgt, list(range(len(live), len(live) + len(new))))
-                else:
-                    _start_rows(s, new)
-                live += new
+            yield from fill(live)
     finally:
         if bar is not None:
             bar.close()

@@ -25,6 +25,10 @@ or into another thread).
   the rows that draw their token together take the first row's Gumbel noise (each row's
   law stays exact; the rows are no longer independent).
 
+* ``"served_root_stale"`` (read by ``rheoplan.models.hf_target``): the first new token,
+  served from the prompt's forward (``start_and_root``), is drawn from the output at the
+  prompt's second-to-last token instead of its last (an off-by-one in the served root).
+
 docs/method.md ("Mutation controls") says which test detects which switch.
 """
 
@@ -34,9 +38,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterator
 
-#: every switch: the controls (a), (b), (c), then the three batched-decoding controls
+#: every switch: the controls (a), (b), (c), the three batched-decoding controls, the served root's
 MUTATIONS = ("skip_pruned_sampled", "raw_q_ratio", "reuse_draft_stream", "batch_shift_rows",
-             "batch_keep_first_rows", "batch_shared_root_noise")
+             "batch_keep_first_rows", "batch_shared_root_noise", "served_root_stale")
 
 _ACTIVE: ContextVar[frozenset[str]] = ContextVar("rheoplan_mutations", default=frozenset())
 

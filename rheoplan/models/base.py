@@ -2,9 +2,13 @@
 
 Before the first step the loop checks the pair (``vocab_size``, ``device``,
 ``draft.check_vocab_map``, ``draft.check_target``, ``target.max_context``), calls
-``start(prompt_ids)`` on both
-and ``draft.take_prompt_features(target)``. Then a decode step, in the order the loop
-calls these methods:
+``target.start_and_root(prompt_ids)`` (or, where that returns None, ``target.start``),
+``draft.start(prompt_ids)`` and ``draft.take_prompt_features(target)``. An adapter whose
+``start_and_root`` prefills the whole prompt hands back the last prompt token's output:
+the first new token is drawn from it (step 0, a plain step with no forward of its own:
+the prompt's forward serves it, as in ``generate``), and the loop skips ``commit`` for that
+step (the root is cached already). Then a decode step, in the order the loop calls these
+methods:
 
 1. ``draft.node_logits(tree, nodes)`` once for the root (``nodes == [0]``), then once
    per depth for the frontier nodes. Every node's ancestors were passed in an earlier
@@ -23,7 +27,7 @@ Custom adapters subclass ``TargetModel`` / ``DraftModel`` (the abstract methods 
 ones every adapter needs; the others have defaults).
 
 Batched decoding (``plan_and_decode`` with several prompts) talks to the ``*_rows``
-methods instead: ``start_rows(prompts)``, per depth ``draft.node_logits_rows(tree,
+methods instead: ``start_rows_and_roots(prompts)`` (or ``start_rows``), per depth ``draft.node_logits_rows(tree,
 nodes)`` (one call for every row; ``tree`` holds B trees, row ``b`` is tree ``b``),
 ``target.forward_trees(linear)`` (one verify forward for all rows, one ``TreeLogits`` per
 row back), ``target.prefetch_rows(logits, paths)`` (every row's likely walk projected at
@@ -120,6 +124,18 @@ class TargetModel(_RowCopies, ABC):
     def start(self, prompt_ids: list[int]) -> None:
         """Reset; cache every prompt token except the last (the first root)."""
 
+    def start_and_root(self, prompt_ids: list[int]) -> TreeLogits | None:
+        """Reset and cache every prompt token, the last one too, in one forward; return
+        that forward's output at the last token as a one-node ``TreeLogits`` (node 0: its
+        logits are the law of the first new token, its features what a draft commits for
+        it), or None, having done nothing, where the adapter cannot (default: the loop
+        then calls ``start`` and verifies the last prompt token as the first root, one
+        forward more).
+
+        After it the next root (the first new token) sits at position ``len(prompt_ids)``;
+        the loop calls no ``commit`` for the served step."""
+        return None
+
     @abstractmethod
     def forward_tree(self, linear: LinearTree) -> TreeLogits:
         """Verify forward of tree 0 of ``linear`` (root not cached yet)."""
@@ -136,6 +152,36 @@ class TargetModel(_RowCopies, ABC):
         for row, ids in zip(self._row_adapters, prompts):
             row._row_adapters = None
             row.start(ids)
+
+    def start_rows_and_roots(self, prompts: list[list[int]]) -> list[TreeLogits] | None:
+        """``start_and_root`` for a batch: row ``b`` caches all of ``prompts[b]``; one
+        one-node ``TreeLogits`` per row back, or None (then the loop calls ``start_rows``).
+        Default: one copy per row through ``start_and_root``, where the adapter has one."""
+        if type(self).start_and_root is TargetModel.start_and_root:
+            return None
+        self._row_adapters = [copy.copy(self) for _ in prompts]
+        out = []
+        for row, ids in zip(self._row_adapters, prompts):
+            row._row_adapters = None
+            out.append(row.start_and_root(ids))
+        return None if any(o is None for o in out) else out
+
+    def add_rows_and_roots(self, prompts: list[list[int]]) -> list[TreeLogits] | None:
+        """``add_rows`` with each new row's whole prompt cached, its last token's output
+        back as in ``start_rows_and_roots``, or None, having done nothing (then the loop
+        calls ``add_rows``). Default: row copies through ``start_and_root``."""
+        if type(self).start_and_root is TargetModel.start_and_root:
+            return None
+        have = self._rows_started("add_rows_and_roots")
+        new = [copy.copy(self) for _ in prompts]
+        out = []
+        for row, ids in zip(new, prompts):
+            row._row_adapters = None
+            out.append(row.start_and_root(ids))
+        if any(o is None for o in out):
+            return None
+        self._row_adapters = have + new
+        return out
 
     def forward_trees(self, linear: LinearTree) -> list[TreeLogits]:
         """Verify forward of every tree of ``linear`` (tree ``b`` = row ``b``); one

@@ -221,6 +221,14 @@ class FunctionalTarget(TargetModel):
         self.context = ids[:-1]
         self._linear = None
 
+    def start_and_root(self, prompt_ids: list[int]) -> _FunctionalTreeLogits:
+        """Commit the whole prompt; its last token, as a one-node tree, serves the first new
+        token (``TargetModel.start_and_root``)."""
+        ids = check_prompt_ids(prompt_ids, self.vocab_size)
+        self.context = ids
+        self._linear = None
+        return _FunctionalTreeLogits(self.lm, ids[:-1], HostTree(1, len(ids) - 1, [ids[-1]], [-1]))
+
     def forward_tree(self, linear: LinearTree) -> _FunctionalTreeLogits:
         # the model is a host function of token paths: one transfer per verify, not per node
         host = linear_on_host(linear)

@@ -35,6 +35,7 @@ from rheoplan.models.row_cache import RowCache
 from rheoplan.models.tree_attention import (
     TreeAttentionArgs, check_tree_attention_available, tree_attention_active,
 )
+from rheoplan.mutation import active
 
 
 def eagle3_layers(num_layers: int) -> list[int]:
@@ -231,31 +232,48 @@ class HFTarget(TargetModel):
     def _features(self) -> torch.Tensor | None:
         return None if self._capture is None else self._capture.take()
 
-    @torch.no_grad()
     def start(self, prompt_ids: list[int]) -> None:
+        self._prefill(check_prompt_ids(prompt_ids, self.vocab_size), with_root=False)
+
+    def start_and_root(self, prompt_ids: list[int]) -> HFTreeLogits:
+        """Prefill the whole prompt; its last position's output serves the first new token
+        (``TargetModel.start_and_root``): one forward fewer than ``start`` + a root-only
+        verify, as ``generate`` draws its first token from the prefill. ``prompt_features()``
+        then holds one feature per prompt token (the last one's too)."""
         ids = check_prompt_ids(prompt_ids, self.vocab_size)
+        hidden, feats = self._prefill(ids, with_root=True)
+        last = slice(-2, -1) if active("served_root_stale") and len(ids) > 1 else slice(-1, None)
+        return HFTreeLogits(hidden[last], self.head, None if feats is None else feats[last], "all")
+
+    @torch.no_grad()
+    def _prefill(self, ids: list[int], with_root: bool):
+        """Reset and cache ``ids`` (without the last token unless ``with_root``); returns
+        the forward's hidden states and captured features (None, None for no token)."""
         self.cache = new_cache(self.model)
         self._tree = None
-        self._prefix = len(ids) - 1
+        n = len(ids) if with_root else len(ids) - 1
+        self._prefix = n
         self._prompt_features = None
-        if self._prefix == 0:
+        if n == 0:
             if self._capture is not None:
                 width = len(self.capture_layers) * self.base.config.hidden_size
                 self._prompt_features = torch.zeros(0, width, device=self.device)
-            return
-        n = self._prefix
-        tok = torch.tensor(ids[:-1], dtype=torch.int64, device=self.device)
+            return None, None
+        tok = torch.tensor(ids[:n], dtype=torch.int64, device=self.device)
         pos = torch.arange(n, dtype=torch.int64, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        run_base(self.base, self.cache, tok, pos, causal, all_allowed=n == 1)  # causal: all allowed iff one token
-        self._prompt_features = self._features()
+        hidden = run_base(self.base, self.cache, tok, pos, causal, all_allowed=n == 1)  # causal: all allowed iff one token
+        feats = self._features()
+        self._prompt_features = feats  # one per cached token
+        return hidden, feats
 
     def prompt_features(self) -> torch.Tensor:
-        """Captured features ``[len(prompt) - 1, 3H]`` of the cached prompt tokens.
+        """Captured features of the cached prompt tokens: ``[len(prompt) - 1, 3H]`` after
+        ``start``, ``[len(prompt), 3H]`` after ``start_and_root`` (the last token is cached).
 
         Feature ``t`` is taken at prompt position ``t`` (its output predicts token
         ``t + 1``); an EAGLE-3 draft pairs it with token ``t + 1``. Needs ``capture_layers``
-        and a prior ``start``.
+        and a prior ``start`` or ``start_and_root``.
         """
         if self._capture is None:
             raise RuntimeError("prompt_features() needs HFTarget(..., capture_layers='eagle3' or indices)")
@@ -328,56 +346,84 @@ class HFTarget(TargetModel):
     def start_rows(self, prompts: list[list[int]]) -> None:
         """Prefill every row's prompt but its last token in one forward (left padding:
         the shorter prompts' first columns are holes)."""
+        self._start_rows(prompts, with_root=False)
+
+    def start_rows_and_roots(self, prompts: list[list[int]]) -> list[HFTreeLogits]:
+        """Prefill every row's whole prompt in one forward; row ``b``'s last column serves
+        its first new token (``TargetModel.start_rows_and_roots``)."""
+        return self._served(*self._start_rows(prompts, with_root=True))
+
+    def _start_rows(self, prompts: list[list[int]], with_root: bool):
         ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
         self.cache = None  # the batch-1 state is not used in batch mode
         self._tree = None
         self._row_tree: LinearTree | None = None
         self._row_tree_start = 0  #: the cache column where the last verified trees start
-        self._rows, self._row_prefix, self._row_prompt_features = self._prefill_rows(ids)
+        self._rows, self._row_prefix, self._row_prompt_features, hidden, feats = self._prefill_rows(ids, with_root)
+        return hidden, feats
 
     def add_rows(self, prompts: list[list[int]]) -> None:
         """Rows joining the batch (after ``commit_rows`` / ``keep_rows``): their prompts are
         prefilled in one forward of their own, then appended after the current rows."""
+        self._add_rows(prompts, with_root=False)
+
+    def add_rows_and_roots(self, prompts: list[list[int]]) -> list[HFTreeLogits]:
+        """``add_rows`` with the whole prompts cached; each new row's last column serves its
+        first token (``TargetModel.add_rows_and_roots``)."""
+        return self._served(*self._add_rows(prompts, with_root=True))
+
+    def _add_rows(self, prompts: list[list[int]], with_root: bool):
         if getattr(self, "_rows", None) is None:
             raise RuntimeError("add_rows() called before start_rows()")
         if self._row_tree is not None:
             raise RuntimeError("add_rows() called between forward_trees() and commit_rows()")
         ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
-        rc, prefix, feats = self._prefill_rows(ids)
+        rc, prefix, feats, hidden, f = self._prefill_rows(ids, with_root)
         self._rows.extend(rc)
         self._row_prefix += prefix
         if self._row_prompt_features is not None and feats is not None:
             self._row_prompt_features += feats
+        return hidden, f
+
+    def _served(self, hidden: torch.Tensor, feats: torch.Tensor | None) -> list[HFTreeLogits]:
+        """Each row's last column of a whole-prompt prefill (``[B, n, .]``) as a one-node
+        ``HFTreeLogits``: the output that serves its first new token."""
+        last = slice(-2, -1) if active("served_root_stale") and hidden.shape[1] > 1 else slice(-1, None)
+        return [HFTreeLogits(hidden[b, last], self.head, None if feats is None else feats[b, last], "all")
+                for b in range(hidden.shape[0])]
 
     @torch.no_grad()
-    def _prefill_rows(self, ids: list[list[int]]):
+    def _prefill_rows(self, ids: list[list[int]], with_root: bool):
+        """One left-padded forward over every row's prompt (without its last token unless
+        ``with_root``): the row cache, the cached lengths, the prompt features (before each
+        root), and the forward's hidden states and features ``[B, n, .]`` (None for no token)."""
         B = len(ids)
         rc = RowCache(self.model, B, self.device)
-        prefix = [len(p) - 1 for p in ids]
+        prefix = [len(p) - (0 if with_root else 1) for p in ids]
         n = max(prefix)
-        feats = None
         if n == 0:
+            feats = None
             if self._capture is not None:
                 width = len(self.capture_layers) * self.base.config.hidden_size
                 feats = [torch.zeros(0, width, device=self.device) for _ in ids]
-            return rc, prefix, feats
+            return rc, prefix, feats, None, None
         tok = torch.zeros(B, n, dtype=torch.int64)
         pos = torch.zeros(B, n, dtype=torch.int64)
         real = torch.zeros(B, n, dtype=torch.bool)
-        for b, p in enumerate(ids):
-            k = len(p) - 1
-            tok[b, n - k:] = torch.tensor(p[:-1])
+        for b, (p, k) in enumerate(zip(ids, prefix)):
+            tok[b, n - k:] = torch.tensor(p[:k])
             pos[b, n - k:] = torch.arange(k)
             real[b, n - k:] = True
         causal = torch.ones(n, n, dtype=torch.bool).tril()
         # a padding query sees only itself (a fully masked row would be NaN in some kernels)
         block = (causal[None] & real[:, None, :]) | (torch.eye(n, dtype=torch.bool)[None] & ~real[:, :, None])
-        rc.forward(self.base, tok, pos, block)
+        hidden = rc.forward(self.base, tok, pos, block)
         rc.keep([list(range(n - k, n)) for k in prefix])
+        f = feats = None
         if self._capture is not None:
             f = self._capture.take_rows()
-            feats = [f[b, n - k:] for b, k in enumerate(prefix)]
-        return rc, prefix, feats
+            feats = [f[b, n - k:] for b, k in enumerate(prefix)]  # one per cached token
+        return rc, prefix, feats, hidden, f
 
     def prompt_features_rows_for(self, model) -> list[torch.Tensor | None]:
         """Per row, what ``prompt_features_for`` gives in batch 1."""

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
+from rheoplan.decode import root_only_rows
 from rheoplan.plan import plan_tree
 from rheoplan.rng import Purpose, Streams
 from rheoplan.testing.oracle import functional_draft_fn_batch
@@ -33,12 +34,15 @@ def _draft_sampler(streams: Streams, step: int, keys: list[int]):
 
 def functional_decode_batch(target, draft, prefix: Sequence[int], n_tokens: int, n_runs: int, *,
                             tree: TreeConfig, sampling: SamplingConfig, seed: int = 0,
-                            max_steps: int | None = None, processors=()) -> list[tuple[int, ...]]:
+                            max_steps: int | None = None, processors=(),
+                            plain_first: bool = False) -> list[tuple[int, ...]]:
     """``n_runs`` independent decodes of ``n_tokens`` tokens each (truncated), batched.
 
     Every step plans one tree per unfinished run (one ``plan_tree`` call, stream id = run
     index) and verifies it with ``walk``. Returns the emitted tokens of each run.
     ``processors`` are logits processors of the target law (as in ``plan_and_decode``).
+    ``plain_first``: step 0 has no tree (its root only), as in ``plan_and_decode`` with a
+    target adapter that serves the first token from the prompt's forward.
     """
     if n_runs < 1:
         raise ValueError(f"n_runs={n_runs} is out of range: allowed >= 1")
@@ -55,10 +59,13 @@ def functional_decode_batch(target, draft, prefix: Sequence[int], n_tokens: int,
             break
         if max_steps is not None and step >= max_steps:
             raise RuntimeError(f"decode did not finish in max_steps={max_steps}")
-        t = plan_tree(functional_draft_fn_batch(draft, [ctxs[r] for r in active]),
-                      [ctxs[r][-1] for r in active], tree=tree, sampling=sampling,
-                      prefix_len=[len(ctxs[r]) - 1 for r in active], step=step,
-                      sampler=_draft_sampler(draft_streams, step, active))
+        if plain_first and step == 0:
+            t = root_only_rows([ctxs[r][-1] for r in active], [len(ctxs[r]) - 1 for r in active], tree)
+        else:
+            t = plan_tree(functional_draft_fn_batch(draft, [ctxs[r] for r in active]),
+                          [ctxs[r][-1] for r in active], tree=tree, sampling=sampling,
+                          prefix_len=[len(ctxs[r]) - 1 for r in active], step=step,
+                          sampler=_draft_sampler(draft_streams, step, active))
         lin = t.linear
         for b, r in enumerate(active):
             def logits_at(i: int, b=b, r=r) -> torch.Tensor:

@@ -4,7 +4,9 @@ truncation inside an accepted path, and the power of the statistical test (mutat
 
 Statistics (docs/method.md §7.3): each case runs ``plan_and_decode`` once per seed
 ``SEED0 + r`` for ``r < runs`` and compares the law of the first ``n`` emitted tokens
-with the exact law by Pearson chi-square (``rheoplan.testing.chi_square``, cells pooled
+with the exact law by Pearson chi-square. The first token of every decode comes from the
+prompt's forward (step 0 has no tree: ``TargetModel.start_and_root``), so ``n`` is one more
+than the tokens a case wants from its trees (``rheoplan.testing.chi_square``, cells pooled
 to >= 5 expected). A case fails when p < ALPHA = 1e-3: a correct implementation fails
 one given case with probability 1e-3 over the choice of seeds. The seeds are fixed, so
 the suite is deterministic; a change to any random-number mapping re-draws the seeds at
@@ -60,17 +62,17 @@ def _sample(target, draft, n, runs, *, tree, sampling, mutations=frozenset(), pr
 
 FUNCTIONAL_CASES = {
     # name: (V, target seed, draft seed, sharpness, n tokens, runs, tree, sampling)
-    "ot_m1_v4": (4, 3, 4, 2.0, 2, 1000,
+    "ot_m1_v4": (4, 3, 4, 2.0, 3, 1000,
                  TreeConfig(depth=2, frontier=2, slots=2, budget=3, rheostat=1, support=4, verifier="ot"),
                  SamplingConfig(temperature=1.0)),
-    "rheo_m0_v5_topk": (5, 5, 6, 1.0, 2, 1000,
+    "rheo_m0_v5_topk": (5, 5, 6, 1.0, 3, 1000,
                         TreeConfig(depth=2, frontier=1, slots=2, budget=3, rheostat=0, support=5, verifier="rheo"),
                         SamplingConfig(temperature=0.8, top_k=4)),
-    "ot_m2of3_v5_3tok_topp": (5, 7, 8, 1.5, 3, 1000,
+    "ot_m2of3_v5_3tok_topp": (5, 7, 8, 1.5, 4, 1000,
                               TreeConfig(depth=2, frontier=2, slots=3, budget=4, rheostat=2, support=5,
                                          verifier="ot"),
                               SamplingConfig(temperature=1.0, top_p=0.9)),
-    "onehot_eagle_v4": (4, 9, 10, 1.5, 2, 1000, TreeConfig.eagle(depth=2, frontier=2, slots=2, budget=3, support=4),
+    "onehot_eagle_v4": (4, 9, 10, 1.5, 3, 1000, TreeConfig.eagle(depth=2, frontier=2, slots=2, budget=3, support=4),
                         SamplingConfig(temperature=1.0)),
 }
 
@@ -94,10 +96,10 @@ def test_functional_decode_loop_matches_exact_law(name, record_property):
 
 HF_CASES = {
     # name: (draft kind, n tokens, runs, tree, sampling)
-    "llama_pair_ot_m1": ("llama", 2, 500,
+    "llama_pair_ot_m1": ("llama", 3, 500,
                          TreeConfig(depth=2, frontier=2, slots=2, budget=3, rheostat=1, support=6, verifier="ot"),
                          SamplingConfig(temperature=1.0)),
-    "early_exit_rheo_topk": ("early_exit", 2, 500,
+    "early_exit_rheo_topk": ("early_exit", 3, 500,
                              TreeConfig(depth=3, frontier=1, slots=2, budget=3, rheostat=1, support=6,
                                         verifier="rheo"),
                              SamplingConfig(temperature=0.7, top_k=4)),
@@ -143,7 +145,7 @@ def test_hf_decode_loop_bf16_target_matches_exact_law(mutations, record_property
 # --------------------------------------------------------------------------------------
 
 #: docs/method.md §7.4 (b): exact TV of raw_q_ratio on this case is 0.147 (test_mutation_controls).
-RAW_Q_CASE = (4, 0, 50, 1.5, 2, TreeConfig(depth=2, frontier=2, slots=3, budget=4, rheostat=1, support=4,
+RAW_Q_CASE = (4, 0, 50, 1.5, 3, TreeConfig(depth=2, frontier=2, slots=3, budget=4, rheostat=1, support=4,
                                            verifier="rheo"), SamplingConfig(temperature=1.0))
 
 
@@ -241,18 +243,57 @@ def test_eagle3_prompt_features_come_from_the_target_prefill(greedy_models, monk
 
     target = greedy_models[0]
     starts = []
-    original = hf_target.HFTarget.start
+    original = hf_target.HFTarget._prefill
 
-    def counting_start(self, ids):
+    def counting_start(self, ids, with_root):
         starts.append(len(ids))
-        return original(self, ids)
+        return original(self, ids, with_root)
 
-    monkeypatch.setattr(hf_target.HFTarget, "start", counting_start)
+    monkeypatch.setattr(hf_target.HFTarget, "_prefill", counting_start)
     prompt = [1, 2, 3, 4]
     r = plan_and_decode(target, _draft("eagle3", greedy_models), prompt, max_new_tokens=10,
                         sampling=GREEDY, tree=TREES[sorted(TREES)[0]], seed=0)
     assert starts == [len(prompt)], "the draft ran its own prompt prefill"
     assert r.tokens == greedy_reference(target, prompt, 10)
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["autoregressive", "tree"])
+def test_first_token_comes_from_the_prompts_forward(greedy_models, monkeypatch, with_draft):
+    """Step 0 draws the first token from the prefill's last position (as ``generate`` does):
+    one model forward for the prompt, then one verify forward per later step, and the
+    same greedy tokens."""
+    calls = []
+    original = HFTarget.forward_tree
+
+    def counting(self, linear):
+        calls.append(int(linear.n[0]))
+        return original(self, linear)
+
+    monkeypatch.setattr(HFTarget, "forward_tree", counting)
+    target, prompt, n = greedy_models[0], [3, 1, 4], 9
+    draft = _draft("llama", greedy_models) if with_draft else None
+    r = plan_and_decode(target, draft, prompt, max_new_tokens=n, sampling=GREEDY, seed=0,
+                        tree=TREES[sorted(TREES)[0]])
+    assert r.tokens == greedy_reference(target, prompt, n)
+    assert len(calls) == len(r.steps) - 1  # step 0 ran no verify forward
+    assert (r.steps[0].tree_size, r.steps[0].emitted, r.steps[0].drafted) == (0, 1, False)
+
+
+@pytest.mark.no_ir_lint
+def test_served_first_token_off_by_one_is_detected_through_the_loop(record_property):
+    """Control of the served step (``served_root_stale``): the first token drawn from the
+    output at the prompt's second-to-last token, through the HF adapters (a total variation
+    of 0.15 from the right law on this case). The law of the first token sees it; the exact
+    case above passes the same statistic on its own samples."""
+    kind, n, runs, cfg, s = HF_CASES["llama_pair_ot_m1"]
+    target = tiny_llama(0, layers=2)
+    fn = hf_as_functional(target)
+    pvals = []
+    for mutations in ((), ("served_root_stale",)):
+        got = _sample(target, tiny_llama(1), n, runs, tree=cfg, sampling=s, mutations=mutations)
+        pvals.append(chi_square(target_law(fn, PREFIX, 1, s), [x[:1] for x in got]).pvalue)
+    record_property("pvalue", pvals)
+    assert pvals[0] >= ALPHA and pvals[1] < 1e-6, pvals
 
 
 def test_greedy_parity_autoregressive(greedy_models):
@@ -309,9 +350,11 @@ def test_eos_inside_accepted_path_stops_there(temperature):
                         sampling=SamplingConfig(temperature=temperature))
     assert r.tokens == [1, 2, 3]
     assert r.stopped_by == "eos"
-    assert len(r.steps) == 1
-    assert r.steps[0].accepted == 6  # the walk went past EOS; the output did not
-    assert r.steps[0].emitted == 3
+    assert len(r.steps) == 2
+    # step 0: token 1 from the prompt's forward (no tree); step 1: the chain from root 1
+    assert (r.steps[0].tree_size, r.steps[0].emitted, r.steps[0].drafted) == (0, 1, False)
+    assert r.steps[1].accepted == 6  # the walk went past EOS; the output did not
+    assert r.steps[1].emitted == 2
 
 
 def test_first_of_several_eos_stops():
@@ -330,10 +373,10 @@ def test_eos_in_a_later_step_and_in_the_prompt():
 
 def test_max_new_tokens_truncates_mid_path():
     lm = chain_lm(8)
-    r = plan_and_decode(lm, lm, [0], max_new_tokens=2, tree=CHAIN_TREE, eos_token_id=3, seed=1)
-    assert r.tokens == [1, 2]
+    r = plan_and_decode(lm, lm, [0], max_new_tokens=3, tree=CHAIN_TREE, eos_token_id=4, seed=1)
+    assert r.tokens == [1, 2, 3]
     assert r.stopped_by == "max_new_tokens"
-    assert len(r.steps) == 1 and r.steps[0].accepted == 6 and r.steps[0].emitted == 2
+    assert len(r.steps) == 2 and r.steps[1].accepted == 6 and r.steps[1].emitted == 2
 
 
 def test_eos_exactly_at_the_limit_counts_as_eos():
@@ -347,12 +390,13 @@ def test_eos_inside_accepted_path_hf():
     model = tiny_llama(2, vocab=V_GREEDY, hidden=32, layers=2, head_scale=20.0)
     prompt = [1, 2, 3]
     ref = greedy_reference(model, prompt, 8)
-    eos = ref[2]
+    eos = ref[3]
     cut = ref.index(eos) + 1
     r = plan_and_decode(model, model, prompt, max_new_tokens=8, sampling=GREEDY, eos_token_id=eos, seed=0,
                         tree=TreeConfig(depth=6, frontier=1, slots=2, budget=6, support=V_GREEDY))
     assert r.tokens == ref[:cut] and r.stopped_by == "eos"
-    assert r.steps[0].accepted >= cut  # EOS was accepted mid-path (draft == target)
+    assert r.steps[0].emitted == 1 and not r.steps[0].drafted  # served by the prompt's forward
+    assert r.steps[1].accepted >= cut - 1  # EOS was accepted mid-path (draft == target)
 
 
 # --------------------------------------------------------------------------------------

@@ -317,14 +317,14 @@ def test_walk_roots_draws_each_rows_walk_token(sampling):
     """``walk_roots`` (a batch's draft-free rows in one call; greedy rows take the argmax of
     the processed scores without building the one-hot law) emits, row by row, the token
     ``walk`` emits at the same root: ties to the lowest id included."""
-    from rheoplan.decode import _root_only_rows
+    from rheoplan.decode import root_only_rows
 
     g = torch.Generator().manual_seed(5)
     R, V = 6, 50
     logits = 3 * torch.randn(R, V, generator=g)
     logits[1, [7, 3]] = logits[1].max() + 1.0  # a tie for the best token: the lowest id wins
     logits[2, :] = 0.0  # every token tied
-    tree = _root_only_rows(list(range(R)), [4] * R, TreeConfig(depth=1, frontier=1, slots=2, budget=1))
+    tree = root_only_rows(list(range(R)), [4] * R, TreeConfig(depth=1, frontier=1, slots=2, budget=1))
     s, steps, keys = Streams(11), [3, 4, 5, 6, 7, 8], [9, 2, 0, 5, 1, 3]
     nodes = tree.linear.node[:, 0].tolist()
     got = walk_roots(logits, sampling, s, steps, keys, nodes)

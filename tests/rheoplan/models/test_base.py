@@ -52,11 +52,17 @@ class _MinimalDraft(DraftModel):
         self._inner.commit(tree, path_nodes, emitted, features)
 
 
-def test_minimal_adapters_decode_like_the_builtin_ones():
+def test_minimal_adapters_decode_like_the_builtin_ones(monkeypatch):
+    """A target without ``start_and_root`` verifies the last prompt token at step 0: the
+    builtin functional target does the same once its ``start_and_root`` is taken away;
+    with it, step 0 is served from the prompt and the tokens differ (the same law)."""
     tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
     cfg = TreeConfig(depth=2, frontier=2, slots=2, budget=4, support=6)
-    ref = plan_and_decode(tgt, drf, [0, 1], max_new_tokens=8, tree=cfg, seed=5)
     got = plan_and_decode(_MinimalTarget(tgt), _MinimalDraft(drf), [0, 1], max_new_tokens=8, tree=cfg, seed=5)
+    served = plan_and_decode(tgt, drf, [0, 1], max_new_tokens=8, tree=cfg, seed=5)
+    assert served.steps[0].tree_size == 0 and got.steps[0].tree_size > 0
+    monkeypatch.setattr(FunctionalTarget, "start_and_root", TargetModel.start_and_root)
+    ref = plan_and_decode(tgt, drf, [0, 1], max_new_tokens=8, tree=cfg, seed=5)
     assert got.tokens == ref.tokens
     assert [s.accepted for s in got.steps] == [s.accepted for s in ref.steps]
 

@@ -149,6 +149,70 @@ def test_features_are_layer_inputs(llama6):
     assert not any(layer._forward_pre_hooks for layer in llama6.model.layers)
 
 
+@pytest.mark.parametrize("prompt", [[4, 8, 15, 16], [42]], ids=["four", "one"])
+def test_start_and_root_serves_the_roots_output(llama6, prompt):
+    """``start_and_root`` caches the whole prompt and returns what ``start`` + a root-only
+    verify forward gives at the root (logits, features); its prompt features are
+    ``start``'s and the root's (one per prompt token); the next tree's root then sits at
+    ``len(prompt)``."""
+    ref = HFTarget(llama6, capture_layers="eagle3")
+    ref.start(prompt)
+    ref_tl = ref.forward_tree(make_linear([prompt[-1]], [-1], prefix_len=len(prompt) - 1))
+    ref_prompt = ref.prompt_features().clone()
+    ref.close()
+    target = HFTarget(llama6, capture_layers="eagle3")
+    tl = target.start_and_root(prompt)
+    assert tl.n == 1 and target.cached_len == len(prompt)
+    torch.testing.assert_close(tl.logits(0), ref_tl.logits(0), atol=ATOL, rtol=0)
+    torch.testing.assert_close(tl.logits(0), full_logits(llama6, prompt)[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(tl.features(0), ref_tl.features(0), atol=ATOL, rtol=0)
+    torch.testing.assert_close(target.prompt_features(), torch.cat([ref_prompt, ref_tl.features(0)[None]]),
+                               atol=ATOL, rtol=0)
+    toks, par = [7, 23, 42], [-1, 0, 1]
+    nxt = target.forward_tree(make_linear(toks, par, prefix_len=len(prompt)))
+    torch.testing.assert_close(nxt.logits(2), full_logits(llama6, prompt + [7, 23, 42])[-1], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="caches"):
+        target.forward_tree(make_linear(toks, par, prefix_len=len(prompt) - 1))  # the old root position
+    target.close()
+
+
+def test_start_rows_and_roots_serve_each_rows_root(llama6):
+    """The batched prefill of whole prompts (left padding) serves each row's root as the
+    batch-1 ``start_and_root`` does, with one prompt feature per prompt token; rows added
+    with ``add_rows_and_roots`` are served the same way."""
+    prompts = [[4, 8, 15, 16, 23], [42], [9, 9, 3]]
+    target = HFTarget(llama6, capture_layers="eagle3")
+    served = target.start_rows_and_roots(prompts)
+    feats = target.prompt_features_rows_for(llama6)
+    for b, p in enumerate(prompts):
+        one = HFTarget(llama6, capture_layers="eagle3")
+        tl = one.start_and_root(p)
+        torch.testing.assert_close(served[b].logits(0), tl.logits(0), atol=ATOL, rtol=0)
+        torch.testing.assert_close(served[b].features(0), tl.features(0), atol=ATOL, rtol=0)
+        assert feats[b].shape[0] == len(p)
+        torch.testing.assert_close(feats[b], one.prompt_features(), atol=ATOL, rtol=0)
+        one.close()
+    target.keep_rows([0, 2])
+    joined = [[5, 6, 7, 8, 9, 10, 11], [3]]
+    added = target.add_rows_and_roots(joined)
+    for b, p in enumerate(joined):
+        torch.testing.assert_close(added[b].logits(0), full_logits(llama6, p)[-1], atol=ATOL, rtol=0)
+    prompts = [prompts[0], prompts[2]] + joined
+    # the next step's roots sit at len(prompt) in every row
+    rows = target.forward_trees(_stack_rows([make_linear([1], [-1], prefix_len=len(p)) for p in prompts]))
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(rows[b].logits(0), full_logits(llama6, p + [1])[-1], atol=ATOL, rtol=0)
+    target.close()
+
+
+def _stack_rows(linears):
+    """One ``LinearTree`` holding the given one-tree linears as its rows."""
+    from dataclasses import fields
+
+    first = linears[0]
+    return type(first)(**{f.name: torch.cat([getattr(x, f.name) for x in linears]) for f in fields(first)})
+
+
 def test_refresh_forward_without_commit(llama):
     target = HFTarget(llama)
     target.start([1, 2, 3])
