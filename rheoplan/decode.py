@@ -285,7 +285,6 @@ class DecodeState:
     processors: tuple = ()
     cost: CostModel | None = None  #: plan trees by the cost model (None: a fixed budget)
     calibration: Calibration | None = None  #: this decode's online calibration (with ``cost``)
-    schedule: DraftSchedule = field(default_factory=DraftSchedule)
     # -- where the loop is ----------------------------------------------------------------
     root: int = field(init=False)  #: the next tree's root (last emitted token)
     prefix_len: int = field(init=False)  #: tokens committed before the root
@@ -539,10 +538,8 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
     on_device = s.backend == "triton"
     passes = s.passes
     if s.cost is not None:
-        if s.schedule.skip_next():  # no tree paid recently: a plain autoregressive step
-            st.drafted = False
-            st.predicted_tokens, st.predicted_ms = 1.0, s.cost.timings.ar_step(s.prefix_len)
-            return _root_only(s.root, s.prefix_len, s.tree, s.plan_device)
+        # every step asks the head: no back-off after a step where no tree paid (one
+        # sequence: a skipped step missed trees that would have paid; docs/cli.md)
         passes = _cost_passes(s, st, passes)
 
     def draft_fn(tr, nodes):
@@ -583,16 +580,17 @@ def _cut_emitted(emitted, remaining: int, eos) -> tuple[list[int], str | None]:
     return out, None
 
 
-def _cost_passes(s, st: StepStats, passes):
+def _cost_passes(s, st: StepStats, passes, schedule: DraftSchedule | None = None):
     """The pass list with the cost-aware passes (from the calibration so far) around it;
-    each decision is recorded in ``st`` and in the schedule. The list is lowered first, so
-    the cost gate wraps the backend's fast expand (the cost passes themselves are torch
-    passes and run as written)."""
+    each decision is recorded in ``st`` and in ``schedule`` (a batch's back-off, if
+    given). The list is lowered first, so the cost gate wraps the backend's fast expand
+    (the cost passes themselves are torch passes and run as written)."""
     plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
 
     def seen(d):
         st.predicted_tokens, st.predicted_ms = d.expected, d.predicted_ms
-        s.schedule.record(d.pays)
+        if schedule is not None:
+            schedule.record(d.pays)
 
     return cost_pipeline(plan, lower(DEFAULT_PIPELINE if passes is None else passes, s.backend),
                          on_decision=seen)
@@ -865,7 +863,7 @@ class BatchState:
     processors: tuple = ()
     cost: CostModel | None = None
     calibration: Calibration | None = None
-    schedule: DraftSchedule = field(default_factory=DraftSchedule)
+    schedule: DraftSchedule = field(default_factory=DraftSchedule)  #: back-off while several rows are live
     max_batch: int | None = None  #: rows decoding at once (None: all); the others wait
     streams: Streams = field(init=False)
     rows: list[_Row] = field(init=False)  #: every row, in the caller's order
@@ -885,8 +883,8 @@ def _tree_can_pay(s: BatchState, live: list[_Row]) -> bool:
     live rows (``CostModel.plan_for_batch`` with the continuation rates and the scale
     calibrated so far, by ``batch_margin``): where even the best chain loses to a plain
     step (16 rows on a 2-core CPU: the verify forward is compute-bound), drafting would
-    only cost its probes. One row keeps the
-    batch-1 schedule (probe, back off). Depends only on frozen latencies and past steps."""
+    only cost its probes. One row drafts as a single sequence does (every step asks the
+    head). Depends only on frozen latencies and past steps."""
     if len(live) == 1:
         return True
     ctx = max(r.prefix_len for r in live)
@@ -901,7 +899,11 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
     prefix = [r.prefix_len for r in live]
     keys = [r.key for r in live]
     steps = [r.step for r in live]
-    if s.draft is None or (s.cost is not None and (s.schedule.skip_next() or not _tree_can_pay(s, live))):
+    # several rows back off after a step where no tree paid (a batched draft call costs
+    # more); one row asks the head at every step, as a single sequence does
+    several = len(live) > 1
+    if s.draft is None or (s.cost is not None and ((several and s.schedule.skip_next())
+                                                   or not _tree_can_pay(s, live))):
         st.drafted = False
         if s.cost is not None:
             st.predicted_tokens = 1.0
@@ -911,7 +913,7 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
     passes = s.passes
     if s.cost is not None:
         # the cost passes price the whole batch (tree.batch = live rows: Timings.verify_batch)
-        passes = _cost_passes(s, st, passes)
+        passes = _cost_passes(s, st, passes, s.schedule if several else None)
 
     def draft_fn(tr, nodes):
         t_d = time.perf_counter()

@@ -2,13 +2,16 @@
 
 Before the first step the loop checks the pair (``vocab_size``, ``device``,
 ``draft.check_vocab_map``, ``draft.check_target``, ``target.max_context``), calls
-``target.start_and_root(prompt_ids)`` (or, where that returns None, ``target.start``),
-``draft.start(prompt_ids)`` and ``draft.take_prompt_features(target)``. An adapter whose
-``start_and_root`` prefills the whole prompt hands back the last prompt token's output:
-the first new token is drawn from it (step 0, a plain step with no forward of its own:
-the prompt's forward serves it, as in ``generate``), and the loop skips ``commit`` for that
-step (the root is cached already). Then a decode step, in the order the loop calls these
-methods:
+``target.start_and_root(prompt_ids)``. An adapter whose ``start_and_root`` prefills the
+whole prompt hands back the last prompt token's output: the first new token is drawn from
+it (step 0, a plain step with no forward of its own: the prompt's forward serves it, as
+in ``generate``; no ``commit`` follows, the token before it is cached already), then the
+loop calls ``draft.start(prompt_ids + [first token])`` and
+``draft.take_prompt_features(target)`` (the target's prompt features then cover every
+prompt token). Where ``start_and_root`` returns None the loop calls ``target.start``,
+``draft.start(prompt_ids)`` and ``draft.take_prompt_features(target)``, and step 0 is a
+tree rooted at the last prompt token. Then a decode step, in the order the loop calls
+these methods:
 
 1. ``draft.node_logits(tree, nodes)`` once for the root (``nodes == [0]``), then once
    per depth for the frontier nodes. Every node's ancestors were passed in an earlier
@@ -27,12 +30,13 @@ Custom adapters subclass ``TargetModel`` / ``DraftModel`` (the abstract methods 
 ones every adapter needs; the others have defaults).
 
 Batched decoding (``plan_and_decode`` with several prompts) talks to the ``*_rows``
-methods instead: ``start_rows_and_roots(prompts)`` (or ``start_rows``), per depth ``draft.node_logits_rows(tree,
-nodes)`` (one call for every row; ``tree`` holds B trees, row ``b`` is tree ``b``),
-``target.forward_trees(linear)`` (one verify forward for all rows, one ``TreeLogits`` per
-row back), ``target.prefetch_rows(logits, paths)`` (every row's likely walk projected at
-once), ``commit_rows``, ``keep_rows(rows)`` (rows that finished leave the batch) and
-``add_rows(prompts)`` (waiting prompts join it).
+methods instead: ``start_rows_and_roots(prompts)`` (or ``start_rows``), per depth
+``draft.node_logits_rows(tree, nodes)`` (one call for every row; ``tree`` holds B trees,
+row ``b`` is tree ``b``), ``target.forward_trees(linear)`` (one verify forward for all
+rows, one ``TreeLogits`` per row back), ``target.prefetch_rows(logits, paths)`` (every
+row's likely walk projected at once), ``commit_rows``, ``keep_rows(rows)`` (rows that
+finished leave the batch) and ``add_rows_and_roots(prompts)`` (or ``add_rows``: waiting
+prompts join it).
 Their defaults run a shallow copy of the adapter per row through the batch-1 methods
 (B calls, correct for any adapter whose ``start`` resets all its state); ``HFTarget``,
 ``HFDraft``, ``Eagle3Draft`` and ``FunctionalDraft`` override them with one call for the
@@ -127,13 +131,13 @@ class TargetModel(_RowCopies, ABC):
     def start_and_root(self, prompt_ids: list[int]) -> TreeLogits | None:
         """Reset and cache every prompt token, the last one too, in one forward; return
         that forward's output at the last token as a one-node ``TreeLogits`` (node 0: its
-        logits are the law of the first new token, its features what a draft commits for
-        it), or None, having done nothing, where the adapter cannot (default: the loop
-        then calls ``start`` and verifies the last prompt token as the first root, one
-        forward more).
+        logits are the law of the first new token), or None, having done nothing, where the
+        adapter cannot (default: the loop then calls ``start`` and verifies the last prompt
+        token as the first root, one forward more).
 
         After it the next root (the first new token) sits at position ``len(prompt_ids)``;
-        the loop calls no ``commit`` for the served step."""
+        the loop calls no ``commit`` for the served step, and ``prompt_features_for`` (if the
+        adapter captures features) covers every prompt token, the last one too."""
         return None
 
     @abstractmethod

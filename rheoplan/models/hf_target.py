@@ -395,8 +395,8 @@ class HFTarget(TargetModel):
     @torch.no_grad()
     def _prefill_rows(self, ids: list[list[int]], with_root: bool):
         """One left-padded forward over every row's prompt (without its last token unless
-        ``with_root``): the row cache, the cached lengths, the prompt features (before each
-        root), and the forward's hidden states and features ``[B, n, .]`` (None for no token)."""
+        ``with_root``): the row cache, the cached lengths, the prompt features (one per cached
+        token), and the forward's hidden states and features ``[B, n, .]`` (None for no token)."""
         B = len(ids)
         rc = RowCache(self.model, B, self.device)
         prefix = [len(p) - (0 if with_root else 1) for p in ids]

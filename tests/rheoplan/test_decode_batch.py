@@ -261,7 +261,7 @@ def test_batch_drafts_only_while_a_tree_can_pay():
                          cost_model=cost)
     steps = rs[2].steps
     assert not any(st.drafted for st in steps[:2])  # three rows live: no draft call at all
-    assert any(st.drafted for st in steps[3:])  # one row: probes (and backs off)
+    assert any(st.drafted for st in steps[3:])  # one row: asks the head at every step
     assert [len(r.tokens) for r in rs] == [3, 3, 12]
 
 
