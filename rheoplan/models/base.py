@@ -161,31 +161,34 @@ class TargetModel(_RowCopies, ABC):
         """``start_and_root`` for a batch: row ``b`` caches all of ``prompts[b]``; one
         one-node ``TreeLogits`` per row back, or None (then the loop calls ``start_rows``).
         Default: one copy per row through ``start_and_root``, where the adapter has one."""
-        if type(self).start_and_root is TargetModel.start_and_root:
+        served = self._served_copies(prompts)
+        if served is None:
             return None
-        self._row_adapters = [copy.copy(self) for _ in prompts]
-        out = []
-        for row, ids in zip(self._row_adapters, prompts):
-            row._row_adapters = None
-            out.append(row.start_and_root(ids))
-        return None if any(o is None for o in out) else out
+        self._row_adapters, out = served
+        return out
 
     def add_rows_and_roots(self, prompts: list[list[int]]) -> list[TreeLogits] | None:
         """``add_rows`` with each new row's whole prompt cached, its last token's output
         back as in ``start_rows_and_roots``, or None, having done nothing (then the loop
         calls ``add_rows``). Default: row copies through ``start_and_root``."""
+        have = self._rows_started("add_rows_and_roots")
+        served = self._served_copies(prompts)
+        if served is None:
+            return None
+        self._row_adapters = have + served[0]
+        return served[1]
+
+    def _served_copies(self, prompts: list[list[int]]) -> tuple[list, list[TreeLogits]] | None:
+        """One shallow copy of this adapter per prompt, each started by ``start_and_root``,
+        and their served outputs; None where the adapter (or one row) cannot serve."""
         if type(self).start_and_root is TargetModel.start_and_root:
             return None
-        have = self._rows_started("add_rows_and_roots")
-        new = [copy.copy(self) for _ in prompts]
+        copies = [copy.copy(self) for _ in prompts]
         out = []
-        for row, ids in zip(new, prompts):
+        for row, ids in zip(copies, prompts):
             row._row_adapters = None
             out.append(row.start_and_root(ids))
-        if any(o is None for o in out):
-            return None
-        self._row_adapters = have + new
-        return out
+        return None if any(o is None for o in out) else (copies, out)
 
     def forward_trees(self, linear: LinearTree) -> list[TreeLogits]:
         """Verify forward of every tree of ``linear`` (tree ``b`` = row ``b``); one

@@ -240,10 +240,8 @@ class HFTarget(TargetModel):
         (``TargetModel.start_and_root``): one forward fewer than ``start`` + a root-only
         verify, as ``generate`` draws its first token from the prefill. ``prompt_features()``
         then holds one feature per prompt token (the last one's too)."""
-        ids = check_prompt_ids(prompt_ids, self.vocab_size)
-        hidden, feats = self._prefill(ids, with_root=True)
-        last = slice(-2, -1) if active("served_root_stale") and len(ids) > 1 else slice(-1, None)
-        return HFTreeLogits(hidden[last], self.head, None if feats is None else feats[last], "all")
+        hidden, feats = self._prefill(check_prompt_ids(prompt_ids, self.vocab_size), with_root=True)
+        return self._served(hidden[None], None if feats is None else feats[None])[0]
 
     @torch.no_grad()
     def _prefill(self, ids: list[int], with_root: bool):
