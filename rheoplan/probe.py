@@ -21,6 +21,7 @@ import copy
 import statistics
 import sys
 import time
+from functools import partial
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -84,26 +85,52 @@ def median_ms(fn: Callable[[], object], *, reps: int, warmup: int = 1,
     return statistics.median(out)
 
 
+def round_robin_ms(calls: Sequence[Callable[[], object]], *, reps: int, warmup: int = 1,
+                   timer: Timer = time.perf_counter) -> list[float]:
+    """Median wall time (ms) of each of ``calls`` over ``reps`` rounds of one call each,
+    after ``warmup`` untimed calls of each.
+
+    Round-robin, not one call's ``reps`` in a row: a hiccup of the machine (another process,
+    a page fault) then spoils one sample of one call, which the median drops, instead of
+    every sample of whichever call was being timed. A latency curve measured call by call
+    once read 19.8 ms for a 2-token forward that takes 15 ms, and the running maximum
+    (``monotone``) carried it up to 16 tokens: the cost model then saw 16-token trees as free
+    and planned trees of 13 nodes instead of 9-10, 8% slower (docs/results.md).
+
+    Example (an injected clock: call 0 takes 1 ms, call 1 takes 2 ms except once 50 ms):
+        >>> clock, n = [0.0], [0]
+        >>> def fast(): clock[0] += 0.001
+        >>> def slow():
+        ...     n[0] += 1
+        ...     clock[0] += 0.050 if n[0] == 3 else 0.002
+        >>> [round(v, 6) for v in round_robin_ms([fast, slow], reps=3, timer=lambda: clock[0])]
+        [1.0, 2.0]
+    """
+    if reps < 1:
+        raise ValueError(f"reps={reps} is out of range: allowed >= 1")
+    for fn in calls:
+        for _ in range(warmup):
+            fn()
+    samples: list[list[float]] = [[] for _ in calls]
+    for _ in range(reps):
+        for i, fn in enumerate(calls):
+            t0 = timer()
+            fn()
+            samples[i].append(1e3 * (timer() - t0))
+    return [statistics.median(x) for x in samples]
+
+
 def fastest(candidates: Mapping[str, Callable[[], object]], *, reps: int = 5, warmup: int = 1,
             timer: Timer = time.perf_counter) -> tuple[str, dict[str, float]]:
     """``(name, {name: median ms})`` of the fastest candidate; ties go to the first listed.
 
-    Candidates are timed round-robin (one call each per round), so a machine that slows
-    down during the probe slows every candidate alike.
+    Candidates are timed round-robin (``round_robin_ms``), so a machine that slows down
+    during the probe slows every candidate alike.
     """
     if not candidates:
         raise ValueError("fastest() needs at least one candidate")
     names = list(candidates)
-    for name in names:
-        for _ in range(warmup):
-            candidates[name]()
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(reps):
-        for name in names:
-            t0 = timer()
-            candidates[name]()
-            samples[name].append(1e3 * (timer() - t0))
-    ms = {n: statistics.median(samples[n]) for n in names}
+    ms = dict(zip(names, round_robin_ms([candidates[n] for n in names], reps=reps, warmup=warmup, timer=timer)))
     best = min(names, key=lambda n: (ms[n], names.index(n)))
     return best, ms
 
@@ -312,7 +339,7 @@ class _TimedDraft(DraftModel):
 
 def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
                          row_sizes: Sequence[int] = BATCH_ROW_SIZES, ctx: int = 64,
-                         reps: int = 2, timer: Timer = time.perf_counter) -> tuple[tuple[float, ...], ...]:
+                         reps: int = 3, timer: Timer = time.perf_counter) -> tuple[tuple[float, ...], ...]:
     """``c_v(B, n)`` on a grid: the median latency (ms) of one batched verify forward of ``B``
     rows x ``n`` new tokens each over ``ctx`` cached tokens per row, for every ``B`` in
     ``batch_sizes`` and ``n`` in ``row_sizes`` (each row monotone in ``n``).
@@ -348,7 +375,7 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
             for layer in range(len(base.layers)):
                 kv = torch.randn(2, B, n_kv, ctx, head_dim, generator=gen).to(p.device, p.dtype)
                 cache.update(kv[0], kv[1], layer)
-            row = []
+            forwards = []
             for n in row_sizes:
                 tok = torch.randint(0, vocab, (B, n), generator=gen).to(p.device)
                 pos = (ctx + torch.arange(n, device=p.device)).expand(B, n)
@@ -359,15 +386,15 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
                     allowed[:, ctx:] = torch.ones(n, n, dtype=torch.bool, device=p.device).tril()
                     mask = additive_mask(allowed, p.dtype).expand(B, 1, n, ctx + n)
 
-                def fwd() -> None:
+                def fwd(tok=tok, pos=pos, mask=mask, cache=cache) -> None:
                     base(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True,
                          **{_cache_kwarg(base): cache})
                     crop_cache(cache, ctx)
                     if p.device.type == "cuda":
                         torch.cuda.synchronize(p.device)
 
-                row.append(median_ms(fwd, reps=reps, timer=timer))
-            grid.append(monotone(row))
+                forwards.append(fwd)
+            grid.append(monotone(round_robin_ms(forwards, reps=reps, timer=timer)))
             del cache
     return tuple(grid)
 
@@ -444,13 +471,14 @@ def measure_batch_tree_verify(model, draft, prompt_ids: Sequence[int], *, tree, 
 
 def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=None,
                     ctx: tuple[int, int] = (64, 512), sizes: Sequence[int] = VERIFY_SIZES,
-                    reps: int = 3, steps: int = 24, model_id: str | None = None,
+                    reps: int = 5, steps: int = 24, model_id: str | None = None,
                     draft_id: str = "", use_cache: bool = True, timer: Timer = time.perf_counter,
                     batch_sizes: Sequence[int] = BATCH_SIZES, batch_row_sizes: Sequence[int] = BATCH_ROW_SIZES,
                     log=sys.stderr) -> Timings:
     """The cost model's latencies for ``model`` (+ ``draft``) on this machine (cached).
 
-    * ``c_v(n, ctx)``: a verify forward of ``n`` tokens (``sizes``) at two context lengths;
+    * ``c_v(n, ctx)``: a verify forward of ``n`` tokens (``sizes``) at two context lengths
+      (the sizes timed round-robin, ``round_robin_ms``: the median of ``reps`` rounds);
     * ``c_v(B, n)``: a batched verify forward of ``B`` rows (``batch_sizes``) x ``n`` tokens
       each (``batch_row_sizes``) at the shorter context (``measure_batch_verify``; pass
       ``batch_sizes=()`` to skip it: batches are then priced as one row of ``B * n`` tokens);
@@ -476,7 +504,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                     batched_loop=batch_sizes != () and batched_decode_unavailable() is None,
                     verify="forward",  # c_v without the output projections (older records had them)
                     tree_scale=True,  # batch_tree_scale measured (older records lack it)
-                    ar_rows=3)  # the leaner batched plain step (f57ec9c) and batch_ar_scale
+                    ar_rows=3,  # the leaner batched plain step (f57ec9c) and batch_ar_scale
+                    rounds="round-robin")  # c_v timed round-robin (older records could hold one hiccup)
     if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:
@@ -494,13 +523,10 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
             for c in ctx:
                 prompt = [(7 * i + 3) % vocab for i in range(c + 1)]
                 tgt.start(prompt)
-                row = []
-                for n in sizes:
-                    lin = chain_linear(prompt[-1], c, n)
-                    # the forward alone, as StepStats.t_verify_forward times it: the walk's
-                    # output projections are bookkeeping (c_o), measured in the decodes below
-                    row.append(median_ms(lambda: tgt.forward_tree(lin), reps=reps, timer=timer))
-                lo_hi.append(monotone(row))
+                # the forward alone, as StepStats.t_verify_forward times it: the walk's
+                # output projections are bookkeeping (c_o), measured in the decodes below
+                forwards = [partial(tgt.forward_tree, chain_linear(prompt[-1], c, n)) for n in sizes]
+                lo_hi.append(monotone(round_robin_ms(forwards, reps=reps, timer=timer)))
     finally:
         if hasattr(tgt, "close"):
             tgt.close()

@@ -37,6 +37,22 @@ def test_fastest_picks_the_lowest_median_and_ties_go_first():
         probe.fastest({}, timer=c)
 
 
+def test_round_robin_times_one_call_of_each_per_round():
+    c = Clock()
+    order = []
+
+    def call(name, ms):
+        def fn():
+            order.append(name)
+            c.now += ms / 1e3
+        return fn
+
+    ms = probe.round_robin_ms([call("a", 1.0), call("b", 4.0)], reps=2, warmup=1, timer=c)
+    assert ms == pytest.approx([1.0, 4.0]) and order == ["a", "b", "a", "b", "a", "b"]
+    with pytest.raises(ValueError, match="reps=0"):
+        probe.round_robin_ms([call("a", 1.0)], reps=0, timer=c)
+
+
 def test_fastest_uses_the_median_not_one_lucky_call():
     c = Clock()
     costs = iter([9.0, 1.0, 9.0, 9.0, 9.0])  # warm-up, then one lucky 1 ms call among 9 ms ones
@@ -185,6 +201,21 @@ def test_measure_batch_verify_grid_on_a_tiny_model():
     model.model.forward = counting
     grid = probe.measure_batch_verify(model, batch_sizes=(1, 3), row_sizes=(1, 2, 5), ctx=8, reps=1, timer=clock)
     assert [list(r) for r in grid] == [pytest.approx([1.0, 2.0, 5.0]), pytest.approx([3.0, 6.0, 15.0])]
+    # a burst of load (40 ms more on three forwards in a row) spoils one sample of each size
+    # at most, which the median of the round-robin rounds drops; timed size by size, it would
+    # have been all three samples of the 2-token forward (calls 5-7 after its warm-up), and
+    # the running maximum would have carried 42 ms up to 5 tokens
+    calls = []
+
+    def bursty(*a, **kw):
+        ids = kw["input_ids"]
+        calls.append(None)
+        ticks.append(ids.shape[0] * ids.shape[1] + (40 if len(calls) in (6, 7, 8) else 0))
+        return real(*a, **kw)
+
+    model.model.forward = bursty
+    grid = probe.measure_batch_verify(model, batch_sizes=(1,), row_sizes=(1, 2, 5), ctx=8, reps=3, timer=clock)
+    assert list(grid[0]) == pytest.approx([1.0, 2.0, 5.0])
     for bad, match in ((dict(batch_sizes=()), "batch_sizes"), (dict(row_sizes=(2, 1)), "row_sizes"),
                        (dict(batch_sizes=(0, 1)), "batch_sizes"), (dict(ctx=0), "ctx=0")):
         with pytest.raises(ValueError, match=match):
