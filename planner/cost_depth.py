@@ -26,14 +26,15 @@ from rheoplan.planner.cost_prune import decide
 from rheoplan.planner.expand import select_frontier
 
 
-def another_depth_pays(plan: CostPlan, tree: DraftTree, frontier: int, budget: int) -> bool:
-    """Can drafting one more depth below ``tree`` pay for its draft call and verify tokens?"""
+def another_depth_pays(plan: CostPlan, tree: DraftTree, frontier: int, budget: int, decisions=None) -> bool:
+    """Can drafting one more depth below ``tree`` pay for its draft call and verify tokens?
+    ``decisions``: a ``LastDecision`` shared with the step's prune (default: ``decide``)."""
     d = tree.cur_depth
     if d == 0:
         return not plan.skip_draft
     if d >= len(plan.continuation):
         return False
-    now = decide(plan, tree, budget)
+    now = (decisions or decide)(plan, tree, budget)
     tm = plan.timings
     ctx = int(tree.prefix_len.max())
     B = tree.batch
@@ -54,22 +55,25 @@ def another_depth_pays(plan: CostPlan, tree: DraftTree, frontier: int, budget: i
 
 
 def cost_expand_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, inner,
-                     declined: list | None = None) -> DraftTree:
+                     declined: list | None = None, decisions=None) -> DraftTree:
     """``inner(tree, ctx)`` if another depth pays, else ``tree`` unchanged. ``declined``
     (a list the pass owns) remembers the tree it last returned unchanged: the later
     ``expand`` passes of the run get that very tree back (``assign`` finds nothing to
     draw in it) and would decide the same, so they return it without deciding again
-    (the decision is a third of a millisecond; a run has up to ``depth`` of them)."""
+    (the decision is a third of a millisecond; a run has up to ``depth`` of them).
+    ``decisions``: a ``LastDecision`` shared with the step's prune, which then reuses the
+    decision behind a declined depth."""
     if declined and declined[0] is tree:
         return tree
     cfg = ctx.tree_cfg
-    if not another_depth_pays(plan, tree, cfg.frontier, cfg.budget):
+    if not another_depth_pays(plan, tree, cfg.frontier, cfg.budget, decisions):
         if declined is not None:
             declined[:] = [tree]
         return tree
     return inner(tree, ctx)
 
 
-def cost_expand(plan: CostPlan, inner) -> FnPass:
-    """``inner`` (an ``expand`` pass) gated by the cost model; it keeps the name ``expand``."""
-    return FnPass("expand", partial(cost_expand_tree, plan=plan, inner=inner, declined=[]))
+def cost_expand(plan: CostPlan, inner, decisions=None) -> FnPass:
+    """``inner`` (an ``expand`` pass) gated by the cost model; it keeps the name ``expand``.
+    ``decisions``: the ``LastDecision`` shared with the step's prune (``cost_pipeline``)."""
+    return FnPass("expand", partial(cost_expand_tree, plan=plan, inner=inner, declined=[], decisions=decisions))

@@ -107,8 +107,30 @@ def decide(plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
     return CostDecision(acc, orders, chosen, e, cost, tm.ar_step_batch(B, ctx), draft)
 
 
-def cost_prune_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, on_decision=None) -> DraftTree:
-    d = decide(plan, tree, ctx.tree_cfg.budget)
+class LastDecision:
+    """``decide`` that remembers its last answer. One step's depth gates and its prune share
+    one (``cost_pipeline``): when a gate declines a depth, the later passes return that
+    very tree, and the prune would decide it again (~0.1 ms a step on the 2-core machine,
+    most steps). The tree is matched by identity, as ``cost_expand_tree`` matches a
+    declined one: passes return new trees and never write the one they were given."""
+
+    def __init__(self) -> None:
+        self._last: tuple | None = None
+
+    def __call__(self, plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
+        last = self._last
+        if last is not None and last[0] is plan and last[1] is tree and last[2] == budget:
+            return last[3]
+        d = decide(plan, tree, budget)
+        self._last = (plan, tree, budget, d)
+        return d
+
+
+def cost_prune_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, on_decision=None,
+                    decisions=None) -> DraftTree:
+    """Keep the nodes the cost model chooses (``decide``; ``decisions``, a ``LastDecision``
+    shared with the step's depth gates, reuses a decision they made for this tree)."""
+    d = (decisions or decide)(plan, tree, ctx.tree_cfg.budget)
     if on_decision is not None:  # an observer (the decode loop's statistics); it changes nothing
         on_decision(d)
     t = tree.clone()
@@ -119,7 +141,8 @@ def cost_prune_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, on_decisi
     return t
 
 
-def cost_prune(plan: CostPlan, on_decision=None) -> FnPass:
+def cost_prune(plan: CostPlan, on_decision=None, decisions: LastDecision | None = None) -> FnPass:
     """The pass, bound to one step's frozen ``CostPlan``; it replaces ``prune``.
-    ``on_decision(CostDecision)``, if given, sees the decision (for statistics and dumps)."""
-    return FnPass("prune", partial(cost_prune_tree, plan=plan, on_decision=on_decision))
+    ``on_decision(CostDecision)``, if given, sees the decision (for statistics and dumps);
+    ``decisions``: the ``LastDecision`` the step's depth gates share (``cost_pipeline``)."""
+    return FnPass("prune", partial(cost_prune_tree, plan=plan, on_decision=on_decision, decisions=decisions))

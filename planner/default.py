@@ -13,7 +13,7 @@ from __future__ import annotations
 from rheoplan.pipeline import Repeat
 from rheoplan.planner.assign import assign_pass
 from rheoplan.planner.cost_depth import cost_expand
-from rheoplan.planner.cost_prune import cost_prune
+from rheoplan.planner.cost_prune import LastDecision, cost_prune
 from rheoplan.planner.expand import expand_pass
 from rheoplan.planner.linearize import linearize_pass
 from rheoplan.planner.prune import prune_pass
@@ -41,13 +41,15 @@ def cost_pipeline(plan, base=None, on_decision=None) -> list:
         >>> [p.name for p in cost_pipeline(CostPlan.from_calibration(tm, Calibration()))][-2:]
         ['prune', 'linearize']
     """
+    decisions = LastDecision()  # the prune reuses the decision behind a declined depth
+
     def rewrite(p):
         if isinstance(p, Repeat):
             return Repeat(p.name, tuple(rewrite(q) for q in p.body), p.times)
         if p.name == "expand":
-            return cost_expand(plan, p)
+            return cost_expand(plan, p, decisions)
         if p.name == "prune":
-            return cost_prune(plan, on_decision)
+            return cost_prune(plan, on_decision, decisions)
         return p
 
     return [rewrite(p) for p in (DEFAULT_PIPELINE if base is None else base)]

@@ -131,6 +131,31 @@ def test_declined_expand_is_not_decided_again(monkeypatch):
     assert gate(other, ctx) is other and len(calls) == 2
 
 
+def test_prune_reuses_the_decision_behind_a_declined_depth(monkeypatch):
+    """``cost_pipeline``'s gates and prune share a ``LastDecision``: the prune of the tree a
+    gate declined takes the gate's decision; another tree, plan or budget is decided anew,
+    and the kept nodes are those of a fresh decision."""
+    from rheoplan.planner import cost_depth, cost_prune as cp
+
+    calls = []
+    real = cp.decide
+    monkeypatch.setattr(cp, "decide", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cost_depth, "decide", cp.decide)
+    dear = CostPlan.from_calibration(timings(0.0, draft=1e4), Calibration())
+    inner = FnPass("expand", lambda t, ctx: pytest.fail("a declined depth was drafted"))
+    memo = cp.LastDecision()
+    gate, prune = cost_depth.cost_expand(dear, inner, memo), cp.cost_prune(dear, None, memo)
+    ctx = PassContext(tree_cfg=TreeConfig(depth=4, frontier=1, slots=2, budget=8, rheostat=2, support=2),
+                      sampling=SamplingConfig())
+    t = from_text(BEFORE)
+    kept = prune(gate(t, ctx), ctx).kept
+    assert len(calls) == 1
+    assert torch.equal(kept, cost_prune_tree(t, ctx, dear).kept) and len(calls) == 2
+    prune(from_text(BEFORE), ctx)  # an equal but other tree: decided again
+    assert len(calls) == 3
+    assert memo(dear, t, 4) is not memo(dear, t, 8) and len(calls) == 5
+
+
 # -- exactness: the oracle with a fixed calibration --------------------------------------------
 
 
