@@ -3,8 +3,9 @@
 Decodes held-out prompts with the defaults of ``rheoplan generate`` (bfloat16, the shipped
 head, the cost model) and wraps each function listed in ``TARGETS`` with a timer, plus a
 timer per pass (a pipeline instrument). Prints ms per step and calls per step, largest
-first. Times are inclusive and nest (``pass.expand`` contains the draft calls); the
-timers add a few microseconds per call. docs/results.md ("Lean steps, seventh round")
+first. Times are inclusive and nest (``_plan`` contains every pass, ``pass.expand`` the
+draft calls, ``draft_answer`` the head's layers and its projection); the timers add a
+few microseconds per call. docs/results.md ("Lean steps", seventh and tenth rounds)
 quotes this script.
 
 Usage:
@@ -35,6 +36,11 @@ TARGETS = [
     ("rheoplan.models.hf_target", "HFTarget.forward_tree"),
     ("rheoplan.models.hf_target", "HFTarget.commit"),
     ("rheoplan.rng", "Streams.uniform"),
+    ("rheoplan.decode", "_plan"),
+    ("rheoplan.models.eagle3.head", "Eagle3Head.forward"),
+    ("rheoplan.models.eagle3.draft", "Eagle3Draft._project"),
+    ("rheoplan.models.hf_target", "HFTreeLogits.all_logits"),
+    ("rheoplan.kernels.verify.cpu", "NodeDrawer.__call__"),
 ]
 
 

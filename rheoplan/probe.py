@@ -339,7 +339,8 @@ class _TimedDraft(DraftModel):
 
 def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
                          row_sizes: Sequence[int] = BATCH_ROW_SIZES, ctx: int = 64,
-                         reps: int = 3, timer: Timer = time.perf_counter) -> tuple[tuple[float, ...], ...]:
+                         reps: int = 3, timer: Timer = time.perf_counter,
+                         log=None) -> tuple[tuple[float, ...], ...]:
     """``c_v(B, n)`` on a grid: the median latency (ms) of one batched verify forward of ``B``
     rows x ``n`` new tokens each over ``ctx`` cached tokens per row, for every ``B`` in
     ``batch_sizes`` and ``n`` in ``row_sizes`` (each row monotone in ``n``).
@@ -353,7 +354,9 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
     too priced every step's projections twice). The cache is filled with random keys and
     values (the latency does not depend on them, and it saves a prefill of ``B * ctx``
     tokens) and cropped back to ``ctx`` after every forward. With the default grid, 15
-    short forwards (x ``reps + 1``).
+    short forwards (x ``reps + 1``), timed round-robin per batch size (``round_robin_ms``).
+    ``log``: where a warning goes if a row still drops with more tokens (``dips``: the
+    machine was busy); None: no warning.
     """
     for name, xs in (("batch_sizes", batch_sizes), ("row_sizes", row_sizes)):
         if not xs or list(xs) != sorted(set(xs)) or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
@@ -394,7 +397,8 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
                         torch.cuda.synchronize(p.device)
 
                 forwards.append(fwd)
-            grid.append(monotone(round_robin_ms(forwards, reps=reps, timer=timer)))
+            grid.append(_curve(row_sizes, round_robin_ms(forwards, reps=reps, timer=timer),
+                               f"the batched verify latency of {B} rows", log))
             del cache
     return tuple(grid)
 
@@ -526,12 +530,13 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                 # the forward alone, as StepStats.t_verify_forward times it: the walk's
                 # output projections are bookkeeping (c_o), measured in the decodes below
                 forwards = [partial(tgt.forward_tree, chain_linear(prompt[-1], c, n)) for n in sizes]
-                lo_hi.append(monotone(round_robin_ms(forwards, reps=reps, timer=timer)))
+                lo_hi.append(_curve(sizes, round_robin_ms(forwards, reps=reps, timer=timer),
+                                    f"the verify latency at {c} cached tokens", log))
     finally:
         if hasattr(tgt, "close"):
             tgt.close()
     grid = (measure_batch_verify(model, batch_sizes=batch_sizes, row_sizes=batch_row_sizes, ctx=ctx[0],
-                                 reps=reps, timer=timer) if batch_sizes else ())
+                                 reps=reps, timer=timer, log=log) if batch_sizes else ())
     inner = as_draft(draft)
     timed = _TimedDraft(inner, timer)
     ids = list(prompt_ids)
@@ -587,6 +592,41 @@ def monotone(ms: Sequence[float]) -> tuple[float, ...]:
         top = max(top, float(v))
         out.append(top)
     return tuple(out)
+
+
+#: a larger forward measured this much below a smaller one is taken for a busy machine
+DIP_TOLERANCE = 0.10
+
+
+def dips(sizes: Sequence[int], ms: Sequence[float], tolerance: float = DIP_TOLERANCE) -> list[tuple[int, int]]:
+    """``(smaller, larger)`` size pairs where the forward over ``larger`` tokens measured more
+    than ``tolerance`` below the slowest smaller one: impossible on a quiet machine (more
+    tokens never cost less), so a sign that the machine was busy while ``smaller`` was
+    timed. ``monotone`` hides such a spike by carrying it upwards.
+
+    Example: 2 tokens read 19.8 ms, 4 tokens 15.3 ms:
+        >>> dips((1, 2, 4, 8), (14.9, 19.8, 15.3, 17.0))
+        [(2, 4), (2, 8)]
+    """
+    out, top, at = [], float("-inf"), None
+    for n, v in zip(sizes, ms):
+        if at is not None and float(v) < (1.0 - tolerance) * top:
+            out.append((at, n))
+        if float(v) > top:
+            top, at = float(v), n
+    return out
+
+
+def _curve(sizes: Sequence[int], ms: Sequence[float], what: str, log) -> tuple[float, ...]:
+    """``monotone(ms)``, with a warning on ``log`` (if given) where ``dips`` finds any."""
+    bad = dips(sizes, ms)
+    if bad and log is not None:
+        pairs = ", ".join(f"{a} tokens {ms[list(sizes).index(a)]:.1f} ms > {b} tokens "
+                          f"{ms[list(sizes).index(b)]:.1f} ms" for a, b in bad[:3])
+        print(f"cost model: warning: {what} dropped with more tokens ({pairs}): the machine was "
+              "probably busy while it was measured, and the cost model may plan trees too "
+              "large; measure again on a quiet machine with RHEOPLAN_REMEASURE=1", file=log)
+    return monotone(ms)
 
 
 def _overhead_ms(res) -> float:

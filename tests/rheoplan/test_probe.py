@@ -183,6 +183,12 @@ def test_verify_latencies_never_drop_with_more_tokens():
     assert probe.monotone([1.0]) == (1.0,)
 
 
+def test_dips_name_the_spike_and_tolerate_small_noise():
+    assert probe.dips((1, 2, 4, 8), (14.9, 19.8, 15.3, 17.0)) == [(2, 4), (2, 8)]
+    assert probe.dips((1, 2, 4), (15.0, 14.0, 16.0)) == []  # within 10%
+    assert probe.dips((1, 2), (10.0, 8.0), tolerance=0.25) == []
+
+
 def test_measure_batch_verify_grid_on_a_tiny_model():
     model = tiny_llama(seed=1, vocab=16)
     ticks = []
@@ -216,6 +222,19 @@ def test_measure_batch_verify_grid_on_a_tiny_model():
     model.model.forward = bursty
     grid = probe.measure_batch_verify(model, batch_sizes=(1,), row_sizes=(1, 2, 5), ctx=8, reps=3, timer=clock)
     assert list(grid[0]) == pytest.approx([1.0, 2.0, 5.0])
+    # a load that slows every 2-token forward is not noise the median can drop: the curve is
+    # still made monotone, and the log says the machine looked busy
+    def slow_twos(*a, **kw):
+        n = kw["input_ids"].shape[1]
+        ticks.append(n * (21 if n == 2 else 1))
+        return real(*a, **kw)
+
+    model.model.forward = slow_twos
+    log = io.StringIO()
+    grid = probe.measure_batch_verify(model, batch_sizes=(1,), row_sizes=(1, 2, 5), ctx=8, reps=3, timer=clock, log=log)
+    assert list(grid[0]) == pytest.approx([1.0, 42.0, 42.0])
+    assert "dropped with more tokens (2 tokens 42.0 ms > 5 tokens 5.0 ms)" in log.getvalue()
+    assert "RHEOPLAN_REMEASURE=1" in log.getvalue()
     for bad, match in ((dict(batch_sizes=()), "batch_sizes"), (dict(row_sizes=(2, 1)), "row_sizes"),
                        (dict(batch_sizes=(0, 1)), "batch_sizes"), (dict(ctx=0), "ctx=0")):
         with pytest.raises(ValueError, match=match):
