@@ -95,7 +95,8 @@ def round_robin_ms(calls: Sequence[Callable[[], object]], *, reps: int, warmup: 
     every sample of whichever call was being timed. A latency curve measured call by call
     once read 19.8 ms for a 2-token forward that takes 15 ms, and the running maximum
     (``monotone``) carried it up to 16 tokens: the cost model then saw 16-token trees as free
-    and planned trees of 13 nodes instead of 9-10, 8% slower (docs/results.md).
+    and planned trees of 14 nodes instead of 10, 6% (T = 1) and 10% (T = 0) slower
+    (docs/results.md, "Lean steps, tenth round").
 
     Example (an injected clock: call 0 takes 1 ms, call 1 takes 2 ms except once 50 ms):
         >>> clock, n = [0.0], [0]
