@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from rheoplan.models.eagle3 import load_eagle3_checkpoint, save_eagle3
+from rheoplan.models.eagle3 import Eagle3LoadError, load_eagle3_checkpoint, read_eagle3, save_eagle3
 from rheoplan.models.hf_target import eagle3_layers
 from rheoplan.models.packed_linear import pack_if_it_pays
 from rheoplan.models.smollm import DTYPES
@@ -43,6 +43,8 @@ from rheoplan.train import prompts as pr
 from rheoplan.train import selfdistill as sd
 from rheoplan.train import tokens as tk
 from rheoplan.train import train as tr
+
+DEFAULT_DRAFT_VOCAB = 8192
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -81,8 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training (stage 'train')")
     g.add_argument("--train-dtype", choices=sorted(DTYPES), default="bfloat16",
                    help="target dtype of the teacher-forced forwards that make features and soft targets")
-    g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (the target tokens "
-                   "sampled most often)")
+    g.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (the target tokens "
+                   f"sampled most often); default {DEFAULT_DRAFT_VOCAB}, or the --init-from head's")
+    g.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from this EAGLE-3 head (config.json + weights, e.g. the shipped "
+                        "rheoplan/assets/smollm2-eagle3) instead of a fresh one, keeping its draft vocabulary: "
+                        "more training for a head that exists (give it a lower --lr, e.g. 3e-4); its held-out "
+                        "numbers before this run go into the report and the model card")
     g.add_argument("--epochs", type=int, default=2)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--chunk-tokens", type=int, default=1024, help="pairs per optimiser step (packed rows)")
@@ -127,10 +134,15 @@ def _check_args(a: argparse.Namespace) -> list[str]:
     bad = [s for s in stages if s not in STAGES]
     if bad or not stages:
         raise SystemExit(f"--stages {a.stages!r}: allowed a comma list of {', '.join(STAGES)}")
-    for name in ("tokens_per_prompt", "batch_size", "live_rows", "heldout_tokens", "topk", "heldout_topk", "draft_vocab",
+    for name in ("tokens_per_prompt", "batch_size", "live_rows", "heldout_tokens", "topk", "heldout_topk",
                  "epochs", "chunk_tokens", "threads", "ckpt_every", "eval_depths", "calib_rows"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(a, name)}: allowed >= 1")
+    if a.draft_vocab is not None and a.draft_vocab < 1:
+        raise SystemExit(f"--draft-vocab={a.draft_vocab}: allowed >= 1")
+    if a.init_from is not None and not os.path.isfile(os.path.join(a.init_from, "config.json")):
+        raise SystemExit(f"--init-from {a.init_from!r}: expected an EAGLE-3 head directory with config.json "
+                         "(e.g. rheoplan/assets/smollm2-eagle3)")
     if a.prompts < 0:
         raise SystemExit(f"--prompts={a.prompts}: allowed >= 0")
     if not a.feature_cache_gb >= 0:
@@ -236,6 +248,30 @@ def _eval_sets(a, model, held_rows, train_rows, shared):
     return held, trs
 
 
+def read_init_head(a, model) -> tr.Eagle3Head:
+    """The ``--init-from`` head in float32, checked against the target and ``--draft-vocab``
+    before any training work (SystemExit naming what differs)."""
+    try:
+        head = read_eagle3(a.init_from, dtype=torch.float32)
+    except (Eagle3LoadError, OSError, ValueError) as e:
+        raise SystemExit(f"--init-from {a.init_from!r}: {e}")
+    n = head.config.draft_vocab_size
+    if a.draft_vocab is not None and a.draft_vocab != n:
+        raise SystemExit(f"--draft-vocab={a.draft_vocab} with --init-from {a.init_from!r}, whose draft vocabulary "
+                         f"has {n} tokens: allowed {n} (or leave --draft-vocab out)")
+    want = tr.head_config_for(model.config, n).to_dict()
+    got = head.config.to_dict()
+    diff = [f"{k}: head {got.get(k)!r}, target needs {v!r}" for k, v in want.items() if got.get(k) != v]
+    if diff:
+        raise SystemExit(f"--init-from {a.init_from!r} was not made for this target: " + "; ".join(diff))
+    if head.fc.bias is not None or head.embed_tokens is not None:
+        raise SystemExit(f"--init-from {a.init_from!r} has an fc bias or its own token embeddings: the trainer "
+                         "builds heads without them")
+    if head.d2t is None:
+        raise SystemExit(f"--init-from {a.init_from!r} has no d2t/t2d vocabulary map: allowed a head that has one")
+    return head
+
+
 def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     d = tokens_dir(a)
     names = _train_shards(a)
@@ -246,14 +282,24 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     report["data"] = {"train": {**_data_stats(train_rows), "shards": len(names)}, "heldout": _data_stats(held_rows),
                       "tokens_dir": d, "dataset": json.load(open(os.path.join(d, "dataset.json")))}
     V = int(model.config.vocab_size)
+    init = read_init_head(a, model) if a.init_from else None
     shared = tr.common_prefix_len(train_rows + held_rows)
     vocab_path = os.path.join(a.work_dir, "draft_vocab.pt")
     # counted again on resume too (a second or two): the model card reports the coverage
     counts = tr.token_counts(train_rows, V, skip_prefix=shared)
     if a.resume and os.path.exists(vocab_path):
         draft_ids = torch.load(vocab_path)
+        if init is not None and not torch.equal(draft_ids, init.target_ids()):
+            raise SystemExit(f"--resume with --init-from {a.init_from!r}: the checkpointed run has another draft "
+                             "vocabulary than that head")
+    elif init is not None:  # the head's vocabulary: its lm_head rows belong to those tokens
+        draft_ids = init.target_ids().clone()
+        torch.save(draft_ids, vocab_path)
     else:
-        draft_ids = tr.choose_draft_vocab(counts, min(a.draft_vocab, V), always=[eos])
+        size = a.draft_vocab or DEFAULT_DRAFT_VOCAB
+        if size > V:
+            raise SystemExit(f"--draft-vocab={size}: allowed 1..{V} (the target's vocabulary)")
+        draft_ids = tr.choose_draft_vocab(counts, size, always=[eos])
         torch.save(draft_ids, vocab_path)
     report["draft_vocab_train_coverage"] = float(counts[draft_ids].sum() / counts.sum().clamp(min=1))
     report["draft_vocab_size"] = int(draft_ids.numel())
@@ -266,8 +312,15 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
                              batch_tokens=2 * a.chunk_tokens)  # batched: 64 rows at once would not fit
         scale = tr.feature_scale({"feats": e.feats} for e in src.get(range(len(calib))))
         torch.save(scale, scale_path)
-    cfg = tr.head_config_for(model.config, int(draft_ids.numel()))
-    head = tr.init_head(cfg, draft_ids, model, seed=a.seed).float()
+    if init is not None:
+        # the exported head reads raw features (its fc holds the scale it was trained with);
+        # training feeds feats * scale, so fc is divided by this run's scale: the same head
+        head = init
+        tr.unfold_feature_scale(head, scale)
+        report["init_from"] = a.init_from
+    else:
+        cfg = tr.head_config_for(model.config, int(draft_ids.numel()))
+        head = tr.init_head(cfg, draft_ids, model, seed=a.seed).float()
     embed = model.get_input_embeddings().weight.detach().float()
     train_src = ft.RowExamples(model, train_rows, topk=a.topk, shared_prefix=shared, prompt_weight=a.prompt_weight,
                                batch_tokens=2 * a.chunk_tokens, cache_gb=a.feature_cache_gb or None,
@@ -285,6 +338,13 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
                           prompt_weight=a.prompt_weight, autocast_bf16=not a.no_bf16, seed=a.seed,
                           ckpt_every=a.ckpt_every)
     depths = max(a.eval_depths, a.ttt_steps)
+    if init is not None and held_rows and not (a.resume and os.path.exists(os.path.join(a.work_dir, "ckpt.pt"))):
+        # where this run starts from, measured by the same evaluation as its epochs
+        report["eval_heldout_init"] = tr.evaluate(head, embed, held_src, steps=depths, chunk_tokens=a.chunk_tokens,
+                                                  draft_ids=draft_ids, t2d_index=tr.target_to_draft_index(draft_ids, V),
+                                                  scale=scale)
+        print(f"[train] --init-from head, held-out top-1 per depth: " + " / ".join(
+            f"{100 * report['eval_heldout_init'][f'top1_step{k}']:.1f}%" for k in range(1, depths + 1)), flush=True)
 
     def heldout_eval(epoch: int) -> dict:
         return tr.evaluate(head, embed, held_src, steps=depths, chunk_tokens=a.chunk_tokens,
@@ -423,6 +483,11 @@ def model_card(r: dict) -> str:
         f"- loss: soft cross-entropy to the target's top-k distribution restricted to the draft vocabulary; "
         f"EAGLE-3 training-time test with {cfg.get('ttt_steps')} steps (step weights {cfg.get('step_decay')}^(k-1))",
         _wall_line(trn),
+    ]
+    if r.get("init_from"):
+        lines.append(f"- started from the head in `{r['init_from']}` (`--init-from`), not from a fresh one; its "
+                     "held-out numbers before this run are the first rows of the table below")
+    lines += [
         "",
         "## Measured quality per draft depth (answer positions)",
         "",
@@ -435,7 +500,9 @@ def model_card(r: dict) -> str:
         "| set | depth | positions | top-1 | top-3 | acceptance |",
         "|---|---|---|---|---|---|",
     ]
-    for label, e in (("held-out (exported fp16 head)", ev), ("training subset", evt)):
+    sets = (("held-out, the --init-from head before this run", r.get("eval_heldout_init") or {}),
+            ("held-out (exported fp16 head)", ev), ("training subset", evt))
+    for label, e in sets:
         k = 1
         while e and f"top1_step{k}" in e:
             lines.append(f"| {label} | {k} | {int(e.get(f'positions_step{k}', 0))} | {_pct(e.get(f'top1_step{k}'))} | "

@@ -160,6 +160,13 @@ def fold_feature_scale(head: Eagle3Head, scale: torch.Tensor) -> None:
         head.fc.weight.mul_(scale.to(head.fc.weight)[None, :])
 
 
+def unfold_feature_scale(head: Eagle3Head, scale: torch.Tensor) -> None:
+    """The inverse of ``fold_feature_scale`` (in place): an exported head, which reads raw
+    features, made to read ``feats * scale`` as training feeds them (``--init-from``)."""
+    with torch.no_grad():
+        head.fc.weight.div_(scale.to(head.fc.weight)[None, :])
+
+
 # --------------------------------------------------------------------------------------
 # Examples, packing, masks
 # --------------------------------------------------------------------------------------

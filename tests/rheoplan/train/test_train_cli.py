@@ -33,6 +33,8 @@ def test_help_lists_the_main_flags(capsys):
     (["--prompt-weight", "2"], "--prompt-weight"),
     (["--target", "/nonexistent/model"], "--target"),
     (["--heldout-prompts", "/nonexistent.txt"], "--heldout-prompts"),
+    (["--draft-vocab", "0"], "--draft-vocab"),
+    (["--init-from", "/nonexistent/head"], "--init-from"),
 ])
 def test_bad_arguments_are_rejected_before_any_work(argv, msg, tmp_path):
     a = cli.build_parser().parse_args(["--work-dir", str(tmp_path)] + argv)
@@ -96,3 +98,43 @@ def test_the_pipeline_runs_and_resumes_on_a_local_model(tiny_target_dir, tmp_pat
     assert 0 < rep["draft_vocab_train_coverage"] <= 1 and "covering n/a" not in card
     assert "over all sittings (the last, resumed at step 3" in card
     assert read_eagle3(os.path.join(work, "export")).config.draft_vocab_size == 40
+
+
+@pytest.mark.slow
+def test_init_from_continues_an_exported_head(tiny_target_dir, tmp_path):
+    """``--init-from``: the exported head (scale folded into fc) is unfolded again, so the
+    run starts from exactly that head: its held-out numbers before training equal the
+    export's; a head that does not fit (vocabulary size, target) is refused before training."""
+    toks = str(tmp_path / "tokens")
+    base = ["--tokens-dir", toks, "--target", tiny_target_dir, "--prompts", "16", "--tokens-per-prompt", "10",
+            "--heldout-tokens", "6", "--batch-size", "8", "--threads", "1", "--no-progress",
+            "--sample-dtype", "float32", "--train-dtype", "float32", "--chunk-tokens", "128", "--epochs", "1",
+            "--no-bf16"] + _prompt_files(tmp_path)
+    first = str(tmp_path / "first")
+    assert cli.main(base + ["--work-dir", first, "--draft-vocab", "40", "--max-steps", "2"]) == 0
+    exported = os.path.join(first, "export")
+    before = json.load(open(os.path.join(exported, "report.json")))["eval_heldout_exported_fp16"]
+
+    second = str(tmp_path / "second")
+    with pytest.raises(SystemExit, match="--draft-vocab=30 .* allowed 40"):
+        cli.main(base + ["--work-dir", second, "--stages", "train", "--init-from", exported, "--draft-vocab", "30"])
+    assert cli.main(base + ["--work-dir", second, "--stages", "train,export", "--init-from", exported,
+                            "--lr", "3e-4", "--max-steps", "2"]) == 0
+    rep = json.load(open(os.path.join(second, "export", "report.json")))
+    init = rep["eval_heldout_init"]
+    for k in ("top1_step1", "top3_step1", "top1_step2"):
+        assert init[k] == pytest.approx(before[k], abs=0.02)
+    assert init["loss_step1"] == pytest.approx(before["loss_step1"], rel=1e-2)
+    assert torch.equal(read_eagle3(os.path.join(second, "export")).target_ids(), read_eagle3(exported).target_ids())
+    card = open(os.path.join(second, "export", "MODEL_CARD.md")).read()
+    assert "(`--init-from`)" in card and "| held-out, the --init-from head before this run | 1 |" in card
+
+    # a head made for another target (hidden size 48, not 32) is refused, naming what differs
+    from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+    other = Eagle3Head(Eagle3Config(vocab_size=100, draft_vocab_size=40, hidden_size=48, intermediate_size=64,
+                                    num_attention_heads=4, num_key_value_heads=2))
+    other.set_vocab_map(torch.arange(40))
+    save_eagle3(other, str(tmp_path / "other"))
+    with pytest.raises(SystemExit, match="not made for this target: hidden_size"):
+        cli.main(base + ["--work-dir", str(tmp_path / "third"), "--stages", "train",
+                         "--init-from", str(tmp_path / "other")])
