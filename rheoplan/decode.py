@@ -924,13 +924,17 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
         vocab = drf.vocab_ids
         outs = drf.node_logits_rows(tr, lists) if vocab is None else drf.vocab_logits_rows(tr, lists)
         st.t_draft += time.perf_counter() - t_d
-        V = drf.vocab_size if vocab is None else len(vocab)
-        out = torch.zeros(nodes.shape[0], nodes.shape[1], V, device=outs[0].device if outs else "cpu")
         for b, (o, want) in enumerate(zip(outs, lists)):
             if o.shape[0] != len(want):
                 raise ValueError(f"draft returned {o.shape[0]} rows for {len(want)} nodes of row {b}")
-            if want:
-                out[b, valid[b].to(out.device)] = o.to(out.dtype)
+        if bool(valid.all()):  # every row asked for as many nodes (one row always): no padding
+            out = torch.stack(outs).to(torch.float32)
+        else:
+            V = drf.vocab_size if vocab is None else len(vocab)
+            out = torch.zeros(nodes.shape[0], nodes.shape[1], V, device=outs[0].device if outs else "cpu")
+            for b, (o, want) in enumerate(zip(outs, lists)):
+                if want:
+                    out[b, valid[b].to(out.device)] = o.to(out.dtype)
         return out if vocab is None else SubsetLogits(out, vocab.to(out.device))
 
     instruments = []

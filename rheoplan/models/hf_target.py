@@ -503,13 +503,12 @@ class HFTarget(TargetModel):
             raise RuntimeError("commit_rows() called before forward_trees()")
         if len(paths) != self._rows.batch:
             raise ValueError(f"paths holds {len(paths)} paths for {self._rows.batch} rows")
-        s0 = self._row_tree_start
-        cols = []
+        checked = []
         for b, p in enumerate(paths):
-            p = check_commit_path(linear_on_host(self._row_tree, b), p)
-            cols.append([s0 + j for j in p])
-            self._row_prefix[b] += len(p)
-        self._rows.keep(cols)
+            checked.append(check_commit_path(linear_on_host(self._row_tree, b), p))
+            self._row_prefix[b] += len(checked[-1])
+        # accepted entries move to the front of the tree's columns, the rest are dropped
+        self._rows.commit_paths(self._row_tree_start, checked)
         self._row_tree = None
         self._rows.maybe_compact()
 

@@ -76,6 +76,48 @@ class RowCache:
             if c:
                 self.valid[b, torch.as_tensor(c, dtype=torch.int64, device=self.device)] = True
 
+    def commit_paths(self, start: int, paths: list[list[int]]) -> None:
+        """Commit each row's accepted tree entries: columns ``start + paths[b][j]`` of row
+        ``b`` (a forward's new columns begin at ``start``) move to ``start + j`` and become
+        committed entries; every column after ``start + max(len(path))`` is dropped.
+
+        Why not ``keep`` the entries where they are: a step's rejected nodes would stay as
+        holes (a 10-node tree leaving ~8 per row per step) that every later forward masks
+        and attends over until ``compact``. Moving only the tree's part costs O(tree) per
+        layer, as ``commit_cache`` does for one sequence, and leaves holes only where
+        another row accepted a longer path: one row keeps no holes at all, its cache laid
+        out as the single-sequence cache is.
+        """
+        if len(paths) != self.batch:
+            raise ValueError(f"paths holds {len(paths)} paths for {self.batch} rows")
+        if bool(self.valid[:, start:].any()):
+            raise AssertionError("commit_paths: columns after start are committed already")
+        q = self.width - start
+        m = max((len(p) for p in paths), default=0)
+        if any(j < 0 or j >= q for p in paths for j in p):
+            raise ValueError(f"paths hold tree columns outside [0, {q})")
+        moves = any(j != k for p in paths for k, j in enumerate(p))
+        idx = None
+        if moves:
+            # row b's j-th kept entry comes from start + paths[b][j]; padding rows read column 0
+            idx = start + torch.tensor([list(p) + [0] * (m - len(p)) for p in paths], dtype=torch.int64)
+        for holder, k, v in _layer_tensors(self.cache):
+            keys = getattr(holder, k)
+            if keys is None or keys.numel() == 0:
+                continue
+            vals = getattr(holder, v)
+            if idx is not None:
+                if idx.dim() == 2:  # shaped once, for the first layer (every layer's k/v alike)
+                    idx = idx[:, None, :, None].to(keys.device).expand(-1, keys.shape[1], -1, keys.shape[3])
+                # gathered into copies first, so overlapping moves cannot read a moved entry
+                keys[:, :, start:start + m] = keys.gather(2, idx)
+                vals[:, :, start:start + m] = vals.gather(2, idx)
+            setattr(holder, k, keys.narrow(2, 0, start + m))
+            setattr(holder, v, vals.narrow(2, 0, start + m))
+        lens = torch.tensor([len(p) for p in paths], dtype=torch.int64, device=self.device)
+        tail = torch.arange(m, device=self.device)[None, :] < lens[:, None]
+        self.valid = torch.cat([self.valid[:, :start], tail], dim=1)
+
     def drop_tail(self, width: int) -> None:
         """Forget every column at or after ``width`` (they must not be committed anywhere)."""
         if width >= self.width:

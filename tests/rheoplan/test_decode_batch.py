@@ -145,6 +145,19 @@ def test_sampled_rows_equal_batch_of_one_hf(llamas, draft_kind):
     assert [r.tokens for r in rs] == _rows_alone(target, drf, PROMPTS, LIMITS, **kw)
 
 
+def test_one_row_through_the_batched_caches_equals_the_single_sequence_loop(llamas):
+    """T = 1 with the target as its own draft: most drafted tokens are accepted, often on a
+    node that is not its parent's first child, so commits move tree entries inside the
+    batched caches (``RowCache.commit_paths``). A batch of one prompt (stream 0) gives the
+    single-sequence loop's tokens, whose caches are transformers' own."""
+    target, _ = llamas
+    kw = dict(sampling=SamplingConfig(), tree=TREE_HF, seed=3)
+    for p, n in zip(PROMPTS, LIMITS):
+        single = plan_and_decode(target, target, p, max_new_tokens=n, **kw)
+        assert sum(st.accepted for st in single.steps) >= n // 3  # the trees are mostly accepted
+        assert plan_and_decode(target, target, [p], max_new_tokens=n, **kw)[0].tokens == single.tokens
+
+
 @pytest.mark.parametrize("backend", ["reference", "numba"])
 def test_continuous_batching_rows_equal_batch_of_one_functional(backend):
     """max_batch_size=2 over 6 prompts: waiting prompts join as rows finish (at different

@@ -603,7 +603,21 @@ class Eagle3Draft(DraftModel):
             row.committed += len(nodes)
             row.root = int(emitted[b][-1])
             row.slot, row.hidden, row.logits = {}, {}, {}
+        self._drop_tree_tail()
         self._maybe_compact()
+
+    def _drop_tree_tail(self) -> None:
+        """Drop the holes at the cache's end: this step's tree entries. They come after every
+        committed pair (a step's first call runs the pending pairs, its later calls only tree
+        nodes), so one row's cache keeps no holes, as at batch 1, and a batch keeps only
+        those of rows whose pairs ran in a later call."""
+        if self._bkv is None:
+            return
+        used = (self._owner >= 0).nonzero()
+        n = int(used[-1]) + 1 if used.numel() else 0
+        if n < self._owner.numel():
+            self._bkv = (self._bkv[0][:, :n], self._bkv[1][:, :n])
+            self._owner = self._owner[:n]
 
     def keep_rows(self, rows: list[int]) -> None:
         have = self._brows_started("keep_rows")

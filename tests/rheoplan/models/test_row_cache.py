@@ -109,3 +109,42 @@ def test_holes_compaction_and_leaving_rows_keep_each_rows_law(model, compact):
     with mutation("batch_shift_rows"):
         h2 = _step(model, rc, [[11, 12], [13]], [len(s) for s in seqs])
     assert not torch.allclose(h2[0, :2], _alone(model, seqs[0] + [11, 12])[len(seqs[0]):], atol=1e-3)
+
+
+def test_commit_paths_moves_accepted_entries_and_leaves_one_row_without_holes(model):
+    """``commit_paths``: each row's accepted tree columns move to the front of the tree's
+    part (a branching path: not the first columns), the rest are dropped; a later step of
+    each row equals a plain forward of its committed tokens. One row keeps no holes."""
+    rc, _ = _prefill(model, PROMPTS)
+    seqs = [list(p) for p in PROMPTS]
+    S0 = rc.width
+    # every row forwards a chain of 4 candidates; rows accept columns [0, 2] / [0, 1, 2, 3] / [0]
+    # (column 2 after 0 is a legal path in a tree where 1 and 2 are siblings: here the chain
+    # mask makes 2 see 1, so row 0 checks the move with a block that matches it)
+    cand = [[4, 6, 8, 10], [3, 2, 1, 5], [5, 5, 5, 5]]
+    B, q = 3, 4
+    tok = torch.tensor(cand)
+    pos = torch.stack([torch.arange(len(s), len(s) + q) for s in seqs])
+    block = torch.ones(q, q, dtype=torch.bool).tril()[None].repeat(B, 1, 1)
+    block[0] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    pos[0] = torch.tensor([len(seqs[0]), len(seqs[0]) + 1, len(seqs[0]) + 1, len(seqs[0]) + 2])
+    with torch.no_grad():
+        rc.forward(base_model(model), tok, pos, block)
+    paths = [[0, 2], [0, 1, 2, 3], [0]]
+    rc.commit_paths(S0, paths)
+    for b, p in enumerate(paths):
+        seqs[b] += [cand[b][j] for j in p]
+    assert rc.width == S0 + 4 and rc.lengths() == [len(s) for s in seqs]
+    h = _step(model, rc, [[11, 12], [13], [14]], [len(s) for s in seqs])
+    for b, (s, x) in enumerate(zip(seqs, [[11, 12], [13], [14]])):
+        torch.testing.assert_close(h[b, :len(x)], _alone(model, s + x)[len(s):], atol=1e-5, rtol=1e-5)
+
+    one, _ = _prefill(model, [PROMPTS[0]])
+    S0 = one.width
+    with torch.no_grad():
+        one.forward(base_model(model), tok[:1], pos[:1], block[:1])
+    one.commit_paths(S0, [[0, 2, 3]])
+    assert one.width == S0 + 3 and bool(one.valid.all())
+    with pytest.raises(ValueError, match="outside"):
+        one.forward(base_model(model), tok[:1, :2], pos[:1, :2] + 3, block[:1, :2, :2])
+        one.commit_paths(S0 + 3, [[0, 5]])
