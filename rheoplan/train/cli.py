@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "forwards; files are named by a digest of the target and the row")
     g.add_argument("--calib-rows", type=int, default=64, help="rows whose features set the per-channel scale")
     g.add_argument("--max-rows", type=int, default=None, help="train on the first N rows only (smoke runs)")
+    g.add_argument("--skip-rows", type=int, default=0, help="leave out the first N rows (after them come the "
+                   "--max-rows): e.g. the rows an earlier --init-from run trained on")
     g.add_argument("--no-bf16", action="store_true", help="train the head in fp32 instead of bf16 autocast")
     g.add_argument("--ckpt-every", type=int, default=50, help="checkpoint every N optimiser steps")
     g.add_argument("--resume", action="store_true", help="continue training from WORK/ckpt.pt (same rows)")
@@ -156,6 +158,8 @@ def _check_args(a: argparse.Namespace) -> list[str]:
         raise SystemExit(f"--prompt-weight={a.prompt_weight}: allowed 0..1")
     if not a.lr > 0:
         raise SystemExit(f"--lr={a.lr}: allowed > 0")
+    if a.skip_rows < 0:
+        raise SystemExit(f"--skip-rows={a.skip_rows}: allowed >= 0")
     for name in ("max_rows", "max_steps", "max_shards"):
         v = getattr(a, name)
         if v is not None and v < 1:
@@ -223,13 +227,15 @@ def _train_shards(a) -> list[str]:
         if missing:
             raise SystemExit(f"--resume: shards {missing[:3]}... of the checkpointed run are missing from "
                              f"{tokens_dir(a)}")
-        if rec.get("max_rows") != a.max_rows:
-            raise SystemExit(f"--resume: the checkpointed run used --max-rows {rec.get('max_rows')}, not {a.max_rows}")
+        for key in ("max_rows", "skip_rows"):
+            if rec.get(key, 0 if key == "skip_rows" else None) != getattr(a, key):
+                flag = "--" + key.replace("_", "-")
+                raise SystemExit(f"--resume: the checkpointed run used {flag} {rec.get(key)}, not {getattr(a, key)}")
         return rec["shards"]
     names = tk.list_shards(tokens_dir(a), "train")
     os.makedirs(a.work_dir, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"shards": names, "max_rows": a.max_rows}, f)
+        json.dump({"shards": names, "max_rows": a.max_rows, "skip_rows": a.skip_rows}, f)
     return names
 
 
@@ -275,11 +281,15 @@ def read_init_head(a, model) -> tr.Eagle3Head:
 def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     d = tokens_dir(a)
     names = _train_shards(a)
-    train_rows = tk.load_rows(d, names)[:a.max_rows]
+    rows = tk.load_rows(d, names)
+    if rows and a.skip_rows >= len(rows):
+        raise SystemExit(f"--skip-rows={a.skip_rows}: allowed 0..{len(rows) - 1} ({d} holds {len(rows)} training rows)")
+    train_rows = rows[a.skip_rows:][:a.max_rows]
     held_rows = tk.load_rows(d, tk.list_shards(d, "heldout"))
     if not train_rows:
         raise SystemExit(f"no training shards in {d}: run the 'generate' stage first")
-    report["data"] = {"train": {**_data_stats(train_rows), "shards": len(names)}, "heldout": _data_stats(held_rows),
+    report["data"] = {"train": {**_data_stats(train_rows), "shards": len(names), "skipped_rows": a.skip_rows},
+                      "heldout": _data_stats(held_rows),
                       "tokens_dir": d, "dataset": json.load(open(os.path.join(d, "dataset.json")))}
     V = int(model.config.vocab_size)
     init = read_init_head(a, model) if a.init_from else None
@@ -465,7 +475,9 @@ def model_card(r: dict) -> str:
         f"- answers sampled at T={ds.get('temperature')}, up to {ds.get('tokens_per_prompt')} tokens, batch "
         f"{ds.get('batch_size')}, target in {ds.get('sample_dtype')}; sampling wall time {samp_s / 3600:.2f} h "
         f"for {sampled} sampled tokens",
-        f"- trained on {trd.get('shards')} shards: {trd.get('rows')} rows ({trd.get('follow_up_rows')} follow-ups), "
+        f"- trained on {trd.get('shards')} shards"
+        + (f" after their first {trd['skipped_rows']} rows (`--skip-rows`)" if trd.get("skipped_rows") else "")
+        + f": {trd.get('rows')} rows ({trd.get('follow_up_rows')} follow-ups), "
         f"{trd.get('tokens')} tokens of which {trd.get('sampled_tokens')} sampled by the target",
         f"- features and soft targets (target top-{trn.get('topk')}) recomputed "
         f"by teacher-forced target forwards in {trn.get('target_dtype')} at training time"

@@ -35,6 +35,7 @@ def test_help_lists_the_main_flags(capsys):
     (["--heldout-prompts", "/nonexistent.txt"], "--heldout-prompts"),
     (["--draft-vocab", "0"], "--draft-vocab"),
     (["--init-from", "/nonexistent/head"], "--init-from"),
+    (["--skip-rows", "-1"], "--skip-rows"),
 ])
 def test_bad_arguments_are_rejected_before_any_work(argv, msg, tmp_path):
     a = cli.build_parser().parse_args(["--work-dir", str(tmp_path)] + argv)
@@ -113,20 +114,25 @@ def test_init_from_continues_an_exported_head(tiny_target_dir, tmp_path):
     first = str(tmp_path / "first")
     assert cli.main(base + ["--work-dir", first, "--draft-vocab", "40", "--max-steps", "2"]) == 0
     exported = os.path.join(first, "export")
-    before = json.load(open(os.path.join(exported, "report.json")))["eval_heldout_exported_fp16"]
+    first_rep = json.load(open(os.path.join(exported, "report.json")))
+    before = first_rep["eval_heldout_exported_fp16"]
 
     second = str(tmp_path / "second")
     with pytest.raises(SystemExit, match="--draft-vocab=30 .* allowed 40"):
         cli.main(base + ["--work-dir", second, "--stages", "train", "--init-from", exported, "--draft-vocab", "30"])
     assert cli.main(base + ["--work-dir", second, "--stages", "train,export", "--init-from", exported,
-                            "--lr", "3e-4", "--max-steps", "2"]) == 0
+                            "--lr", "3e-4", "--max-steps", "2", "--skip-rows", "5"]) == 0
     rep = json.load(open(os.path.join(second, "export", "report.json")))
+    # --skip-rows: the rows after the first 5
+    assert rep["data"]["train"]["skipped_rows"] == 5
+    assert rep["data"]["train"]["rows"] == first_rep["data"]["train"]["rows"] - 5
     init = rep["eval_heldout_init"]
     for k in ("top1_step1", "top3_step1", "top1_step2"):
         assert init[k] == pytest.approx(before[k], abs=0.02)
     assert init["loss_step1"] == pytest.approx(before["loss_step1"], rel=1e-2)
     assert torch.equal(read_eagle3(os.path.join(second, "export")).target_ids(), read_eagle3(exported).target_ids())
     card = open(os.path.join(second, "export", "MODEL_CARD.md")).read()
+    assert "after their first 5 rows (`--skip-rows`)" in card
     assert "(`--init-from`)" in card and "| held-out, the --init-from head before this run | 1 |" in card
 
     # a head made for another target (hidden size 48, not 32) is refused, naming what differs
