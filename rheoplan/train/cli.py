@@ -46,6 +46,7 @@ from rheoplan.train import train as tr
 
 DEFAULT_DRAFT_VOCAB = 8192
 
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rheoplan train-draft",
