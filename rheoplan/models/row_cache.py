@@ -82,7 +82,7 @@ class RowCache:
         committed entries; every column after ``start + max(len(path))`` is dropped.
 
         Why not ``keep`` the entries where they are: a step's rejected nodes would stay as
-        holes (a 10-node tree leaving ~8 per row per step) that every later forward masks
+        holes (an 8-node tree leaving ~6 per row per step) that every later forward masks
         and attends over until ``compact``. Moving only the tree's part costs O(tree) per
         layer, as ``commit_cache`` does for one sequence, and leaves holes only where
         another row accepted a longer path: one row keeps no holes at all, its cache laid
