@@ -96,19 +96,18 @@ class RowCache:
         m = max((len(p) for p in paths), default=0)
         if any(j < 0 or j >= q for p in paths for j in p):
             raise ValueError(f"paths hold tree columns outside [0, {q})")
-        moves = any(j != k for p in paths for k, j in enumerate(p))
-        idx = None
-        if moves:
-            # row b's j-th kept entry comes from start + paths[b][j]; padding rows read column 0
-            idx = start + torch.tensor([list(p) + [0] * (m - len(p)) for p in paths], dtype=torch.int64)
+        src = None  # [B, m]: row b's j-th kept entry comes from start + paths[b][j] (padding: column 0)
+        if any(j != k for p in paths for k, j in enumerate(p)):
+            src = start + torch.tensor([list(p) + [0] * (m - len(p)) for p in paths], dtype=torch.int64)
+        idx = None  # src as gather indices [B, kv_heads, m, head_dim]: every layer's k/v are alike
         for holder, k, v in _layer_tensors(self.cache):
             keys = getattr(holder, k)
             if keys is None or keys.numel() == 0:
                 continue
             vals = getattr(holder, v)
-            if idx is not None:
-                if idx.dim() == 2:  # shaped once, for the first layer (every layer's k/v alike)
-                    idx = idx[:, None, :, None].to(keys.device).expand(-1, keys.shape[1], -1, keys.shape[3])
+            if src is not None:
+                if idx is None:
+                    idx = src[:, None, :, None].to(keys.device).expand(-1, keys.shape[1], -1, keys.shape[3])
                 # gathered into copies first, so overlapping moves cannot read a moved entry
                 keys[:, :, start:start + m] = keys.gather(2, idx)
                 vals[:, :, start:start + m] = vals.gather(2, idx)
