@@ -114,14 +114,17 @@ class LastDecision:
     most steps). The tree is matched by identity, as ``cost_expand_tree`` matches a
     declined one: passes return new trees and never write the one they were given."""
 
-    def __init__(self) -> None:
+    def __init__(self, decide_fn=None) -> None:
+        """``decide_fn``: an implementation of ``decide`` (the same answer, e.g. the numba
+        one, ``rheoplan.kernels.plan.cpu_pass.decide``); default ``decide``."""
         self._last: tuple | None = None
+        self._decide = decide if decide_fn is None else decide_fn
 
     def __call__(self, plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
         last = self._last
         if last is not None and last[0] is plan and last[1] is tree and last[2] == budget:
             return last[3]
-        d = decide(plan, tree, budget)
+        d = self._decide(plan, tree, budget)
         self._last = (plan, tree, budget, d)
         return d
 

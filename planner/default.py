@@ -28,12 +28,14 @@ DEFAULT_PIPELINE = [
 ]
 
 
-def cost_pipeline(plan, base=None, on_decision=None) -> list:
+def cost_pipeline(plan, base=None, on_decision=None, decide=None) -> list:
     """``base`` (default ``DEFAULT_PIPELINE``) made cost-aware for one step's frozen
     ``rheoplan.costmodel.CostPlan``: every ``expand`` is gated by ``cost_expand`` (stop
     drafting when another depth cannot pay) and ``prune`` is replaced by ``cost_prune``
     (keep a node only while it pays for its verify cost). Other passes are kept as given.
     ``on_decision`` observes the prune's ``CostDecision`` (see ``cost_prune``).
+    ``decide``: the implementation of ``cost_prune.decide`` the gates and the prune call
+    (default: that reference; the decode loop passes the numba one with ``backend='numba'``).
 
     Example:
         >>> from rheoplan.costmodel import Calibration, CostPlan, Timings
@@ -41,7 +43,7 @@ def cost_pipeline(plan, base=None, on_decision=None) -> list:
         >>> [p.name for p in cost_pipeline(CostPlan.from_calibration(tm, Calibration()))][-2:]
         ['prune', 'linearize']
     """
-    decisions = LastDecision()  # the prune reuses the decision behind a declined depth
+    decisions = LastDecision(decide)  # the prune reuses the decision behind a declined depth
 
     def rewrite(p):
         if isinstance(p, Repeat):

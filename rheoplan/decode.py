@@ -37,9 +37,10 @@ from tqdm.auto import tqdm
 
 from rheoplan.backends import check_backend, resolve_backend
 from rheoplan.config import ConfigError, SamplingConfig, TreeConfig
-from rheoplan.costmodel import Calibration, CostModel, CostPlan, DraftSchedule, batch_margin
+from rheoplan.costmodel import Calibration, CostModel, CostPlan, DraftSchedule, Timings, batch_margin
 from rheoplan.distributions import SubsetLogits
 from rheoplan.ir import DraftTree, empty_tree
+from rheoplan.kernels.plan.cpu_pass import decide as numba_decide
 from rheoplan.models import as_draft, as_target
 from rheoplan.models.base import DraftModel, TargetModel
 from rheoplan.mutation import active
@@ -583,8 +584,9 @@ def _cut_emitted(emitted, remaining: int, eos) -> tuple[list[int], str | None]:
 def _cost_passes(s, st: StepStats, passes, schedule: DraftSchedule | None = None):
     """The pass list with the cost-aware passes (from the calibration so far) around it;
     each decision is recorded in ``st`` and in ``schedule`` (a batch's back-off, if
-    given). The list is lowered first, so the cost gate wraps the backend's fast expand
-    (the cost passes themselves are torch passes and run as written)."""
+    given). The list is lowered first, so the cost gate wraps the backend's fast expand;
+    the gates and the prune decide with the backend's ``decide`` (numba: one kernel call;
+    otherwise the reference in ``planner/cost_prune``)."""
     plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
 
     def seen(d):
@@ -593,7 +595,7 @@ def _cost_passes(s, st: StepStats, passes, schedule: DraftSchedule | None = None
             schedule.record(d.pays)
 
     return cost_pipeline(plan, lower(DEFAULT_PIPELINE if passes is None else passes, s.backend),
-                         on_decision=seen)
+                         on_decision=seen, decide=numba_decide if s.backend == "numba" else None)
 
 
 def draft_answer(drf: DraftModel, tree: DraftTree, nodes) -> torch.Tensor | SubsetLogits:
@@ -1124,6 +1126,9 @@ def _warm_up(backend: str) -> None:
         return  # the interpreter compiles nothing
     dev = "cuda" if backend == "triton" else "cpu"
     tiny = TreeConfig(depth=2, frontier=2, slots=3, budget=4, rheostat=1, support=8)
-    plan_tree(lambda t, nodes: torch.zeros(nodes.shape[0], nodes.shape[1], 16, device=dev), [0], tree=tiny,
-              sampling=SamplingConfig(), backend=backend, device=dev)
+    t = plan_tree(lambda t, nodes: torch.zeros(nodes.shape[0], nodes.shape[1], 16, device=dev), [0], tree=tiny,
+                  sampling=SamplingConfig(), backend=backend, device=dev)
+    if backend == "numba":  # the cost passes' decision kernel too
+        flat = Timings((1, 64), (1.0, 1.0), (1.0, 1.0), 0, 1000, (1,), (1.0,), 0.0, 0.0)
+        numba_decide(CostPlan.from_calibration(flat, Calibration()), t, tiny.budget)
     _WARM.add(backend)

@@ -107,6 +107,63 @@ def linearize_rows(kept, n_nodes, parent, token, depth, exp_row, prefix_len,
         n_paths[b] = p
 
 
+@njit(cache=True)
+def cost_decide_row(kind, weight, parent, token, score, n, table, sampled, scale, budget, verify_ms, draft_ms,
+                    overhead_ms, acc, order):
+    """``planner.cost_prune.decide`` for one tree (its three parts in one call).
+
+    * ``acc [capacity]`` (float64, zeroed by the caller): ``costmodel.node_acceptance``,
+      ``table[class][bucket]`` times the parent's, in creation order, then times ``scale``
+      capped at 1 when ``scale != 1``;
+    * ``order [max(budget, 1)]``: the ``budget`` best drafted nodes (token >= 0) by the
+      global ranking (``_better``: ``rheoplan.ir.rank_key_order``);
+    * ``costmodel.choose_n`` over their acceptances, ``verify_ms[k]`` the verify forward
+      of ``k`` tokens (``Timings.verify`` at the step's context).
+
+    Returns ``(candidates, N*, E, cost)``. The float operations are the reference's, in
+    its order, so the decision is the same to the bit."""
+    acc[0] = 1.0
+    nb = table.shape[1]
+    for v in range(1, n):
+        if token[v] < 0:
+            continue
+        w = np.float64(weight[v])
+        bk = 0
+        if w > 0:  # costmodel.weight_bucket
+            bk = min(nb - 1, int(w * nb))
+        cls = 1 if kind[v] == sampled else 0
+        acc[v] = table[cls, bk] * acc[parent[v]]
+    if scale != 1.0:
+        for v in range(1, acc.shape[0]):
+            acc[v] = min(1.0, acc[v] * scale)
+    cnt = 0
+    if budget > 0:
+        for i in range(1, n):
+            if token[i] < 0:
+                continue
+            s = score[i]
+            if cnt == budget and not _better(s, i, score[order[budget - 1]], order[budget - 1]):
+                continue
+            j = cnt if cnt < budget else budget - 1
+            while j > 0 and _better(s, i, score[order[j - 1]], order[j - 1]):
+                order[j] = order[j - 1]
+                j -= 1
+            order[j] = i
+            if cnt < budget:
+                cnt += 1
+    best_n, best_e = 0, 1.0
+    best_cost = draft_ms + verify_ms[1] + overhead_ms
+    best_rate = best_e / best_cost
+    e = 1.0
+    for i in range(1, cnt + 1):
+        e += acc[order[i - 1]]
+        cost = draft_ms + verify_ms[i + 1] + overhead_ms
+        rate = e / cost
+        if rate > best_rate:
+            best_n, best_e, best_cost, best_rate = i, e, cost, rate
+    return cnt, best_n, best_e, best_cost
+
+
 def frontier_topk(score, depth, n_nodes, level, k):
     """Same contract as ``reference.frontier_topk``."""
     B = score.shape[0]

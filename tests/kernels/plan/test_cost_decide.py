@@ -1,0 +1,101 @@
+"""The numba cost decision (``kernels/plan/cpu_pass.decide``) against its reference
+(``planner/cost_prune.decide``): the same ``CostDecision``, compared with ``==`` (every
+acceptance, the ranking, N*, the predicted tokens and milliseconds to the bit), on trees
+from the real pipeline with random calibrations, ties, ``-inf`` and NaN scores, pending
+tokens, and budgets from 0 to more than the tree holds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rheoplan import SamplingConfig, TreeConfig, plan_tree
+from rheoplan.costmodel import Calibration, CostPlan, Timings
+from rheoplan.kernels.plan.cpu_pass import decide as numba_decide
+from rheoplan.planner.cost_prune import LastDecision, decide
+from rheoplan.planner.default import cost_pipeline
+
+
+def _plan(seed: int, slope: float, scale: float) -> CostPlan:
+    rnd = random.Random(seed)
+    cal = Calibration()
+    for c in range(len(cal.trials)):
+        for b in range(len(cal.trials[c])):
+            cal.trials[c][b] = rnd.uniform(0, 20)
+            cal.accepts[c][b] = rnd.uniform(0, cal.trials[c][b])
+    tm = Timings((1, 8, 64), (10.0, 10.5 + slope, 10.0 + 63 * slope), (11.0, 12.0 + slope, 12.0 + 63 * slope),
+                 0, 1000, (1, 3), (0.5, 0.9), 0.7, 0.3)
+    p = CostPlan.from_calibration(tm, cal)
+    return CostPlan(p.timings, p.acceptance, p.continuation, False, scale)
+
+
+def _tree(seed: int, rheostat: int, B: int = 1):
+    V = 12
+    g = torch.Generator().manual_seed(seed)
+    bank = torch.round(torch.randn(40, V, generator=g) * 1.5)  # rounded: equal scores happen
+    rows = torch.arange(B)[:, None]
+    draft = lambda t, nodes: bank[(nodes.clamp(min=0) * 3 + t.cur_depth + 5 * rows) % 40]  # noqa: E731
+    cfg = TreeConfig(depth=3, frontier=3, slots=3, budget=12, rheostat=rheostat, support=6)
+    return plan_tree(draft, list(range(1, B + 1)), tree=cfg, sampling=SamplingConfig(),
+                     prefix_len=[7 * (b + 1) for b in range(B)], seed=seed)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_numba_decision_equals_the_reference(seed):
+    t = _tree(seed, rheostat=seed % 3)
+    n = int(t.n_nodes[0])
+    variants = [t]
+    score = t.score.clone()
+    score[0, 2:n:5] = float("-inf")
+    score[0, 3:n:7] = float("nan")
+    score[0, 1:n:4] = score[0, 1]  # ties with node 1: the lower id ranks first
+    variants.append(t.replace(score=score))
+    token = t.token.clone()
+    token[0, 4:n:6] = -1  # pending tokens: no acceptance, not a candidate
+    variants.append(t.replace(token=token))
+    for tree in variants:
+        for slope in (0.0, 0.3, 3.0):
+            for scale in (1.0, 1.7, 0.6):
+                plan = _plan(seed, slope, scale)
+                for budget in (0, 1, 4, 12, 40):
+                    assert numba_decide(plan, tree, budget) == decide(plan, tree, budget), (slope, scale, budget)
+
+
+def test_equal_rates_go_to_the_smaller_tree():
+    """Every candidate's acceptance scaled to 0 on a flat verify curve: every N predicts the
+    same tokens per ms, and the tie goes to N = 0, as in ``choose_n``."""
+    t = _tree(1, rheostat=1)
+    p = _plan(1, 0.0, 0.0)
+    flat = Timings((1, 64), (10.0, 10.0), (10.0, 10.0), 0, 1000, (1,), (0.0,), 0.0, 0.0)
+    plan = CostPlan(flat, p.acceptance, p.continuation, False, 0.0)
+    d = numba_decide(plan, t, 12)
+    assert d == decide(plan, t, 12) and d.chosen == [0] and len(d.order[0]) == 12
+
+
+def test_a_batch_is_decided_by_the_reference():
+    t = _tree(3, rheostat=1, B=3)
+    plan = _plan(3, 0.3, 1.0)
+    assert numba_decide(plan, t, 8) == decide(plan, t, 8)
+
+
+def test_cost_pipeline_takes_the_numba_decision():
+    """``cost_pipeline(decide=...)``: the gates and the prune call that implementation (and
+    plan the same tree as the reference)."""
+    calls = []
+
+    def counted(plan, tree, budget):
+        calls.append(budget)
+        return numba_decide(plan, tree, budget)
+
+    plan = _plan(5, 0.3, 1.0)
+    cfg = TreeConfig(depth=3, frontier=2, slots=3, budget=8, rheostat=1, support=6)
+    bank = torch.randn(40, 12, generator=torch.Generator().manual_seed(5))
+    draft = lambda t, nodes: bank[(nodes.clamp(min=0) * 3 + t.cur_depth) % 40]  # noqa: E731
+    run = lambda d: plan_tree(draft, [1], tree=cfg, sampling=SamplingConfig(), prefix_len=[9], seed=5,  # noqa: E731
+                              passes=cost_pipeline(plan, decide=d))
+    fast, ref = run(counted), run(None)
+    assert calls
+    assert torch.equal(fast.kept, ref.kept) and torch.equal(fast.linear.token, ref.linear.token)
+    assert LastDecision(counted)(plan, ref, 8) == decide(plan, ref, 8)
