@@ -108,60 +108,99 @@ def linearize_rows(kept, n_nodes, parent, token, depth, exp_row, prefix_len,
 
 
 @njit(cache=True)
-def cost_decide_row(kind, weight, parent, token, score, n, table, sampled, scale, budget, verify_ms, draft_ms,
-                    overhead_ms, acc, order):
-    """``planner.cost_prune.decide`` for one tree (its three parts in one call).
+def draft_depth_widths(n_expanded, exp_node, depth, widest):
+    """``widest[d]``: the most nodes any tree expanded at depth ``d`` (one batched draft
+    call per depth, every row padded to it; ``costmodel.draft_ms_batch``)."""
+    widest[:] = 0
+    count = np.zeros(widest.shape[0], dtype=np.int64)
+    for b in range(n_expanded.shape[0]):
+        count[:] = 0
+        for r in range(n_expanded[b]):
+            count[depth[b, exp_node[b, r]]] += 1
+        for d in range(widest.shape[0]):
+            widest[d] = max(widest[d], count[d])
 
-    * ``acc [capacity]`` (float64, zeroed by the caller): ``costmodel.node_acceptance``,
-      ``table[class][bucket]`` times the parent's, in creation order, then times ``scale``
-      capped at 1 when ``scale != 1``;
-    * ``order [max(budget, 1)]``: the ``budget`` best drafted nodes (token >= 0) by the
-      global ranking (``_better``: ``rheoplan.ir.rank_key_order``);
-    * ``costmodel.choose_n`` over their acceptances, ``verify_ms[k]`` the verify forward
-      of ``k`` tokens (``Timings.verify`` at the step's context).
 
-    Returns ``(candidates, N*, E, cost)``. The float operations are the reference's, in
-    its order, so the decision is the same to the bit."""
-    acc[0] = 1.0
+@njit(cache=True)
+def cost_decide_rows(kind, weight, parent, token, score, n_nodes, table, sampled, scale, budget, verify_ms,
+                     draft_ms, overhead_ms, acc, order, count, chosen):
+    """``planner.cost_prune.decide`` for ``B`` trees in one call.
+
+    * ``acc [B, capacity]`` (float64, zeroed by the caller): ``costmodel.node_acceptance``
+      of every tree, ``table[class][bucket]`` times the parent's in creation order, then
+      times ``scale`` capped at 1 when ``scale != 1``;
+    * ``order [B, max(budget, 1)]``, ``count [B]``: each tree's ``budget`` best drafted
+      nodes (token >= 0) by the global ranking (``_better``: ``rheoplan.ir.rank_key_order``);
+    * the trees' candidates merged by acceptance (ties to the lower row), and
+      ``costmodel.choose_n`` over the merge with ``base = B`` tokens: the forward of the
+      first ``N`` merged candidates is ``verify_ms[k]``, ``k`` the widest row's tokens
+      (``Timings.verify_batch`` at this ``B`` and context); ``chosen [B]`` each row's share.
+
+    Returns ``(E, cost)``. The float operations are the reference's, in its order, so the
+    decision is the same to the bit."""
+    B = n_nodes.shape[0]
     nb = table.shape[1]
-    for v in range(1, n):
-        if token[v] < 0:
-            continue
-        w = np.float64(weight[v])
-        bk = 0
-        if w > 0:  # costmodel.weight_bucket
-            bk = min(nb - 1, int(w * nb))
-        cls = 1 if kind[v] == sampled else 0
-        acc[v] = table[cls, bk] * acc[parent[v]]
-    if scale != 1.0:
-        for v in range(1, acc.shape[0]):
-            acc[v] = min(1.0, acc[v] * scale)
-    cnt = 0
-    if budget > 0:
-        for i in range(1, n):
-            if token[i] < 0:
+    total = 0
+    for b in range(B):
+        acc[b, 0] = 1.0
+        for v in range(1, n_nodes[b]):
+            if token[b, v] < 0:
                 continue
-            s = score[i]
-            if cnt == budget and not _better(s, i, score[order[budget - 1]], order[budget - 1]):
-                continue
-            j = cnt if cnt < budget else budget - 1
-            while j > 0 and _better(s, i, score[order[j - 1]], order[j - 1]):
-                order[j] = order[j - 1]
-                j -= 1
-            order[j] = i
-            if cnt < budget:
-                cnt += 1
-    best_n, best_e = 0, 1.0
+            w = np.float64(weight[b, v])
+            bk = 0
+            if w > 0:  # costmodel.weight_bucket
+                bk = min(nb - 1, int(w * nb))
+            cls = 1 if kind[b, v] == sampled else 0
+            acc[b, v] = table[cls, bk] * acc[b, parent[b, v]]
+        if scale != 1.0:
+            for v in range(1, acc.shape[1]):
+                acc[b, v] = min(1.0, acc[b, v] * scale)
+        cnt = 0
+        if budget > 0:
+            for i in range(1, n_nodes[b]):
+                if token[b, i] < 0:
+                    continue
+                s = score[b, i]
+                last = order[b, budget - 1]
+                if cnt == budget and not _better(s, i, score[b, last], last):
+                    continue
+                j = cnt if cnt < budget else budget - 1
+                while j > 0 and _better(s, i, score[b, order[b, j - 1]], order[b, j - 1]):
+                    order[b, j] = order[b, j - 1]
+                    j -= 1
+                order[b, j] = i
+                if cnt < budget:
+                    cnt += 1
+        count[b] = cnt
+        total += cnt
+    # the merge, priced prefix by prefix (choose_n)
+    heads = np.zeros(B, dtype=np.int64)
+    taken = np.zeros(B, dtype=np.int64)
+    e = np.float64(B)
+    best_n, best_e = 0, e
     best_cost = draft_ms + verify_ms[1] + overhead_ms
     best_rate = best_e / best_cost
-    e = 1.0
-    for i in range(1, cnt + 1):
-        e += acc[order[i - 1]]
-        cost = draft_ms + verify_ms[i + 1] + overhead_ms
+    widest = 1
+    rows = np.empty(max(total, 1), dtype=np.int64)
+    for i in range(1, total + 1):
+        pick, a = -1, 0.0
+        for b in range(B):  # the most likely next candidate; ties to the lower row
+            if heads[b] < count[b]:
+                x = acc[b, order[b, heads[b]]]
+                if pick < 0 or x > a:
+                    pick, a = b, x
+        rows[i - 1] = pick
+        heads[pick] += 1
+        widest = max(widest, 1 + heads[pick])
+        e += a
+        cost = draft_ms + verify_ms[widest] + overhead_ms
         rate = e / cost
         if rate > best_rate:
             best_n, best_e, best_cost, best_rate = i, e, cost, rate
-    return cnt, best_n, best_e, best_cost
+    for i in range(best_n):
+        taken[rows[i]] += 1
+    chosen[:] = taken
+    return best_e, best_cost
 
 
 def frontier_topk(score, depth, n_nodes, level, k):

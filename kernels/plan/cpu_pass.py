@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rheoplan.costmodel import CostPlan, Timings, draft_ms_so_far
+from rheoplan.costmodel import CostPlan, Timings
 from rheoplan.ir import DraftTree, LinearTree, NodeKind
-from rheoplan.kernels.plan.cpu import cost_decide_row, linearize as linearize_kernel, prune_rows
+from rheoplan.kernels.plan.cpu import cost_decide_rows, draft_depth_widths, linearize as linearize_kernel, prune_rows
 from rheoplan.pipeline import PassContext
-from rheoplan.planner.cost_prune import CostDecision, decide as reference_decide
+from rheoplan.planner.cost_prune import CostDecision
 
 
 def prune(tree: DraftTree, ctx: PassContext) -> DraftTree:
@@ -29,38 +29,45 @@ def linearize(tree: DraftTree, ctx: PassContext) -> DraftTree:
     return tree.replace(linear=LinearTree(*lin))
 
 
-#: the verify latencies of the last (timings, context) ``decide`` priced: one step's
-#: gates and prune price the same context, and ``Timings.verify`` is two interpolations
-_VERIFY_TABLE: dict[int, tuple[Timings, int, np.ndarray]] = {}
+#: the verify latencies of the last (timings, rows, context) ``decide`` priced: one step's
+#: gates and prune price the same, and each ``Timings.verify_batch`` is a few interpolations
+_VERIFY_TABLE: dict[int, tuple[Timings, int, int, np.ndarray]] = {}
 
 
-def _verify_table(tm: Timings, ctx: int, upto: int) -> np.ndarray:
-    """``[Timings.verify(k, ctx) for k in 0..upto]`` (entry 0 unused), kept for the next call."""
+def _verify_table(tm: Timings, batch: int, ctx: int, upto: int) -> np.ndarray:
+    """``[Timings.verify_batch(batch, k, ctx) for k in 0..upto]`` (entry 0 unused), kept
+    for the next call."""
     hit = _VERIFY_TABLE.get(id(tm))
-    if hit is not None and hit[0] is tm and hit[1] == ctx and hit[2].shape[0] > upto:
-        return hit[2]
-    table = np.array([0.0] + [tm.verify(k, ctx) for k in range(1, upto + 1)])
+    if hit is not None and hit[0] is tm and hit[1:3] == (batch, ctx) and hit[3].shape[0] > upto:
+        return hit[3]
+    table = np.array([0.0] + [tm.verify_batch(batch, k, ctx) for k in range(1, upto + 1)])
     _VERIFY_TABLE.clear()
-    _VERIFY_TABLE[id(tm)] = (tm, ctx, table)
+    _VERIFY_TABLE[id(tm)] = (tm, batch, ctx, table)
     return table
 
 
 def decide(plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
-    """``planner.cost_prune.decide`` with the numba kernel ``cost_decide_row`` for one tree
-    (the same decision, bit for bit; a batch of trees goes to the reference, whose rows
-    compete for one forward). The decode loop's cost passes use it with ``backend='numba'``."""
-    if tree.batch != 1:
-        return reference_decide(plan, tree, budget)
+    """``planner.cost_prune.decide`` with the numba kernel ``cost_decide_rows``: the same
+    decision, bit for bit, for one tree or a batch. The decode loop's cost passes use it
+    with ``backend='numba'``."""
     tm = plan.timings
-    ctx = int(tree.prefix_len[0])
+    B = tree.batch
+    ctx = int(tree.prefix_len.max())
     budget = int(budget)
-    n = int(tree.n_nodes[0])
-    table = np.asarray(plan.acceptance, dtype=np.float64)
-    draft = draft_ms_so_far(plan, tree, 0)
-    acc = np.zeros(tree.capacity, dtype=np.float64)
-    order = np.empty(max(budget, 1), dtype=np.int64)
-    cnt, chosen, e, cost = cost_decide_row(
-        tree.kind[0].numpy(), tree.weight[0].numpy(), tree.parent[0].numpy(), tree.token[0].numpy(),
-        tree.score[0].numpy(), n, table, int(NodeKind.SAMPLED), float(plan.scale), budget,
-        _verify_table(tm, ctx, budget + 1), draft, tm.overhead_ms, acc, order)
-    return CostDecision([acc.tolist()], [order[:cnt].tolist()], [chosen], e, cost, tm.ar_step(ctx), draft)
+    widest = np.empty(tree.cur_depth + 1, dtype=np.int64)
+    draft_depth_widths(tree.n_expanded.numpy(), tree.exp_node.numpy(), tree.depth.numpy(), widest)
+    draft = 0  # costmodel.draft_ms_batch: one call per drafted depth, in depth order
+    for w in widest.tolist():
+        if w:
+            draft += tm.draft(w) if B == 1 else tm.draft_batch(B, w)
+    acc = np.zeros((B, tree.capacity), dtype=np.float64)
+    order = np.empty((B, max(budget, 1)), dtype=np.int64)
+    count = np.empty(B, dtype=np.int64)
+    chosen = np.empty(B, dtype=np.int64)
+    e, cost = cost_decide_rows(
+        tree.kind.numpy(), tree.weight.numpy(), tree.parent.numpy(), tree.token.numpy(), tree.score.numpy(),
+        tree.n_nodes.numpy(), np.asarray(plan.acceptance, dtype=np.float64), int(NodeKind.SAMPLED),
+        float(plan.scale), budget, _verify_table(tm, B, ctx, budget + 1), draft, tm.overhead_batch(B), acc,
+        order, count, chosen)
+    orders = [order[b, :c].tolist() for b, c in enumerate(count.tolist())]
+    return CostDecision(acc.tolist(), orders, chosen.tolist(), e, cost, tm.ar_step_batch(B, ctx), draft)

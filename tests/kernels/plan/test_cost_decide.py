@@ -1,8 +1,8 @@
 """The numba cost decision (``kernels/plan/cpu_pass.decide``) against its reference
 (``planner/cost_prune.decide``): the same ``CostDecision``, compared with ``==`` (every
-acceptance, the ranking, N*, the predicted tokens and milliseconds to the bit), on trees
-from the real pipeline with random calibrations, ties, ``-inf`` and NaN scores, pending
-tokens, and budgets from 0 to more than the tree holds."""
+acceptance, the ranking, the rows' shares of N*, the predicted tokens and milliseconds to
+the bit), on trees and batches from the real pipeline with random calibrations, ties,
+``-inf`` and NaN scores, pending tokens, and budgets from 0 to more than a tree holds."""
 
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ def _plan(seed: int, slope: float, scale: float) -> CostPlan:
         for b in range(len(cal.trials[c])):
             cal.trials[c][b] = rnd.uniform(0, 20)
             cal.accepts[c][b] = rnd.uniform(0, cal.trials[c][b])
+    rows, sizes = (1, 2, 4, 8, 16), (1, 4, 16)
+    grid = tuple(tuple(10.0 + slope * B * n * rnd.uniform(0.8, 1.2) for n in rows) for B in sizes)
     tm = Timings((1, 8, 64), (10.0, 10.5 + slope, 10.0 + 63 * slope), (11.0, 12.0 + slope, 12.0 + 63 * slope),
-                 0, 1000, (1, 3), (0.5, 0.9), 0.7, 0.3)
+                 0, 1000, (1, 3), (0.5, 0.9), 0.7, 0.3, sizes, rows, grid, (0.6, 1.1, 3.0), 2.0,
+                 (0.7, 2.5, 9.0), (0.3, 1.0, 4.0), (1.0, 1.05, 0.95), (1.0, 0.9, 0.7))
     p = CostPlan.from_calibration(tm, cal)
     return CostPlan(p.timings, p.acceptance, p.continuation, False, scale)
 
@@ -74,10 +77,23 @@ def test_equal_rates_go_to_the_smaller_tree():
     assert d == decide(plan, t, 12) and d.chosen == [0] and len(d.order[0]) == 12
 
 
-def test_a_batch_is_decided_by_the_reference():
-    t = _tree(3, rheostat=1, B=3)
-    plan = _plan(3, 0.3, 1.0)
-    assert numba_decide(plan, t, 8) == decide(plan, t, 8)
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("B", [2, 4, 7])
+def test_numba_batch_decision_equals_the_reference(seed, B):
+    """Rows of one batch compete for one padded forward: the merge (ties to the lower row),
+    the widest row's price, one batched draft call per depth, each row's share of N*."""
+    t = _tree(seed, rheostat=seed % 3, B=B)
+    score = t.score.clone()
+    score[:, 2::5] = float("-inf")
+    score[1:, 1::4] = score[0, 1]  # equal acceptances across rows happen: ties to the lower row
+    token = t.token.clone()
+    token[B - 1, 3::6] = -1
+    for tree in (t, t.replace(score=score), t.replace(token=token)):
+        for slope in (0.0, 0.05, 1.0):
+            for scale in (1.0, 1.4, 0.5):
+                plan = _plan(seed, slope, scale)
+                for budget in (0, 2, 12, 40):
+                    assert numba_decide(plan, tree, budget) == decide(plan, tree, budget), (slope, scale, budget)
 
 
 def test_cost_pipeline_takes_the_numba_decision():
