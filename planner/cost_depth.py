@@ -5,7 +5,8 @@ depth could add, ``G = continuation[d] * sum of the frontier's estimated accepta
 (``continuation[d]``: how often the walk went on below a reached node at depth ``d`` in
 earlier steps), and compares the best tree without it (``rheoplan.costmodel.choose_n``
 over the nodes drafted so far) with that tree plus ``G`` tokens at the price of one more
-draft call over the frontier and one more verify token per frontier node. When it cannot
+draft call over the frontier, one more verify token per frontier node and one more depth's
+bookkeeping (``Timings.tree_overhead``: its passes, and the longer walk). When it cannot
 pay, the pass returns the tree unchanged; the later ``expand`` passes see the same tree
 and decide the same, so drafting stops there. Before depth 1 it follows the drafting
 schedule: ``CostPlan.skip_draft`` makes the step a plain autoregressive one.
@@ -50,7 +51,8 @@ def another_depth_pays(plan: CostPlan, tree: DraftTree, frontier: int, budget: i
     row_now = 1 + max(now.chosen)
     row_more = min(row_now + width, 1 + budget)
     cost_more = (now.predicted_ms + tm.draft_batch(B, width)
-                 + tm.verify_batch(B, row_more, ctx) - tm.verify_batch(B, row_now, ctx))
+                 + tm.verify_batch(B, row_more, ctx) - tm.verify_batch(B, row_now, ctx)
+                 + tm.tree_overhead(B, d + 1) - tm.tree_overhead(B, d))
     return (now.expected + gain) / cost_more > now.expected / now.predicted_ms
 
 

@@ -101,8 +101,8 @@ def decide(plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
         counts[r] += 1
         widest.append(1 + max(counts))
     # every row emits at least one token, so a batch's step starts from B expected tokens
-    n, e, cost = choose_n(merged, draft, lambda k: tm.verify_batch(B, widest[k - 1], ctx), tm.overhead_batch(B),
-                          base=B)
+    n, e, cost = choose_n(merged, draft, lambda k: tm.verify_batch(B, widest[k - 1], ctx),
+                          tm.tree_overhead(B, tree.cur_depth), base=B)
     chosen = [rows[:n].count(b) for b in range(B)]
     return CostDecision(acc, orders, chosen, e, cost, tm.ar_step_batch(B, ctx), draft)
 

@@ -20,7 +20,8 @@ and verify it (design notes: COST_MODEL.md). Three kinds of quantity meet here:
   this step, and the same seed + calibration file give the same tokens (no live clock).
 
 The one definition of the decision rule is ``choose_n``:
-``N* = argmax_N (1 + sum_{i<=N} a_i) / (c_d + c_v(N + 1) + c_o)``, ``N = 0`` included.
+``N* = argmax_N (1 + sum_{i<=N} a_i) / (c_d + c_v(N + 1) + c_o(D))``, ``N = 0`` included,
+``c_o(D)`` the bookkeeping of a step whose tree was drafted ``D`` deep (``Timings.tree_overhead``).
 With ``B`` live rows the same rule runs over the batch's merged candidates, with
 ``c_v(B, widest row)``, one draft call per depth for all rows and ``B`` rows' bookkeeping
 (``planner/cost_prune.decide``); ``CostModel.plan_for_batch`` is its a-priori summary per
@@ -98,7 +99,9 @@ class Timings:
     ctx_hi: int
     draft_widths: tuple[int, ...]  #: frontier rows w measured, increasing
     draft_ms: tuple[float, ...]  #: c_d(w)
-    overhead_ms: float  #: c_o: plan + walk + commit + loop per tree step (draft and forward excluded)
+    #: c_o: plan + walk + commit + loop per tree step of one drafted depth (draft and forward
+    #: excluded; ``tree_overhead`` adds ``overhead_depth_ms`` per further depth)
+    overhead_ms: float
     ar_overhead_ms: float  #: c_o': the same for a plain autoregressive step
     #: batch sizes B of the batched verify grid (empty: batch 1 only; see ``verify_batch``)
     batch_sizes: tuple[int, ...] = ()
@@ -124,6 +127,13 @@ class Timings:
     #: autoregressive step's, ``probe.measure_batch_steps``) over what the grid predicts;
     #: multiplies the grid for rows of one token (empty: 1)
     batch_ar_scale: tuple[float, ...] = ()
+    #: the bookkeeping each drafted depth past the first adds to a tree step (ms): a deeper
+    #: tree runs more passes and its walk visits more nodes (measured by decodes of the fixed
+    #: tree and of a one-depth tree; 0: one bookkeeping cost for every tree, as records
+    #: before it had)
+    overhead_depth_ms: float = 0.0
+    #: the same per ``batch_sizes`` entry (empty: ``overhead_depth_ms`` at every batch size)
+    batch_overhead_depth_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.sizes or len(self.sizes) != len(self.verify_lo) or len(self.sizes) != len(self.verify_hi):
@@ -155,10 +165,14 @@ class Timings:
             if f and (len(f) != len(self.batch_sizes) or any(not (v > 0 and math.isfinite(v)) for v in f)):
                 raise ValueError(f"Timings: {name} must hold one finite factor > 0 per batch size "
                                  f"({len(self.batch_sizes)})")
+        if self.batch_overhead_depth_ms and len(self.batch_overhead_depth_ms) != len(self.batch_sizes):
+            raise ValueError(f"Timings: batch_overhead_depth_ms must hold one latency per batch size "
+                             f"({len(self.batch_sizes)})")
         if not (self.batch_draft_width >= 1 and math.isfinite(self.batch_draft_width)):
             raise ValueError(f"Timings: batch_draft_width={self.batch_draft_width} must be >= 1")
         vals = list(self.verify_lo) + list(self.verify_hi) + list(self.draft_ms) + [self.overhead_ms, self.ar_overhead_ms]
         vals += [v for r in self.batch_verify for v in r] + [v for x in steps for v in x]
+        vals += [self.overhead_depth_ms, *self.batch_overhead_depth_ms]
         if any(not (v >= 0 and math.isfinite(v)) for v in vals):
             raise ValueError("Timings: every latency must be finite and >= 0 ms")
 
@@ -238,6 +252,24 @@ class Timings:
             return max(interp(self.batch_sizes, self.batch_overhead_ms, batch), 0.0)
         return batch * self.overhead_ms
 
+    def tree_overhead(self, batch: int, depth: int) -> float:
+        """``c_o(B, D)``: the bookkeeping of a tree step of ``batch`` rows whose tree was
+        drafted ``depth`` deep (ms): ``overhead_batch(B)`` (one depth) plus the per-depth
+        cost (``batch_overhead_depth_ms`` interpolated in ``B``; without batch measurements
+        ``B * overhead_depth_ms``, as ``overhead_batch``) for each depth past the first.
+
+        Example: c_o 4.5 ms at one depth, 0.8 ms per further depth -> a 3-deep tree 6.1 ms.
+        """
+        extra = max(int(depth) - 1, 0)
+        if not extra:
+            return self.overhead_batch(batch)
+        per = self.overhead_depth_ms
+        if batch != 1 and self.batch_overhead_depth_ms:
+            per = max(interp(self.batch_sizes, self.batch_overhead_depth_ms, batch), 0.0)
+        elif batch != 1 and not self.batch_overhead_ms:
+            per = batch * self.overhead_depth_ms  # as overhead_batch: each row on its own
+        return self.overhead_batch(batch) + per * extra
+
     def ar_step_batch(self, batch: int, ctx: int) -> float:
         """A plain autoregressive step of ``batch`` rows (ms): ``c_v(B, 1)`` plus the
         measured bookkeeping (``batch_ar_overhead_ms``), else ``B * c_o'``."""
@@ -255,13 +287,14 @@ class Timings:
     @classmethod
     def from_dict(cls, d: dict) -> "Timings":
         known = {f: d[f] for f in cls.__dataclass_fields__ if f in d}
-        optional = {f for f in cls.__dataclass_fields__ if f.startswith("batch_")}  # absent in batch-1 records
+        # absent in batch-1 records, and in records from before the per-depth bookkeeping
+        optional = {f for f in cls.__dataclass_fields__ if f.startswith("batch_")} | {"overhead_depth_ms"}
         missing = sorted(set(cls.__dataclass_fields__) - set(known) - optional)
         if missing:
             raise ValueError(f"Timings: missing fields {missing}")
         for k in ("sizes", "verify_lo", "verify_hi", "draft_widths", "draft_ms", "batch_sizes", "batch_row_sizes",
                   "batch_draft_ms", "batch_overhead_ms", "batch_ar_overhead_ms", "batch_tree_scale",
-                  "batch_ar_scale"):
+                  "batch_ar_scale", "batch_overhead_depth_ms"):
             if k in known:
                 known[k] = tuple(known[k])
         if "batch_verify" in known:
@@ -741,7 +774,7 @@ class CostModel:
         * ``E(D) = 1 + scale * sum_{d=1..D} prod_{j<d} continuation[j]`` (expected emitted
           tokens per row: the walk reaches depth ``d`` with the product of the per-depth
           rates; ``scale``: ``Calibration.scale``, realised / predicted so far);
-        * ``cost(D) = D * c_d(B, width) + c_v(B, 1 + width * D, ctx) + B * c_o``, and for
+        * ``cost(D) = D * c_d(B, width) + c_v(B, 1 + width * D, ctx) + c_o(B, D)``, and for
           ``D = 0`` a plain autoregressive step, ``c_v(B, 1) + B * c_o'``.
 
         ``continuation`` defaults to the prior calibration's (``Calibration.continuation``;
@@ -779,7 +812,7 @@ class CostModel:
             reach *= float(cont[d - 1])
             e += scale * reach
             cost = (d * tm.draft_batch(batch, width) + tm.verify_batch(batch, 1 + width * d, ctx)
-                    + tm.overhead_batch(batch))
+                    + tm.tree_overhead(batch, d))
             rate = batch * e / cost * 1e3
             if rate > best.tokens_per_s:
                 best = BatchPlan(batch, d, width * d, e, cost, rate, best.ar_tokens_per_s)

@@ -423,28 +423,55 @@ def _per_call_draft_ms(steps, depth: int) -> float:
     return statistics.median([1e3 * s.t_draft / max(1, depth) for s in steps if s.drafted] or [0.0])
 
 
+def one_depth_tree(tree):
+    """``tree`` cut to one drafted depth (the root's children): the shallowest tree step,
+    whose bookkeeping against ``tree``'s gives the cost of each further depth."""
+    return tree.with_(depth=1, budget=min(tree.budget, tree.slots))
+
+
+def overhead_by_depth(full_ms: float, one_ms: float, depth: int) -> tuple[float, float]:
+    """``(c_o at one depth, c_o per further depth)`` from the bookkeeping of a ``depth``-deep
+    fixed tree and of a one-depth tree (ms); the per-depth cost is never below 0 (a noisy
+    pair gives a flat c_o).
+
+    Example: 8.6 ms at depth 6, 4.5 ms at depth 1 -> (4.5, 0.82).
+    """
+    if depth <= 1:
+        return full_ms, 0.0
+    return one_ms, max(0.0, (full_ms - one_ms) / (depth - 1))
+
+
+def _batch_rows_steps(res) -> list:
+    """Row 0's steps while every row of a batched decode was live, the first left out (it
+    runs the prompts through the draft)."""
+    live = min(len(r.steps) for r in res)  # steps while every row was in the batch
+    return res[0].steps[1:live] or res[0].steps[:1]
+
+
 def measure_batch_steps(model, draft, prompt_ids: Sequence[int], *, tree, sampling, batch_sizes: Sequence[int],
                         steps: int = 8) -> tuple[tuple[float, ...], ...]:
-    """Per batch size ``B`` in ``batch_sizes`` (each > 1): a short batched decode of ``B``
-    copies of ``prompt_ids`` with the fixed tree ``tree`` and one without a draft, giving
-    ``(draft ms per batched call, bookkeeping ms per tree step, per autoregressive step,
-    forward ms per autoregressive step)`` of the whole batch (medians over the steps while
-    every row was live, the first step left out: it runs the prompts through the draft).
-    Needs batched decoding (``batched_decode_unavailable() is None``)."""
-    draft_ms, tree_oh, ar_oh, ar_fw = [], [], [], []
+    """Per batch size ``B`` in ``batch_sizes`` (each > 1): short batched decodes of ``B``
+    copies of ``prompt_ids`` with the fixed tree ``tree``, with that tree cut to one depth
+    (``one_depth_tree``) and without a draft, giving ``(draft ms per batched call,
+    bookkeeping ms per tree step, per autoregressive step, forward ms per autoregressive
+    step, bookkeeping ms per one-depth tree step)`` of the whole batch (medians over the
+    steps while every row was live, the first step left out: it runs the prompts through
+    the draft). Needs batched decoding (``batched_decode_unavailable() is None``)."""
+    draft_ms, tree_oh, ar_oh, ar_fw, one_oh = [], [], [], [], []
     for B in batch_sizes:
         rows = [list(prompt_ids) for _ in range(B)]
-        res = plan_and_decode(model, draft, rows, max_new_tokens=steps, sampling=sampling, tree=tree, seed=0)
-        live = min(len(r.steps) for r in res)  # steps while every row was in the batch
-        st = res[0].steps[1:live] or res[0].steps[:1]
+        st = _batch_rows_steps(plan_and_decode(model, draft, rows, max_new_tokens=steps, sampling=sampling,
+                                               tree=tree, seed=0))
         draft_ms.append(_per_call_draft_ms(st, tree.depth))
         tree_oh.append(_overhead_ms_of(st))
-        ar = plan_and_decode(model, None, rows, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
-        live = min(len(r.steps) for r in ar)
-        ar_steps = ar[0].steps[1:live] or ar[0].steps[:1]
+        one = _batch_rows_steps(plan_and_decode(model, draft, rows, max_new_tokens=steps, sampling=sampling,
+                                                tree=one_depth_tree(tree), seed=0))
+        one_oh.append(_overhead_ms_of(one))
+        ar_steps = _batch_rows_steps(plan_and_decode(model, None, rows, max_new_tokens=max(4, steps // 2),
+                                                     sampling=sampling, seed=0))
         ar_oh.append(_overhead_ms_of(ar_steps))
         ar_fw.append(statistics.median([1e3 * s.t_verify_forward for s in ar_steps]))
-    return tuple(draft_ms), tuple(tree_oh), tuple(ar_oh), tuple(ar_fw)
+    return tuple(draft_ms), tuple(tree_oh), tuple(ar_oh), tuple(ar_fw), tuple(one_oh)
 
 
 #: the small fixed tree ``measure_batch_tree_verify`` decodes with (depth, budget): about
@@ -510,7 +537,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                     verify="forward",  # c_v without the output projections (older records had them)
                     tree_scale=True,  # batch_tree_scale measured (older records lack it)
                     ar_rows=3,  # the leaner batched plain step (f57ec9c) and batch_ar_scale
-                    rounds="round-robin")  # c_v timed round-robin (older records could hold one hiccup)
+                    rounds="round-robin",  # c_v timed round-robin (older records could hold one hiccup)
+                    overhead="by-depth")  # c_o at one depth + per further depth (older: one c_o)
     if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:
@@ -551,16 +579,24 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
         widths.setdefault(w, []).append(1e3 * s)
     if not widths:
         widths = {w: [1e3 * s] for w, s in timed.calls}
+    # the bookkeeping grows with the tree's depth (more passes, a longer walk): a decode
+    # of the same tree cut to one depth gives c_o at one depth and per further depth
+    res1 = plan_and_decode(model, draft, ids, max_new_tokens=steps, sampling=sampling, tree=one_depth_tree(tree),
+                           seed=0)
+    overhead, per_depth = overhead_by_depth(_overhead_ms(res), _overhead_ms(res1), tree.depth)
     ar = plan_and_decode(model, None, ids, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
     stepped: dict = {}
     if grid and batched_decode_unavailable() is None:
         more = [b for b in batch_sizes if b > 1]
-        d, o, a, fw = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
+        d, o, a, fw, o1 = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
         one = [b for b in batch_sizes if b == 1]  # batch 1: the batch-1 decodes above
         pick = lambda first, rest: tuple([first] * len(one) + list(rest))  # noqa: E731
+        by_depth = [overhead_by_depth(full, shallow, tree.depth) for full, shallow in zip(o, o1)]
         stepped = dict(batch_draft_ms=pick(_per_call_draft_ms(res.steps[1:] or res.steps, tree.depth), d),
                        batch_draft_width=(1 + (tree.depth - 1) * tree.frontier) / max(1, tree.depth),
-                       batch_overhead_ms=pick(_overhead_ms(res), o), batch_ar_overhead_ms=pick(_overhead_ms(ar), a))
+                       batch_overhead_ms=pick(overhead, [x for x, _ in by_depth]),
+                       batch_overhead_depth_ms=pick(per_depth, [x for _, x in by_depth]),
+                       batch_ar_overhead_ms=pick(_overhead_ms(ar), a))
         real = measure_batch_tree_verify(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
         scale = []
         for B, (ms, n) in zip(more, real):
@@ -573,8 +609,9 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
             for B, ms in zip(more, fw)])
     tm = Timings(tuple(sizes), lo_hi[0], lo_hi[1], ctx[0], ctx[1],
                  tuple(sorted(widths)), tuple(statistics.median(widths[w]) for w in sorted(widths)),
-                 _overhead_ms(res), _overhead_ms(ar),
-                 batch_sizes if grid else (), batch_row_sizes if grid else (), grid, **stepped)
+                 overhead, _overhead_ms(ar),
+                 batch_sizes if grid else (), batch_row_sizes if grid else (), grid, overhead_depth_ms=per_depth,
+                 **stepped)
     if use_cache:
         cache_write(TIMINGS_CACHE, key, tm.to_dict())
     print(f"cost model: measured latencies ({_describe(tm)})", file=log)
@@ -646,14 +683,17 @@ def _describe(tm: Timings) -> str:
     v = ", ".join(f"{n}:{ms:.1f}" for n, ms in zip(tm.sizes, tm.verify_lo))
     d = ", ".join(f"{w}:{ms:.1f}" for w, ms in zip(tm.draft_widths, tm.draft_ms))
     out = (f"verify ms by tokens at ctx {tm.ctx_lo} [{v}], draft ms by width [{d}], "
-           f"overhead {tm.overhead_ms:.1f} ms/step (AR {tm.ar_overhead_ms:.1f})")
+           f"overhead {tm.overhead_ms:.1f} ms/step + {tm.overhead_depth_ms:.1f} per further depth "
+           f"(AR {tm.ar_overhead_ms:.1f})")
     if tm.batch_sizes:
         n = tm.batch_row_sizes[-1]
         b = ", ".join(f"{B}:{row[0]:.1f}/{row[-1]:.1f}" for B, row in zip(tm.batch_sizes, tm.batch_verify))
         out += f"; batched verify ms by rows at 1/{n} tokens per row [{b}]"
     if tm.batch_draft_ms:
-        d = ", ".join(f"{B}:{x:.1f}/{o:.1f}" for B, x, o in zip(tm.batch_sizes, tm.batch_draft_ms, tm.batch_overhead_ms))
-        out += f"; batched draft call / overhead ms by rows [{d}]"
+        per = tm.batch_overhead_depth_ms or (tm.overhead_depth_ms,) * len(tm.batch_sizes)
+        d = ", ".join(f"{B}:{x:.1f}/{o:.1f}+{p:.1f}" for B, x, o, p in
+                      zip(tm.batch_sizes, tm.batch_draft_ms, tm.batch_overhead_ms, per))
+        out += f"; batched draft call / overhead + per further depth ms by rows [{d}]"
     if tm.batch_tree_scale:
         d = ", ".join(f"{B}:{x:.2f}" for B, x in zip(tm.batch_sizes, tm.batch_tree_scale))
         out += f"; real tree forward / grid by rows [{d}]"

@@ -67,7 +67,7 @@ def decide(plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
     e, cost = cost_decide_rows(
         tree.kind.numpy(), tree.weight.numpy(), tree.parent.numpy(), tree.token.numpy(), tree.score.numpy(),
         tree.n_nodes.numpy(), np.asarray(plan.acceptance, dtype=np.float64), int(NodeKind.SAMPLED),
-        float(plan.scale), budget, _verify_table(tm, B, ctx, budget + 1), draft, tm.overhead_batch(B), acc,
+        float(plan.scale), budget, _verify_table(tm, B, ctx, budget + 1), draft, tm.tree_overhead(B, tree.cur_depth), acc,
         order, count, chosen)
     orders = [order[b, :c].tolist() for b, c in enumerate(count.tolist())]
     return CostDecision(acc.tolist(), orders, chosen.tolist(), e, cost, tm.ar_step_batch(B, ctx), draft)

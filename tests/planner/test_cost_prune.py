@@ -334,3 +334,20 @@ def test_batch_decision_prices_the_padded_forward_and_one_draft_call_per_depth()
     assert d.ar_ms == pytest.approx(tm.ar_step_batch(4, 64))
     assert d.expected == pytest.approx(4 + sum(sum(d.est_accept[b][v] for v in d.order[b][:d.chosen[b]])
                                               for b in range(4)))
+
+
+def test_each_drafted_depth_adds_its_bookkeeping_to_the_price():
+    """The decision prices the step's bookkeeping at the depth drafted so far
+    (``Timings.tree_overhead``), and the gate charges the next depth's share: bookkeeping dear
+    enough per depth stops drafting where a flat c_o would go on."""
+    from dataclasses import replace
+
+    t, cfg = batch_tree(1)
+    flat = batch_timings(10.0, 0.0)
+    deep = replace(flat, overhead_ms=1.0, overhead_depth_ms=50.0)
+    d = decide(CostPlan.from_calibration(deep, Calibration()), t, cfg.budget)
+    assert t.cur_depth == 3
+    assert d.predicted_ms == pytest.approx(d.draft_ms + deep.verify(1 + d.chosen[0], 64) + 1.0 + 2 * 50.0)
+    shallow = t.replace(cur_depth=1)
+    assert another_depth_pays(CostPlan.from_calibration(flat, Calibration()), shallow, cfg.frontier, cfg.budget)
+    assert not another_depth_pays(CostPlan.from_calibration(deep, Calibration()), shallow, cfg.frontier, cfg.budget)

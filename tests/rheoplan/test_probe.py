@@ -248,7 +248,7 @@ def test_measure_batch_steps_takes_medians_of_the_live_steps(monkeypatch):
     seen = []
 
     def fake(model, draft, rows, *, max_new_tokens, **kw):
-        seen.append((draft is None, len(rows), max_new_tokens))
+        seen.append((draft is None, len(rows), max_new_tokens, kw["tree"].depth if "tree" in kw else None))
         # step times in s: draft 4 ms (2 calls), verify 10 ms, whole step 20 ms -> 6 ms bookkeeping;
         # the first step (prompt through the draft) and row 1's extra steps are left out
         st = lambda t_step: StepStats(1, 1, 2, 1, 1, t_draft=0.004, t_verify_forward=0.010, t_step=t_step)  # noqa: E731
@@ -256,10 +256,12 @@ def test_measure_batch_steps_takes_medians_of_the_live_steps(monkeypatch):
         return [DecodeResult(tokens=[0], steps=steps), DecodeResult(tokens=[0], steps=steps + [st(9.0)] * 5)][:len(rows)]
 
     monkeypatch.setattr(probe, "plan_and_decode", fake)
-    d, o, a, fw = probe.measure_batch_steps(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,), steps=8)
-    assert seen == [(False, 2, 8), (True, 2, 4)]
+    d, o, a, fw, o1 = probe.measure_batch_steps(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,),
+                                                steps=8)
+    assert seen == [(False, 2, 8, 2), (False, 2, 8, 1), (True, 2, 4, None)]  # the tree, one depth, no draft
     assert d == pytest.approx((2.0,)) and o == pytest.approx((6.0,)) and a == pytest.approx((6.0,))
     assert fw == pytest.approx((10.0,))  # the plain steps' forward
+    assert o1 == pytest.approx((6.0,))
 
 
 def test_measure_batch_tree_verify_takes_the_real_forward_and_widest_row(monkeypatch):
@@ -279,3 +281,12 @@ def test_measure_batch_tree_verify_takes_the_real_forward_and_widest_row(monkeyp
     out = probe.measure_batch_tree_verify(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,))
     assert seen == [(2, 3, 6)]  # the small tree: depth 3, budget 6
     assert out == (pytest.approx((40.0, 5.0)),)  # median 40 ms; widest rows 6, 5, 4 -> 5 tokens
+
+
+def test_bookkeeping_by_depth_from_the_fixed_tree_and_its_one_depth_cut():
+    tree = TreeConfig(depth=6, frontier=3, slots=3, budget=32, rheostat=1, support=8)
+    one = probe.one_depth_tree(tree)
+    assert (one.depth, one.budget, one.frontier, one.slots) == (1, 3, 3, 3)
+    assert probe.overhead_by_depth(8.6, 4.6, 6) == pytest.approx((4.6, 0.8))
+    assert probe.overhead_by_depth(4.0, 4.6, 6) == (4.6, 0.0)  # noise: never a negative cost per depth
+    assert probe.overhead_by_depth(5.0, 4.6, 1) == (5.0, 0.0)  # a one-depth tree: nothing to split
