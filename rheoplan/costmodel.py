@@ -127,13 +127,11 @@ class Timings:
     #: autoregressive step's, ``probe.measure_batch_steps``) over what the grid predicts;
     #: multiplies the grid for rows of one token (empty: 1)
     batch_ar_scale: tuple[float, ...] = ()
-    #: the bookkeeping each drafted depth past the first adds to a tree step (ms): a deeper
-    #: tree runs more passes and its walk visits more nodes (measured by decodes of the fixed
-    #: tree and of a one-depth tree; 0: one bookkeeping cost for every tree, as records
-    #: before it had)
+    #: the bookkeeping each drafted depth past the first adds to a tree step of one row (ms):
+    #: a deeper tree runs more passes and its walk visits more nodes (measured by decodes of
+    #: the fixed tree and of a one-depth tree; 0: one bookkeeping cost for every tree, as
+    #: records before it had)
     overhead_depth_ms: float = 0.0
-    #: the same per ``batch_sizes`` entry (empty: ``overhead_depth_ms`` at every batch size)
-    batch_overhead_depth_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.sizes or len(self.sizes) != len(self.verify_lo) or len(self.sizes) != len(self.verify_hi):
@@ -165,14 +163,11 @@ class Timings:
             if f and (len(f) != len(self.batch_sizes) or any(not (v > 0 and math.isfinite(v)) for v in f)):
                 raise ValueError(f"Timings: {name} must hold one finite factor > 0 per batch size "
                                  f"({len(self.batch_sizes)})")
-        if self.batch_overhead_depth_ms and len(self.batch_overhead_depth_ms) != len(self.batch_sizes):
-            raise ValueError(f"Timings: batch_overhead_depth_ms must hold one latency per batch size "
-                             f"({len(self.batch_sizes)})")
         if not (self.batch_draft_width >= 1 and math.isfinite(self.batch_draft_width)):
             raise ValueError(f"Timings: batch_draft_width={self.batch_draft_width} must be >= 1")
         vals = list(self.verify_lo) + list(self.verify_hi) + list(self.draft_ms) + [self.overhead_ms, self.ar_overhead_ms]
         vals += [v for r in self.batch_verify for v in r] + [v for x in steps for v in x]
-        vals += [self.overhead_depth_ms, *self.batch_overhead_depth_ms]
+        vals.append(self.overhead_depth_ms)
         if any(not (v >= 0 and math.isfinite(v)) for v in vals):
             raise ValueError("Timings: every latency must be finite and >= 0 ms")
 
@@ -254,21 +249,26 @@ class Timings:
 
     def tree_overhead(self, batch: int, depth: int) -> float:
         """``c_o(B, D)``: the bookkeeping of a tree step of ``batch`` rows whose tree was
-        drafted ``depth`` deep (ms): ``overhead_batch(B)`` (one depth) plus the per-depth
-        cost (``batch_overhead_depth_ms`` interpolated in ``B``; without batch measurements
-        ``B * overhead_depth_ms``, as ``overhead_batch``) for each depth past the first.
+        drafted ``depth`` deep (ms).
+
+        One row: ``overhead_ms`` (one depth) plus ``overhead_depth_ms`` for each depth past
+        the first. Several rows with measured bookkeeping (``batch_overhead_ms``): that
+        measurement, made with the fixed tree, at every depth. Why not by depth there: at 4
+        rows and T = 0 on the 2-core machine, pricing shallow trees by their own bookkeeping
+        let some steps draft, and the batch ran at 0.92x ``generate`` against 0.98x with the
+        flat price (plain steps only): the tree steps took 16% longer than predicted (their
+        batched forward over rows of different lengths costs more than the grid says) and
+        the plain steps between them 8% longer than in a batch that never drafts (the holes
+        rejected nodes leave in the rows' cache); docs/results.md, "Bookkeeping by depth".
+        Several rows without measurements: ``B`` rows' worth of the one-row price, as
+        ``overhead_batch``.
 
         Example: c_o 4.5 ms at one depth, 0.8 ms per further depth -> a 3-deep tree 6.1 ms.
         """
-        extra = max(int(depth) - 1, 0)
-        if not extra:
+        if batch != 1 and self.batch_overhead_ms:
             return self.overhead_batch(batch)
-        per = self.overhead_depth_ms
-        if batch != 1 and self.batch_overhead_depth_ms:
-            per = max(interp(self.batch_sizes, self.batch_overhead_depth_ms, batch), 0.0)
-        elif batch != 1 and not self.batch_overhead_ms:
-            per = batch * self.overhead_depth_ms  # as overhead_batch: each row on its own
-        return self.overhead_batch(batch) + per * extra
+        one = self.overhead_ms + self.overhead_depth_ms * max(int(depth) - 1, 0)
+        return one if batch == 1 else batch * one
 
     def ar_step_batch(self, batch: int, ctx: int) -> float:
         """A plain autoregressive step of ``batch`` rows (ms): ``c_v(B, 1)`` plus the
@@ -294,7 +294,7 @@ class Timings:
             raise ValueError(f"Timings: missing fields {missing}")
         for k in ("sizes", "verify_lo", "verify_hi", "draft_widths", "draft_ms", "batch_sizes", "batch_row_sizes",
                   "batch_draft_ms", "batch_overhead_ms", "batch_ar_overhead_ms", "batch_tree_scale",
-                  "batch_ar_scale", "batch_overhead_depth_ms"):
+                  "batch_ar_scale"):
             if k in known:
                 known[k] = tuple(known[k])
         if "batch_verify" in known:

@@ -441,37 +441,28 @@ def overhead_by_depth(full_ms: float, one_ms: float, depth: int) -> tuple[float,
     return one_ms, max(0.0, (full_ms - one_ms) / (depth - 1))
 
 
-def _batch_rows_steps(res) -> list:
-    """Row 0's steps while every row of a batched decode was live, the first left out (it
-    runs the prompts through the draft)."""
-    live = min(len(r.steps) for r in res)  # steps while every row was in the batch
-    return res[0].steps[1:live] or res[0].steps[:1]
-
-
 def measure_batch_steps(model, draft, prompt_ids: Sequence[int], *, tree, sampling, batch_sizes: Sequence[int],
                         steps: int = 8) -> tuple[tuple[float, ...], ...]:
-    """Per batch size ``B`` in ``batch_sizes`` (each > 1): short batched decodes of ``B``
-    copies of ``prompt_ids`` with the fixed tree ``tree``, with that tree cut to one depth
-    (``one_depth_tree``) and without a draft, giving ``(draft ms per batched call,
-    bookkeeping ms per tree step, per autoregressive step, forward ms per autoregressive
-    step, bookkeeping ms per one-depth tree step)`` of the whole batch (medians over the
-    steps while every row was live, the first step left out: it runs the prompts through
-    the draft). Needs batched decoding (``batched_decode_unavailable() is None``)."""
-    draft_ms, tree_oh, ar_oh, ar_fw, one_oh = [], [], [], [], []
+    """Per batch size ``B`` in ``batch_sizes`` (each > 1): a short batched decode of ``B``
+    copies of ``prompt_ids`` with the fixed tree ``tree`` and one without a draft, giving
+    ``(draft ms per batched call, bookkeeping ms per tree step, per autoregressive step,
+    forward ms per autoregressive step)`` of the whole batch (medians over the steps while
+    every row was live, the first step left out: it runs the prompts through the draft).
+    Needs batched decoding (``batched_decode_unavailable() is None``)."""
+    draft_ms, tree_oh, ar_oh, ar_fw = [], [], [], []
     for B in batch_sizes:
         rows = [list(prompt_ids) for _ in range(B)]
-        st = _batch_rows_steps(plan_and_decode(model, draft, rows, max_new_tokens=steps, sampling=sampling,
-                                               tree=tree, seed=0))
+        res = plan_and_decode(model, draft, rows, max_new_tokens=steps, sampling=sampling, tree=tree, seed=0)
+        live = min(len(r.steps) for r in res)  # steps while every row was in the batch
+        st = res[0].steps[1:live] or res[0].steps[:1]
         draft_ms.append(_per_call_draft_ms(st, tree.depth))
         tree_oh.append(_overhead_ms_of(st))
-        one = _batch_rows_steps(plan_and_decode(model, draft, rows, max_new_tokens=steps, sampling=sampling,
-                                                tree=one_depth_tree(tree), seed=0))
-        one_oh.append(_overhead_ms_of(one))
-        ar_steps = _batch_rows_steps(plan_and_decode(model, None, rows, max_new_tokens=max(4, steps // 2),
-                                                     sampling=sampling, seed=0))
+        ar = plan_and_decode(model, None, rows, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
+        live = min(len(r.steps) for r in ar)
+        ar_steps = ar[0].steps[1:live] or ar[0].steps[:1]
         ar_oh.append(_overhead_ms_of(ar_steps))
         ar_fw.append(statistics.median([1e3 * s.t_verify_forward for s in ar_steps]))
-    return tuple(draft_ms), tuple(tree_oh), tuple(ar_oh), tuple(ar_fw), tuple(one_oh)
+    return tuple(draft_ms), tuple(tree_oh), tuple(ar_oh), tuple(ar_fw)
 
 
 #: the small fixed tree ``measure_batch_tree_verify`` decodes with (depth, budget): about
@@ -538,7 +529,7 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                     tree_scale=True,  # batch_tree_scale measured (older records lack it)
                     ar_rows=3,  # the leaner batched plain step (f57ec9c) and batch_ar_scale
                     rounds="round-robin",  # c_v timed round-robin (older records could hold one hiccup)
-                    overhead="by-depth")  # c_o at one depth + per further depth (older: one c_o)
+                    overhead="by-depth-1")  # one row: c_o at one depth + per further depth (older: one c_o)
     if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:
@@ -588,15 +579,13 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     stepped: dict = {}
     if grid and batched_decode_unavailable() is None:
         more = [b for b in batch_sizes if b > 1]
-        d, o, a, fw, o1 = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
+        d, o, a, fw = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
         one = [b for b in batch_sizes if b == 1]  # batch 1: the batch-1 decodes above
         pick = lambda first, rest: tuple([first] * len(one) + list(rest))  # noqa: E731
-        by_depth = [overhead_by_depth(full, shallow, tree.depth) for full, shallow in zip(o, o1)]
+        # several rows: the fixed tree's bookkeeping at every depth (Timings.tree_overhead says why)
         stepped = dict(batch_draft_ms=pick(_per_call_draft_ms(res.steps[1:] or res.steps, tree.depth), d),
                        batch_draft_width=(1 + (tree.depth - 1) * tree.frontier) / max(1, tree.depth),
-                       batch_overhead_ms=pick(overhead, [x for x, _ in by_depth]),
-                       batch_overhead_depth_ms=pick(per_depth, [x for _, x in by_depth]),
-                       batch_ar_overhead_ms=pick(_overhead_ms(ar), a))
+                       batch_overhead_ms=pick(_overhead_ms(res), o), batch_ar_overhead_ms=pick(_overhead_ms(ar), a))
         real = measure_batch_tree_verify(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
         scale = []
         for B, (ms, n) in zip(more, real):
@@ -690,10 +679,8 @@ def _describe(tm: Timings) -> str:
         b = ", ".join(f"{B}:{row[0]:.1f}/{row[-1]:.1f}" for B, row in zip(tm.batch_sizes, tm.batch_verify))
         out += f"; batched verify ms by rows at 1/{n} tokens per row [{b}]"
     if tm.batch_draft_ms:
-        per = tm.batch_overhead_depth_ms or (tm.overhead_depth_ms,) * len(tm.batch_sizes)
-        d = ", ".join(f"{B}:{x:.1f}/{o:.1f}+{p:.1f}" for B, x, o, p in
-                      zip(tm.batch_sizes, tm.batch_draft_ms, tm.batch_overhead_ms, per))
-        out += f"; batched draft call / overhead + per further depth ms by rows [{d}]"
+        d = ", ".join(f"{B}:{x:.1f}/{o:.1f}" for B, x, o in zip(tm.batch_sizes, tm.batch_draft_ms, tm.batch_overhead_ms))
+        out += f"; batched draft call / overhead ms by rows [{d}]"
     if tm.batch_tree_scale:
         d = ", ".join(f"{B}:{x:.2f}" for B, x in zip(tm.batch_sizes, tm.batch_tree_scale))
         out += f"; real tree forward / grid by rows [{d}]"

@@ -237,24 +237,23 @@ def test_measured_batch_draft_and_bookkeeping_replace_the_model():
 
 
 def test_bookkeeping_grows_with_the_drafted_depth():
-    """``tree_overhead(B, D)``: c_o at one depth plus the per-depth cost for each further
-    depth (measured per batch size, interpolated; modelled as B rows' worth without)."""
+    """``tree_overhead(B, D)``: one row pays c_o at one depth plus the per-depth cost for
+    each further depth; several rows pay their measured (fixed-tree) bookkeeping at every
+    depth, or B rows' worth of the one-row price without measurements."""
     flat = tm()
     assert flat.tree_overhead(1, 5) == flat.overhead_ms  # records before it: one c_o
     t = tm(overhead_depth_ms=0.8)
     assert t.tree_overhead(1, 1) == 1.5 and t.tree_overhead(1, 0) == 1.5
     assert t.tree_overhead(1, 3) == pytest.approx(1.5 + 2 * 0.8)
-    assert grid_tm(overhead_depth_ms=0.8).tree_overhead(4, 3) == pytest.approx(4 * 1.5 + 4 * 2 * 0.8)
+    assert grid_tm(overhead_depth_ms=0.8).tree_overhead(4, 3) == pytest.approx(4 * (1.5 + 2 * 0.8))
     g = grid_tm(overhead_depth_ms=0.8, batch_draft_ms=(2.0, 5.0), batch_overhead_ms=(1.5, 3.0),
-                batch_ar_overhead_ms=(0.5, 1.0), batch_overhead_depth_ms=(0.8, 2.0))
-    assert g.tree_overhead(4, 2) == pytest.approx(3.0 + 2.0)
-    assert g.tree_overhead(2, 3) == pytest.approx(2.0 + 2 * 1.2)  # interpolated between 1 and 4 rows
+                batch_ar_overhead_ms=(0.5, 1.0))
+    assert g.tree_overhead(4, 1) == g.tree_overhead(4, 6) == 3.0
+    assert g.tree_overhead(2, 3) == pytest.approx(2.0)  # interpolated between 1 and 4 rows
     assert Timings.from_dict(g.to_dict()) == g
     old = t.to_dict()
-    del old["overhead_depth_ms"], old["batch_overhead_depth_ms"]
+    del old["overhead_depth_ms"]
     assert Timings.from_dict(old) == tm()
-    with pytest.raises(ValueError, match="batch_overhead_depth_ms must hold one latency per batch size"):
-        grid_tm(batch_overhead_depth_ms=(1.0,))
     with pytest.raises(ValueError, match=">= 0"):
         tm(overhead_depth_ms=-0.1)
 

@@ -167,6 +167,7 @@ def test_measure_timings_on_a_tiny_model_and_cache(cache):
     assert isinstance(tm, Timings) and tm.sizes == (1, 2, 4) and (tm.ctx_lo, tm.ctx_hi) == (4, 12)
     assert all(v > 0 for v in tm.verify_lo + tm.verify_hi + tm.draft_ms)
     assert set(tm.draft_widths) <= {1, 2} and tm.overhead_ms >= 0 and tm.ar_overhead_ms >= 0
+    assert tm.overhead_depth_ms >= 0 and "per further depth" in log.getvalue()  # the one-depth decode ran
     assert (tm.batch_sizes, tm.batch_row_sizes) == (probe.BATCH_SIZES, probe.BATCH_ROW_SIZES)
     # the batched steps are measured where plan_and_decode takes a list of prompts
     measured = probe.batched_decode_unavailable() is None
@@ -248,7 +249,7 @@ def test_measure_batch_steps_takes_medians_of_the_live_steps(monkeypatch):
     seen = []
 
     def fake(model, draft, rows, *, max_new_tokens, **kw):
-        seen.append((draft is None, len(rows), max_new_tokens, kw["tree"].depth if "tree" in kw else None))
+        seen.append((draft is None, len(rows), max_new_tokens))
         # step times in s: draft 4 ms (2 calls), verify 10 ms, whole step 20 ms -> 6 ms bookkeeping;
         # the first step (prompt through the draft) and row 1's extra steps are left out
         st = lambda t_step: StepStats(1, 1, 2, 1, 1, t_draft=0.004, t_verify_forward=0.010, t_step=t_step)  # noqa: E731
@@ -256,12 +257,10 @@ def test_measure_batch_steps_takes_medians_of_the_live_steps(monkeypatch):
         return [DecodeResult(tokens=[0], steps=steps), DecodeResult(tokens=[0], steps=steps + [st(9.0)] * 5)][:len(rows)]
 
     monkeypatch.setattr(probe, "plan_and_decode", fake)
-    d, o, a, fw, o1 = probe.measure_batch_steps(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,),
-                                                steps=8)
-    assert seen == [(False, 2, 8, 2), (False, 2, 8, 1), (True, 2, 4, None)]  # the tree, one depth, no draft
+    d, o, a, fw = probe.measure_batch_steps(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,), steps=8)
+    assert seen == [(False, 2, 8), (True, 2, 4)]
     assert d == pytest.approx((2.0,)) and o == pytest.approx((6.0,)) and a == pytest.approx((6.0,))
     assert fw == pytest.approx((10.0,))  # the plain steps' forward
-    assert o1 == pytest.approx((6.0,))
 
 
 def test_measure_batch_tree_verify_takes_the_real_forward_and_widest_row(monkeypatch):

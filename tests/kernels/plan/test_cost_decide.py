@@ -30,7 +30,7 @@ def _plan(seed: int, slope: float, scale: float) -> CostPlan:
     tm = Timings((1, 8, 64), (10.0, 10.5 + slope, 10.0 + 63 * slope), (11.0, 12.0 + slope, 12.0 + 63 * slope),
                  0, 1000, (1, 3), (0.5, 0.9), 0.7, 0.3, sizes, rows, grid, (0.6, 1.1, 3.0), 2.0,
                  (0.7, 2.5, 9.0), (0.3, 1.0, 4.0), (1.0, 1.05, 0.95), (1.0, 0.9, 0.7),
-                 overhead_depth_ms=0.4, batch_overhead_depth_ms=(0.4, 0.9, 2.5))
+                 overhead_depth_ms=0.4)
     p = CostPlan.from_calibration(tm, cal)
     return CostPlan(p.timings, p.acceptance, p.continuation, False, scale)
 
