@@ -255,11 +255,12 @@ class Timings:
         the first. Several rows with measured bookkeeping (``batch_overhead_ms``): that
         measurement, made with the fixed tree, at every depth. Why not by depth there: at 4
         rows and T = 0 on the 2-core machine, pricing shallow trees by their own bookkeeping
-        let some steps draft, and the batch ran at 0.92x ``generate`` against 0.98x with the
-        flat price (plain steps only): the tree steps took 16% longer than predicted (their
-        batched forward over rows of different lengths costs more than the grid says) and
-        the plain steps between them 8% longer than in a batch that never drafts (the holes
-        rejected nodes leave in the rows' cache); docs/results.md, "Bookkeeping by depth".
+        let some steps draft, and the batch ran at 0.92x ``generate`` against 0.96-0.985x
+        with the flat price (plain steps only): the tree steps took 16% longer than
+        predicted (their batched forward over rows of different lengths costs more than the
+        grid says) and the plain steps between them 8% longer than in a batch that never
+        drafts (the holes rejected nodes leave in the rows' cache); docs/results.md, "Lean
+        steps, twelfth round".
         Several rows without measurements: ``B`` rows' worth of the one-row price, as
         ``overhead_batch``.
 
