@@ -672,10 +672,22 @@ def _expanded_widths(tree: DraftTree, b: int) -> dict[int, int]:
     return widths
 
 
+def draft_ms_of_depths(timings: Timings, batch: int, widths: Sequence[int]) -> float:
+    """Latency of one draft call per drafted depth, ``widths`` the widest row's frontier at
+    each depth in depth order (0: no call at that depth): ``Timings.draft`` for one row,
+    ``Timings.draft_batch`` for ``batch`` rows, summed in depth order (the one definition
+    ``draft_ms_so_far``, ``draft_ms_batch`` and the numba decision share)."""
+    total = 0
+    for w in widths:
+        if w:
+            total += timings.draft(w) if batch == 1 else timings.draft_batch(batch, w)
+    return total
+
+
 def draft_ms_so_far(plan: CostPlan, tree: DraftTree, b: int = 0) -> float:
     """Latency of the draft calls that built tree ``b``: one call per drafted depth, as
     wide as the number of nodes expanded at that depth."""
-    return sum(plan.timings.draft(w) for w in _expanded_widths(tree, b).values())
+    return draft_ms_of_depths(plan.timings, 1, list(_expanded_widths(tree, b).values()))
 
 
 def draft_ms_batch(plan: CostPlan, tree: DraftTree) -> float:
@@ -689,7 +701,7 @@ def draft_ms_batch(plan: CostPlan, tree: DraftTree) -> float:
     for b in range(B):
         for d, w in _expanded_widths(tree, b).items():
             widest[d] = max(widest.get(d, 0), w)
-    return sum(plan.timings.draft_batch(B, w) for w in widest.values())
+    return draft_ms_of_depths(plan.timings, B, list(widest.values()))
 
 
 def choose_n(acceptances: Sequence[float], draft_ms: float, verify_ms: Callable[[int], float],

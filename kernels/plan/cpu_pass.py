@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rheoplan.costmodel import CostPlan, Timings
+from rheoplan.costmodel import CostPlan, Timings, draft_ms_of_depths
 from rheoplan.ir import DraftTree, LinearTree, NodeKind
 from rheoplan.kernels.plan.cpu import cost_decide_rows, draft_depth_widths, linearize as linearize_kernel, prune_rows
 from rheoplan.pipeline import PassContext
@@ -56,10 +56,7 @@ def decide(plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
     budget = int(budget)
     widest = np.empty(tree.cur_depth + 1, dtype=np.int64)
     draft_depth_widths(tree.n_expanded.numpy(), tree.exp_node.numpy(), tree.depth.numpy(), widest)
-    draft = 0  # costmodel.draft_ms_batch: one call per drafted depth, in depth order
-    for w in widest.tolist():
-        if w:
-            draft += tm.draft(w) if B == 1 else tm.draft_batch(B, w)
+    draft = draft_ms_of_depths(tm, B, widest.tolist())  # as costmodel.draft_ms_batch
     acc = np.zeros((B, tree.capacity), dtype=np.float64)
     order = np.empty((B, max(budget, 1)), dtype=np.int64)
     count = np.empty(B, dtype=np.int64)
@@ -67,7 +64,7 @@ def decide(plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
     e, cost = cost_decide_rows(
         tree.kind.numpy(), tree.weight.numpy(), tree.parent.numpy(), tree.token.numpy(), tree.score.numpy(),
         tree.n_nodes.numpy(), np.asarray(plan.acceptance, dtype=np.float64), int(NodeKind.SAMPLED),
-        float(plan.scale), budget, _verify_table(tm, B, ctx, budget + 1), draft, tm.tree_overhead(B, tree.cur_depth), acc,
-        order, count, chosen)
+        float(plan.scale), budget, _verify_table(tm, B, ctx, budget + 1), draft, tm.tree_overhead(B, tree.cur_depth),
+        acc, order, count, chosen)
     orders = [order[b, :c].tolist() for b, c in enumerate(count.tolist())]
     return CostDecision(acc.tolist(), orders, chosen.tolist(), e, cost, tm.ar_step_batch(B, ctx), draft)
