@@ -572,8 +572,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
         widths = {w: [1e3 * s] for w, s in timed.calls}
     # the bookkeeping grows with the tree's depth (more passes, a longer walk): a decode
     # of the same tree cut to one depth gives c_o at one depth and per further depth
-    res1 = plan_and_decode(model, draft, ids, max_new_tokens=steps, sampling=sampling, tree=one_depth_tree(tree),
-                           seed=0)
+    res1 = res if tree.depth <= 1 else plan_and_decode(model, draft, ids, max_new_tokens=steps, sampling=sampling,
+                                                       tree=one_depth_tree(tree), seed=0)
     overhead, per_depth = overhead_by_depth(_overhead_ms(res), _overhead_ms(res1), tree.depth)
     ar = plan_and_decode(model, None, ids, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
     stepped: dict = {}
