@@ -574,7 +574,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     # of the same tree cut to one depth gives c_o at one depth and per further depth
     res1 = res if tree.depth <= 1 else plan_and_decode(model, draft, ids, max_new_tokens=steps, sampling=sampling,
                                                        tree=one_depth_tree(tree), seed=0)
-    overhead, per_depth = overhead_by_depth(_overhead_ms(res), _overhead_ms(res1), tree.depth)
+    full = _overhead_ms(res)
+    overhead, per_depth = overhead_by_depth(full, _overhead_ms(res1), tree.depth)
     ar = plan_and_decode(model, None, ids, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
     stepped: dict = {}
     if grid and batched_decode_unavailable() is None:
@@ -585,7 +586,7 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
         # several rows: the fixed tree's bookkeeping at every depth (Timings.tree_overhead says why)
         stepped = dict(batch_draft_ms=pick(_per_call_draft_ms(res.steps[1:] or res.steps, tree.depth), d),
                        batch_draft_width=(1 + (tree.depth - 1) * tree.frontier) / max(1, tree.depth),
-                       batch_overhead_ms=pick(_overhead_ms(res), o), batch_ar_overhead_ms=pick(_overhead_ms(ar), a))
+                       batch_overhead_ms=pick(full, o), batch_ar_overhead_ms=pick(_overhead_ms(ar), a))
         real = measure_batch_tree_verify(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
         scale = []
         for B, (ms, n) in zip(more, real):
