@@ -215,9 +215,30 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None,
     x = process_scores(logits, sampling, input_ids, processors, check)
     if sampling.greedy:
         out = torch.zeros_like(x, dtype=torch.float64)
-        out.scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
+        out.scatter_(-1, _greedy(x)[..., None], 1.0)
         return out
     return torch.softmax(x.to(torch.float64), dim=-1)
+
+
+def _greedy(scores: torch.Tensor) -> torch.Tensor:
+    # the first index of the maximum: the lowest token id among ties, as ``generate``'s
+    # ``torch.argmax`` picks it
+    return scores.argmax(dim=-1)
+
+
+def greedy_tokens(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None,
+                  processors: Sequence[LogitsProcessor] = (), check: bool = True) -> torch.Tensor:
+    """The token ``target_probs`` puts all its mass on when greedy, one per row (shape
+    ``logits.shape[:-1]``; arguments as ``process_scores``), without building the one-hot
+    law: the greedy walks (``rheoplan.verify``) read only this.
+
+    Example:
+        >>> greedy_tokens(torch.tensor([[0., 2., 2.], [5., 0., 1.]]), SamplingConfig(temperature=0)).tolist()
+        [1, 0]
+    """
+    if not sampling.greedy:
+        raise ValueError(f"greedy_tokens: sampling.temperature={sampling.temperature}: allowed 0 (greedy)")
+    return _greedy(process_scores(logits, sampling, input_ids, processors, check))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from rheoplan.config import SamplingConfig, VERIFIERS
-from rheoplan.distributions import RESIDUAL_EPS as _RESIDUAL_EPS, process_scores, tail_law, target_probs
+from rheoplan.distributions import RESIDUAL_EPS as _RESIDUAL_EPS, greedy_tokens, tail_law, target_probs
 from rheoplan.ir import DraftTree
 from rheoplan.mutation import active
 from rheoplan.rng import Purpose, Streams, gumbel_from_uniform
@@ -258,7 +258,7 @@ def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams,
     if sampling.greedy:
         # the law is a one-hot on the processed scores' argmax: argmax(log p + g) is that
         # token whatever the noise, so draw none, and skip building the [R, V] one-hot
-        return process_scores(logits, sampling).argmax(dim=-1).tolist()
+        return greedy_tokens(logits, sampling).tolist()
     p = target_probs(logits, sampling)
     V = p.shape[-1]
     if uniforms is None:
@@ -270,6 +270,29 @@ def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams,
     return gumbel_max_uniform(p, u).tolist()
 
 
+def _draw_at(tree: DraftTree, b: int, i: int, p: torch.Tensor, verifier: str, streams: Streams, step: int,
+             sk: int, node_draw) -> int:
+    """The token ``walk`` emits at linear node ``i`` of tree ``b`` whose target law is ``p``."""
+    lin = tree.linear
+    V = p.shape[-1]
+    v = int(lin.node[b, i])
+    row = int(lin.exp_row[b, i])
+
+    # the residual noise (V numbers) is drawn only where a draw from p or from a
+    # residual happens: an accepted proposal needs none
+    def draw(r):
+        u = streams.uniform(step, sk, v, Purpose.VERIFY_RESIDUAL, V)
+        return int(gumbel_max_uniform(r[None], u[None])[0])
+
+    if node_draw is not None:
+        return node_draw(p, row, node_y(tree, b, row) if row >= 0 else -1, v)
+    if row < 0:
+        return draw(p)
+    u = float(streams.uniform(step, sk, v, Purpose.VERIFY_ACCEPT, 1)[0])
+    return _coupling_draw(p, tree.sup_token[b, row], tree.sup_q[b, row], int(tree.sup_n[b, row]),
+                          tree.rheostat, tree.slots, node_y(tree, b, row), verifier, u, draw)
+
+
 def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], sampling: SamplingConfig,
          verifier: str, streams: Streams, step: int, key: int | None = None,
          history: Sequence[int] | None = None, processors: Sequence = (),
@@ -277,7 +300,8 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
     """Verify tree ``b`` (docs/method.md §5), reading target logits only where the walk goes.
 
     ``logits_at(i)`` returns the raw target logits ``[V]`` at linear node ``i``; they are
-    processed with ``target_probs``; when the law depends on the context (repetition
+    processed with ``target_probs`` (greedy: only their ``greedy_tokens``, the token the
+    one-hot law would emit under every verifier, with no numbers drawn); when the law depends on the context (repetition
     penalty, ``processors``), node ``i``'s context is ``history`` (every token up to and
     including the root) followed by the path's tokens down to ``i``. Randomness: at node ``v`` (creation id) the accept
     uniform is ``streams.uniform(step, b, v, VERIFY_ACCEPT, 1)`` and the Gumbel noise
@@ -315,25 +339,16 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
                          "(repetition_penalty != 1 or processors): pass the tokens up to the root")
     while True:
         ids = list(history) + emitted if needs_ids else None
-        p = target_probs(logits_at(i), sampling, ids, processors)
         visited += 1
-        V = p.shape[-1]
-        v = int(lin.node[b, i])
-        row = int(lin.exp_row[b, i])
-        # the residual noise (V numbers) is drawn only where a draw from p or from a
-        # residual happens: an accepted proposal needs none
-        def draw(r, v=v, V=V):
-            u = streams.uniform(step, sk, v, Purpose.VERIFY_RESIDUAL, V)
-            return int(gumbel_max_uniform(r[None], u[None])[0])
-
-        if node_draw is not None:
-            x = node_draw(p, row, node_y(tree, b, row) if row >= 0 else -1, v)
-        elif row < 0:
-            x = draw(p)
+        if sampling.greedy:
+            # p is a one-hot on the greedy token, and every coupling emits it, whatever was
+            # proposed and whatever the numbers (an accepted proposal is that token; a
+            # rejected one leaves a residual on it alone): no law, no draw, no noise
+            # (test_greedy_walk_is_the_couplings_walk checks it against the couplings)
+            x = int(greedy_tokens(logits_at(i), sampling, ids, processors))
         else:
-            u = float(streams.uniform(step, sk, v, Purpose.VERIFY_ACCEPT, 1)[0])
-            x = _coupling_draw(p, tree.sup_token[b, row], tree.sup_q[b, row], int(tree.sup_n[b, row]),
-                               tree.rheostat, tree.slots, node_y(tree, b, row), verifier, u, draw)
+            x = _draw_at(tree, b, i, target_probs(logits_at(i), sampling, ids, processors), verifier,
+                         streams, step, sk, node_draw)
         emitted.append(x)
         c = kept_children(tree, b, i).get(x)
         if c is None:

@@ -140,12 +140,15 @@ def test_mutation_context_without_the_nodes_own_token_is_caught(greedy_pair, mon
     """Control: a law that sees the context up to the node's parent only (off by one) breaks
     the parity above."""
     target, _ = greedy_pair
-    original = verify.target_probs
 
-    def off_by_one(logits, sampling, ids=None, processors=()):
-        return original(logits, sampling, None if ids is None else ids[:-1], processors)
+    def off_by_one(original):
+        def law(logits, sampling, ids=None, processors=()):
+            return original(logits, sampling, None if ids is None else ids[:-1], processors)
+        return law
 
-    monkeypatch.setattr(verify, "target_probs", off_by_one)
+    # the walk reads the law through these two (a greedy walk only the greedy token)
+    for name in ("target_probs", "greedy_tokens"):
+        monkeypatch.setattr(verify, name, off_by_one(getattr(verify, name)))
     r = plan_and_decode(target, target, PROMPT, max_new_tokens=N, tree=TREES["rheo"], seed=0,
                         sampling=SamplingConfig(temperature=0, repetition_penalty=1.5))
     assert r.tokens != generate_greedy(target, PROMPT, N, repetition_penalty=1.5)
