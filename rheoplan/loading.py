@@ -170,7 +170,8 @@ def load_cost_model(model, tok, draft, tree: TreeConfig, *, draft_id: str = "",
     calibration a decode starts from: ``calibration`` (a JSON file written by
     ``--save-calibration``); without one, the draft head's own priors per temperature
     (``calibration.json`` in an ``eagle3`` head's directory, made by ``rheoplan calibrate``;
-    ``draft_id`` is the ``--draft`` spec that names it); ``'none'``: no prior at all."""
+    ``draft_id`` is the ``--draft`` spec that names it); ``'none'``: no prior at all.
+    The loop's bookkeeping is measured with ``sampling`` when it samples, else at T = 1."""
     prior = Calibration.load(calibration) if calibration not in (None, "none") else None
     priors: tuple = ()
     if calibration is None:
@@ -183,7 +184,13 @@ def load_cost_model(model, tok, draft, tree: TreeConfig, *, draft_id: str = "",
     head = getattr(draft, "head", None)
     if head is not None:  # a head in another dtype (or packed) has other latencies
         draft_id = f"{draft_id} ({model_dtype(head)}{speed_tag(head)})"
-    tm = measure_timings(model, draft, ids, tree=tree, sampling=sampling or SamplingConfig(),
+    # The bookkeeping is measured with a sampled law, whatever ``sampling`` is: one cached
+    # record serves every decode, and a greedy walk (an argmax per node, no draw) is the
+    # cheaper, so greedy steps are priced a little high. Priced with their own bookkeeping
+    # (measured apart), greedy decodes ran no faster (docs/results.md, thirteenth round).
+    if sampling is None or sampling.greedy:
+        sampling = SamplingConfig()
+    tm = measure_timings(model, draft, ids, tree=tree, sampling=sampling,
                          model_id=SMOLLM2_ID + speed_tag(model), draft_id=draft_id)
     return CostModel(tm, prior, priors)
 

@@ -68,3 +68,18 @@ def test_load_cost_model_finds_a_heads_priors(tmp_path, monkeypatch):
     cm = loading.load_cost_model(None, None, None, TREE, draft_id=f"eagle3:{head}")
     assert cm.priors == tuple(load_priors(head / PRIORS_FILE).items()) and cm.calibration is None
     assert loading.load_cost_model(None, None, None, TREE, draft_id=f"eagle3:{head}", calibration="none").priors == ()
+
+
+def test_load_cost_model_measures_the_bookkeeping_with_a_sampled_law(monkeypatch):
+    """One cached record serves every decode: a greedy caller's latencies are measured with
+    a sampled law (T = 1; a greedy walk's bookkeeping is the cheaper), a sampling caller's
+    with its own settings."""
+    from rheoplan.config import SamplingConfig
+
+    seen = []
+    monkeypatch.setattr(loading, "measure_timings", lambda *a, **k: seen.append(k["sampling"]) or TIMINGS)
+    monkeypatch.setattr(loading, "encode_prompt", lambda *a, **k: [0])
+    hot = SamplingConfig(temperature=0.7, top_p=0.9)
+    for s in (None, SamplingConfig(temperature=0.0), hot):
+        loading.load_cost_model(None, None, None, TREE, calibration="none", sampling=s)
+    assert seen == [SamplingConfig(), SamplingConfig(), hot]
