@@ -100,7 +100,10 @@ class RowCache:
         if any(j != k for p in paths for k, j in enumerate(p)):
             src = start + torch.tensor([list(p) + [0] * (m - len(p)) for p in paths], dtype=torch.int64)
         idx = None  # src as gather indices [B, kv_heads, m, head_dim]: every layer's k/v are alike
-        for holder, k, v in _layer_tensors(self.cache):
+        # nothing to move and nothing to drop (every row kept all of its columns in order: a
+        # batch of plain steps, one column each): the layers' tensors stay as they are
+        layers = _layer_tensors(self.cache) if src is not None or m < q else ()
+        for holder, k, v in layers:
             keys = getattr(holder, k)
             if keys is None or keys.numel() == 0:
                 continue
