@@ -301,9 +301,10 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
 
     ``logits_at(i)`` returns the raw target logits ``[V]`` at linear node ``i``; they are
     processed with ``target_probs`` (greedy: only their ``greedy_tokens``, the token the
-    one-hot law would emit under every verifier, with no numbers drawn); when the law depends on the context (repetition
-    penalty, ``processors``), node ``i``'s context is ``history`` (every token up to and
-    including the root) followed by the path's tokens down to ``i``. Randomness: at node ``v`` (creation id) the accept
+    one-hot law would emit under every verifier, with no numbers drawn); when the law
+    depends on the context (repetition penalty, ``processors``), node ``i``'s context is
+    ``history`` (every token up to and including the root) followed by the path's tokens
+    down to ``i``. Randomness: at node ``v`` (creation id) the accept
     uniform is ``streams.uniform(step, b, v, VERIFY_ACCEPT, 1)`` and the Gumbel noise
     ``streams.gumbel(step, b, v, VERIFY_RESIDUAL, V)`` (drawn only where the node draws a
     token: not at an accepted proposal; the streams are counter-based, so what is not

@@ -147,3 +147,22 @@ def test_no_filter_no_sort_fast_path_is_the_softmax():
 def test_greedy_ignores_the_warpers_like_generate(k, p):
     x = torch.tensor([0.5, 3.0, 3.0, 1.0])
     assert target_probs(x, SamplingConfig(temperature=0, top_k=k, top_p=p)).tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_greedy_tokens_is_where_the_greedy_law_puts_its_mass():
+    from rheoplan.distributions import greedy_tokens
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 40, generator=g)
+    x[1, [9, 4]] = x[1].max() + 1.0  # a tie: the lowest id
+    x[2] = 0.0  # every token tied
+    ids = torch.randint(0, 40, (5, 6), generator=g)
+    for s in (SamplingConfig(temperature=0), SamplingConfig(temperature=0, top_k=3, repetition_penalty=1.3)):
+        got = greedy_tokens(x, s, ids if s.needs_context else None)
+        assert got.tolist() == target_probs(x, s, ids if s.needs_context else None).argmax(-1).tolist()
+        assert got[1] == 4 and got[2] == 0
+    assert greedy_tokens(x[0], SamplingConfig(temperature=0)).shape == ()
+    with pytest.raises(ValueError, match="temperature=1.0: allowed 0"):
+        greedy_tokens(x, SamplingConfig(temperature=1.0))
+    with pytest.raises(ValueError, match="NaN"):
+        greedy_tokens(torch.full((2, 4), float("nan")), SamplingConfig(temperature=0))
