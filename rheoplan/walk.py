@@ -90,8 +90,8 @@ def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, st
             fw.prefetch(path)
             read = lambda i: fw.logits(i).cpu()  # noqa: E731
     # 'numba' (a sampled law; a greedy walk draws nothing): each visited node's draw is one
-    # kernel call that makes its own noise (the
-    # reference builds a numpy generator and V uniforms per draw, then filters in torch)
+    # kernel call that makes its own noise (the reference builds a numpy generator and V
+    # uniforms per draw, then filters in torch)
     draw = None
     if backend == "numba" and not sampling.greedy and not active("raw_q_ratio"):
         draw = NodeDrawer(tree, b, verifier, streams.seed, step, b if key is None else int(key),

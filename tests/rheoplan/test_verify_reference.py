@@ -340,26 +340,31 @@ def test_greedy_walk_is_the_couplings_walk(verifier):
     """A greedy walk reads only the argmax at each node and draws nothing. It must take the
     path and emit the tokens that the couplings give with the one-hot law, whatever the
     noise: the reference couplings and the numba node draws, run with a sampled law that
-    is exactly that one-hot (every other logit 1e4 below)."""
+    is exactly that one-hot (every other logit 1e4 below). On trees planned greedy (no
+    sampled slot) and sampled (a proposal Y at every expanded node, which the coupling
+    accepts or rejects)."""
     from rheoplan.kernels.verify.cpu import NodeDrawer
 
-    accepted = rejected = 0
+    greedy, sampled = SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)
+    accepted = rejected = proposals = 0
     for seed in range(12):
-        t, logits_at, _, s, _, _ = _tree_and_logits(V=6, seed=seed, T=0.0, verifier=verifier)
-        got = walk(t, 0, logits_at, s, verifier, Streams(seed), 3)
+        for planned in (0.0, 1.0):
+            t, logits_at, _, _, _, _ = _tree_and_logits(V=6, seed=seed, T=planned, verifier=verifier)
+            got = walk(t, 0, logits_at, greedy, verifier, Streams(seed), 3)
 
-        def one_hot_at(i):
-            x = logits_at(i)
-            return torch.where(torch.arange(x.shape[-1]) == int(torch.argmax(x)), 0.0, -1e4)
+            def one_hot_at(i):
+                x = logits_at(i)
+                return torch.where(torch.arange(x.shape[-1]) == int(torch.argmax(x)), 0.0, -1e4)
 
-        sampled = SamplingConfig(temperature=1.0)
-        for noise_seed in (seed, seed + 1000):
-            want = walk(t, 0, one_hot_at, sampled, verifier, Streams(noise_seed), 3)
-            drawer = NodeDrawer(t, 0, verifier, noise_seed, 3, 0, int(Purpose.VERIFY_ACCEPT),
-                                int(Purpose.VERIFY_RESIDUAL))
-            lowered = walk(t, 0, one_hot_at, sampled, verifier, Streams(noise_seed), 3, node_draw=drawer)
-            assert (got.path, got.emitted, got.visited) == (want.path, want.emitted, want.visited)
-            assert (lowered.path, lowered.emitted) == (want.path, want.emitted)
-        accepted += len(got.path) > 1
-        rejected += int(t.linear.n_children[0, got.path[-1]]) > 0  # a drafted node whose children all lost
-    assert accepted and rejected
+            for noise_seed in (seed, seed + 1000):
+                want = walk(t, 0, one_hot_at, sampled, verifier, Streams(noise_seed), 3)
+                drawer = NodeDrawer(t, 0, verifier, noise_seed, 3, 0, int(Purpose.VERIFY_ACCEPT),
+                                    int(Purpose.VERIFY_RESIDUAL))
+                lowered = walk(t, 0, one_hot_at, sampled, verifier, Streams(noise_seed), 3, node_draw=drawer)
+                assert (got.path, got.emitted, got.visited) == (want.path, want.emitted, want.visited)
+                assert (lowered.path, lowered.emitted) == (want.path, want.emitted)
+            accepted += len(got.path) > 1
+            rejected += int(t.linear.n_children[0, got.path[-1]]) > 0  # a drafted node whose children all lost
+            rows = [int(t.linear.exp_row[0, i]) for i in got.path]
+            proposals += sum(1 for r in rows if r >= 0 and int(t.y_token[0, r]) >= 0)
+    assert accepted and rejected and proposals
