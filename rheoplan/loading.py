@@ -26,6 +26,7 @@ from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import PRIORS_FILE, Calibration, CostModel, load_priors
 from rheoplan.models.eagle3 import load_eagle3_checkpoint
 from rheoplan.models.early_exit import early_exit_draft
+from rheoplan.models.gqa_attention import one_query_note
 from rheoplan.models.packed_linear import PackedLinear, pack_if_it_pays
 from rheoplan.models.smollm import GGUF_FILE, load_smollm2, resolve_dtype
 from rheoplan.probe import choose_dtype, choose_head_dtype, measure_timings
@@ -120,6 +121,9 @@ def load_default(*, method: str = "rheo", draft: str = "auto", dtype: str = "aut
         if torch_dtype != torch.float32:
             model = model.to(torch_dtype)
     pack_if_it_pays(model, "target")
+    note = one_query_note(model)
+    if note is not None:
+        print(f"target: {note}", file=sys.stderr)
     drf = None
     if method != "autoregressive":
         kind, arg = parse_draft_spec(draft)

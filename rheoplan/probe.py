@@ -349,10 +349,10 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
     Each forward is what a batched decode's verify forward does (``forward_trees``, the
     span ``StepStats.t_verify_forward`` times): the decoder stack over a rectangular
     ``[B, n]`` block (rows padded to the widest tree) with a 4-D mask (every row sees its
-    cached prefix and the block's causal part; a one-token step passes no mask, as
-    ``generate`` does). The output projections are left out: the walk makes them, so
-    they are in the bookkeeping ``c_o`` measured from real decodes (counting them here
-    too priced every step's projections twice). The cache is filled with random keys and
+    cached prefix and the block's causal part; all zeros for one-token rows). The output
+    projections are left out: the walk makes them, so they are in the bookkeeping ``c_o``
+    measured from real decodes (counting them here too priced every step's projections
+    twice). The cache is filled with random keys and
     values (the latency does not depend on them, and it saves a prefill of ``B * ctx``
     tokens) and cropped back to ``ctx`` after every forward. With the default grid, 15
     short forwards (x ``reps + 1``), timed round-robin per batch size (``round_robin_ms``).
@@ -384,7 +384,9 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
                 tok = torch.randint(0, vocab, (B, n), generator=gen).to(p.device)
                 pos = (ctx + torch.arange(n, device=p.device)).expand(B, n)
                 if n == 1:
-                    mask = None
+                    # all-zero, as ``run_base_rows`` passes: a masked one-token step takes
+                    # transformers' folded one-query attention, an unmasked one ``enable_gqa``
+                    mask = torch.zeros(B, 1, 1, ctx + 1, dtype=p.dtype, device=p.device)
                 else:
                     allowed = torch.ones(n, ctx + n, dtype=torch.bool, device=p.device)
                     allowed[:, ctx:] = torch.ones(n, n, dtype=torch.bool, device=p.device).tril()

@@ -11,7 +11,7 @@ import inspect
 
 import torch
 
-from rheoplan.models.gqa_attention import gqa_attention_active
+from rheoplan.models.gqa_attention import gqa_attention_active, one_query_mask_pays
 
 
 def forward_memory(cfg, elem: int, vocab: int, batch: int, width: int, queries: int) -> int:
@@ -113,10 +113,14 @@ def run_base(base: torch.nn.Module, cache, input_ids: torch.Tensor, position_ids
     """
     if all_allowed is None:
         all_allowed = allowed is None or bool(allowed.all())
-    if allowed is None or all_allowed:
+    if all_allowed and input_ids.shape[-1] == 1 and one_query_mask_pays(base):
+        # A one-token step whose attention measured faster with an all-zero mask than with
+        # none (transformers' folded one-query path; ``one_query_mask_pays``).
+        mask = torch.zeros(1, 1, 1, cache.get_seq_length() + 1, dtype=next(base.parameters()).dtype,
+                           device=input_ids.device)
+    elif allowed is None or all_allowed:
         # None: the tree-attention kernel reads its mask elsewhere. All allowed (a one-token
-        # step): no mask lets attention take its unmasked path, as ``generate`` does,
-        # instead of adding a [q, kv] mask of zeros.
+        # step): no mask lets attention take its unmasked path, as ``generate`` does.
         mask = None
     else:
         mask = additive_mask(allowed, next(base.parameters()).dtype)

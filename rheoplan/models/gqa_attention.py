@@ -19,10 +19,16 @@ to the math one.
 Measured on SmolLM2-135M (3 key/value heads for 9 query heads, bfloat16, 2 threads), a
 9-token tree verify forward, median of 30 interleaved: 35.7 against 36.7 ms at 100 cached
 positions, 38.8 against 40.4 ms at 400 (``docs/results.md``).
+
+One query per row without a mask (a one-token step of one sequence) is the opposite case:
+there transformers takes ``enable_gqa``, which on some CPUs is several times slower than
+its own masked one-query path. ``one_query_mask_pays`` measures the two once per process
+and attention shape, and ``run_base`` passes an all-zero mask where the masked path wins.
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -91,3 +97,90 @@ def gqa_attention_active(model: torch.nn.Module, mask: torch.Tensor | None, quer
     if mask is None or queries <= 1 or not gqa_pays(model):
         return nullcontext()
     return _active(model.config)
+
+
+# -- one query, no mask ---------------------------------------------------------------------
+# A one-token step over a whole cache needs no mask, and ``run_base`` passes none, as
+# ``generate`` does. transformers' ``sdpa`` then takes ``enable_gqa``; with a mask (any
+# mask) and one query it instead folds each group's query heads into one query axis
+# (``pack_gqa``). The two are the same attention, rounded differently, and on some CPUs
+# far apart: on the 2-core AMD EPYC in bfloat16, 9 query heads over 3 key/value heads and
+# 512 cached positions took 0.29 against 0.05 ms per layer, and a SmolLM2-135M one-token
+# forward 23.3 ms without a mask against 17.0 with an all-zero one (docs/results.md); in
+# float32 the two measured the same. So whether a one-token step passes an all-zero mask
+# is measured, once per process and attention shape.
+
+_ONE_QUERY: dict[tuple, tuple[float, float]] = {}
+
+
+class _Group(torch.nn.Module):
+    """Stands in for an attention module in a bare ``sdpa_attention_forward`` call."""
+
+    is_causal = True
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+def _shape(model: torch.nn.Module) -> tuple | None:
+    """``(dtype, device, heads, kv_heads, head_dim)`` of ``model``'s attention, None when it
+    does not run transformers' ``sdpa`` with grouped key/value heads."""
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if getattr(config, "_attn_implementation", None) != "sdpa" or heads is None or kv_heads >= heads:
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    p = next(model.parameters())
+    return p.dtype, str(p.device), int(heads), int(kv_heads), int(head_dim)
+
+
+def one_query_timings(model: torch.nn.Module, cached: int = 256, reps: int = 30) -> tuple[float, float] | None:
+    """Microseconds of one attention call of ``model``'s shape (one query per head, ``cached``
+    key/value positions, transformers' ``sdpa_attention_forward``) without a mask and with an
+    all-zero one, the best of ``reps`` alternating runs each; memoised per shape. None when
+    the model does not run ``sdpa`` with grouped heads (nothing to choose)."""
+    key = _shape(model)
+    if key is None:
+        return None
+    if key not in _ONE_QUERY:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        dtype, device, heads, kv_heads, head_dim = key
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, heads, 1, head_dim, generator=g).to(device, dtype)
+        k, v = (torch.randn(1, kv_heads, cached, head_dim, generator=g).to(device, dtype) for _ in range(2))
+        zero = torch.zeros(1, 1, 1, cached, dtype=dtype, device=device)
+        module = _Group(heads // kv_heads)
+        best = [float("inf"), float("inf")]
+        with torch.no_grad():
+            for _ in range(reps + 1):
+                for i, mask in enumerate((None, zero)):
+                    t0 = time.perf_counter()
+                    sdpa_attention_forward(module, q, k, v, mask)
+                    if device != "cpu":
+                        torch.cuda.synchronize()
+                    best[i] = min(best[i], time.perf_counter() - t0)
+        _ONE_QUERY[key] = (1e6 * best[0], 1e6 * best[1])
+    return _ONE_QUERY[key]
+
+
+def one_query_mask_pays(model: torch.nn.Module) -> bool:
+    """Whether a one-token forward of ``model`` should pass an all-zero mask (transformers'
+    folded one-query attention) rather than none (``enable_gqa``): measured
+    (``one_query_timings``), and only when the mask is at least 20% faster, so that where
+    the two are close a step keeps the path ``generate`` takes."""
+    t = one_query_timings(model)
+    return t is not None and t[1] < 0.8 * t[0]
+
+
+def one_query_note(model: torch.nn.Module) -> str | None:
+    """One line saying how ``model``'s one-token steps attend and the measurement behind it
+    (None when there is nothing to choose)."""
+    t = one_query_timings(model)
+    if t is None:
+        return None
+    how = ("pass an all-zero mask (transformers' folded one-query attention)" if one_query_mask_pays(model)
+           else "pass no mask, as generate does")
+    return f"one-token steps {how}: attention measured {t[0]:.0f} us without a mask, {t[1]:.0f} us with one"

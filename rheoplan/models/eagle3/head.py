@@ -249,11 +249,16 @@ class Eagle3Attention(nn.Module):
         if past is not None:
             k = torch.cat([past[0], k], dim=1)
             v = torch.cat([past[1], v], dim=1)
+        # Each key/value head serves ``rep`` query heads (h -> h // rep): fold them into its
+        # query axis, one attention per key/value head, rather than copying the whole cache
+        # ``rep`` times per call (``repeat_interleave``). On the 2-core CPU in bfloat16 the
+        # attention of one query over 400 cached entries took 0.08 ms against 0.19, a whole
+        # head call of 16 queries over 1200 entries 2.08 against 2.42 (docs/results.md).
         rep = self.n_heads // self.n_kv
         out = F.scaled_dot_product_attention(
-            q, k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0),
-            attn_mask=allowed[None])
-        out = out.transpose(0, 1).reshape(n, self.n_heads * self.head_dim)
+            q.reshape(self.n_kv, rep * n, self.head_dim), k, v,
+            attn_mask=allowed if rep == 1 else allowed.repeat(rep, 1))  # rows (group member, query)
+        out = out.view(self.n_heads, n, self.head_dim).transpose(0, 1).reshape(n, self.n_heads * self.head_dim)
         return self.o_proj(out), (k, v)
 
 

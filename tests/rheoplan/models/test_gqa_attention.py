@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import rheoplan.models._hf_common as _hf_common
 import rheoplan.models.gqa_attention as gqa
 from rheoplan.models._hf_common import base_model, new_cache, run_base, run_base_rows
 from rheoplan.models.gqa_attention import GQA_ATTENTION, gqa_attention_active, gqa_pays, sdpa_gqa_forward
@@ -108,3 +109,62 @@ def test_unmasked_call_is_refused():
     q = torch.zeros(1, 4, 1, 8)
     with pytest.raises(RuntimeError, match="masked forwards only"):
         sdpa_gqa_forward(_Groups(), q, q[:, :2], q[:, :2], None)
+
+
+# -- one query, no mask: an all-zero mask where it measured faster ------------------------------
+
+
+def _one_token_step(model, pays: bool, monkeypatch) -> tuple[torch.Tensor, list]:
+    """A prompt's forward, then a one-token step; returns the step's hidden state and the
+    mask each forward passed to the decoder stack."""
+    monkeypatch.setattr(_hf_common, "one_query_mask_pays", lambda base: pays)
+    base = base_model(model)
+    masks = []
+    real = base.forward
+    monkeypatch.setattr(base, "forward", lambda *a, **k: masks.append(k.get("attention_mask")) or real(*a, **k))
+    cache = new_cache(model)
+    with torch.no_grad():
+        run_base(base, cache, torch.tensor([3, 9, 4, 11]), torch.arange(4), torch.ones(4, 4, dtype=torch.bool).tril())
+        h = run_base(base, cache, torch.tensor([7]), torch.tensor([4]), None, all_allowed=True)
+    return h, masks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_step_with_a_zero_mask_is_the_same_attention(dtype, monkeypatch):
+    model = _llama(dtype=dtype)
+    plain, plain_masks = _one_token_step(model, False, monkeypatch)
+    masked, masks = _one_token_step(model, True, monkeypatch)
+    assert plain_masks[1] is None
+    assert masks[1].shape == (1, 1, 1, 5) and not masks[1].any()  # 4 cached + the new token, all zero
+    # transformers folds the query heads of a group with a mask (its one-query path) and uses
+    # enable_gqa without: the same attention, summed in another order
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(masked, plain, **tol)
+    # and what transformers computes for that mask in an ordinary call
+    base = base_model(model)
+    with torch.no_grad():
+        cache = new_cache(model)
+        base(input_ids=torch.tensor([[3, 9, 4, 11]]), use_cache=True, **{_hf_common._cache_kwarg(base): cache})
+        want = base(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[4]]),
+                    attention_mask=torch.zeros(1, 1, 1, 5, dtype=dtype), use_cache=True,
+                    **{_hf_common._cache_kwarg(base): cache}).last_hidden_state[0]
+    assert torch.equal(masked, want)
+
+
+def test_one_query_choice_follows_the_measurement(monkeypatch):
+    model = _llama(kv_heads=2)
+    key = gqa._shape(model)
+    monkeypatch.setitem(gqa._ONE_QUERY, key, (100.0, 10.0))
+    assert gqa.one_query_mask_pays(model)
+    monkeypatch.setitem(gqa._ONE_QUERY, key, (100.0, 90.0))  # under 20% faster: keep generate's path
+    assert not gqa.one_query_mask_pays(model)
+
+
+def test_one_query_timings_measure_only_grouped_sdpa_models():
+    gqa._ONE_QUERY.pop(gqa._shape(_llama(kv_heads=2)), None)
+    t = gqa.one_query_timings(_llama(kv_heads=2))
+    assert t is not None and all(v > 0 for v in t)
+    assert gqa.one_query_timings(_llama(kv_heads=4)) is None  # nothing grouped: nothing to choose
+    eager = _llama(kv_heads=2)
+    eager.config._attn_implementation = "eager"
+    assert gqa.one_query_timings(eager) is None and not gqa.one_query_mask_pays(eager)
