@@ -1,8 +1,10 @@
-"""Measure three ways to run SmolLM2-135M's verify forward in bfloat16 on this machine.
+"""Measure three ways to run SmolLM2-135M's verify forward in bfloat16 (or float32) here.
 
 1. eager, as transformers loads the model;
 2. eager with the linear weights packed for oneDNN once (``rheoplan.models.packed_linear``,
-   what ``rheoplan`` loaders do where it pays), checked bit-identical to 1;
+   what ``rheoplan`` loaders do where it pays), checked bit-identical to 1 in bfloat16 (in
+   float32 the largest difference of the logits is printed: oneDNN's product against the
+   BLAS's);
 3. ``torch.compile`` (inductor, weight freezing) over a static KV cache with the tree
    padded to a fixed size: the static-shape compiled forward the issue on speed asked to
    measure. Its first call per shape (the compile) is timed too.
@@ -13,6 +15,7 @@ tokens) is printed for 1 and 2.
 
 Usage:
     python examples/measure_packing_and_compile.py [--reps 30] [--tree 10] [--no-compile]
+        [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def dynamic_forward(model, n: int):
     pos = torch.arange(CTX, CTX + n)[None]
     allowed = torch.ones(n, CTX + n, dtype=torch.bool)
     allowed[:, CTX:] = torch.ones(n, n, dtype=torch.bool).tril()
-    mask = None if n == 1 else additive_mask(allowed, torch.bfloat16)
+    mask = None if n == 1 else additive_mask(allowed, next(model.parameters()).dtype)
 
     def run():
         with torch.no_grad():
@@ -74,7 +77,7 @@ def static_compiled_forward(model, n: int):
     allowed = torch.zeros(n, STATIC_LEN, dtype=torch.bool)
     allowed[:, :CTX] = True
     allowed[:, CTX:CTX + n] = torch.ones(n, n, dtype=torch.bool).tril()
-    mask = additive_mask(allowed, torch.bfloat16)
+    mask = additive_mask(allowed, next(model.parameters()).dtype)
     base = torch.compile(model.model, dynamic=False)
 
     def run():
@@ -104,13 +107,15 @@ def main() -> int:
     ap.add_argument("--tree", type=int, default=10, help="tokens of the multi-token forward")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled forward (about 70 s)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     a = ap.parse_args()
     if a.reps < 1 or a.tree < 2:
         raise SystemExit(f"--reps={a.reps} (allowed >= 1), --tree={a.tree} (allowed >= 2)")
     torch.set_num_threads(a.threads)
-    if not packing_available(torch.bfloat16, "cpu"):
-        raise SystemExit("this torch build cannot pack bfloat16 linear weights (no oneDNN linear ops)")
-    model, _ = load_smollm2(torch.bfloat16)
+    dtype = getattr(torch, a.dtype)
+    if not packing_available(dtype, "cpu"):
+        raise SystemExit(f"this torch build cannot pack {a.dtype} linear weights (no oneDNN linear ops)")
+    model, _ = load_smollm2(dtype)
     outs = {}
     for label in ("eager", "eager, packed weights"):
         if "packed" in label:
@@ -121,8 +126,10 @@ def main() -> int:
         outs[label] = (one(), tree())
         print(f"{label:28s} 1 token {median_ms(one, a.reps):6.2f} ms | {a.tree} tokens "
               f"{median_ms(tree, a.reps):6.2f} ms | generate {generate_tok_s(model):5.1f} tok/s", flush=True)
-    same = all(torch.equal(x, y) for x, y in zip(outs["eager"], outs["eager, packed weights"]))
-    print(f"packed logits identical to eager: {same}")
+    pairs = list(zip(outs["eager"], outs["eager, packed weights"]))
+    same = all(torch.equal(x, y) for x, y in pairs)
+    diff = max((x.float() - y.float()).abs().max().item() for x, y in pairs)
+    print(f"packed logits identical to eager: {same} (largest difference {diff:.2g})")
     if not a.no_compile:
         unpack_linears(model)  # inductor's freezing packs the weights itself
         for n in (1, a.tree):

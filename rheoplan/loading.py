@@ -147,7 +147,7 @@ def load_head(path, model, draft_dtype: str = "auto"):
         dt = getattr(torch, draft_dtype)
     if dt != torch.float32:
         drf = load_eagle3_checkpoint(path, model, dtype=dt)
-        pack_if_it_pays(drf.head, "draft head")
+    pack_if_it_pays(drf.head, "draft head")
     return drf
 
 

@@ -34,7 +34,7 @@ from rheoplan.models import as_draft, as_target, hashed_context_lm
 from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache
 from rheoplan.models.base import DraftModel
 from rheoplan.models.hf_target import HFTarget
-from rheoplan.models.packed_linear import pack_linears, packing_pays
+from rheoplan.models.packed_linear import PackedLinear, pack_linears, packing_pays, unpack_linears
 from rheoplan.pipeline import PassContext
 from rheoplan.plan import plan_tree
 from rheoplan.planner.linearize import linearize
@@ -199,9 +199,10 @@ def choose_dtype(model, *, model_id: str | None = None, reps: int = 5, prompt_le
     """
     dev = next(model.parameters()).device
     mid = model_id or model_identity(model)
-    # cast bfloat16 copies are timed with packed linear weights where that pays (the loader
-    # packs them then); the key names it, so choices made before packing are measured again
-    key = cache_key("dtype", f"{mid} (packed when it pays)", dev)
+    # every dtype is timed with packed linear weights where that pays (the loader packs them
+    # then); the key names it, so choices made before packing (or before float32 was packed
+    # too) are measured again
+    key = cache_key("dtype", f"{mid} (packed when it pays, float32 too)", dev)
     hit = _cached_dtype(DTYPE_CACHE, key, use_cache, f"dtype auto: %s (cached; measured ms per 1-token + "
                         f"{PROBE_TREE}-token forward: %s)", log)
     if hit is not None:
@@ -209,14 +210,20 @@ def choose_dtype(model, *, model_id: str | None = None, reps: int = 5, prompt_le
     own = next(model.parameters()).dtype
     cands = {}
     copies = []
-    for dt in supported_dtypes(dev):
-        m = model if dt == own else copy.deepcopy(model).to(dt)
-        if m is not model and packing_pays(m):
-            pack_linears(m)
+    own_packed = False
+    # every copy is cast before anything is packed (a packed weight cannot be deep-copied)
+    for dt, m in [(dt, model if dt == own else copy.deepcopy(model).to(dt)) for dt in supported_dtypes(dev)]:
+        if packing_pays(m):
+            n = pack_linears(m)
+            own_packed = own_packed or (m is model and n > 0)
         copies.append(m)
         cands[str(dt).removeprefix("torch.")] = _forwards(m, prompt_len, PROBE_TREE)
-    with torch.no_grad():
-        best, ms = fastest(cands, reps=reps, timer=timer)
+    try:
+        with torch.no_grad():
+            best, ms = fastest(cands, reps=reps, timer=timer)
+    finally:
+        if own_packed:  # the caller's model comes back as it came (the loader packs it after)
+            unpack_linears(model)
     del copies, cands
     if use_cache:
         path = cache_write(DTYPE_CACHE, key, {"dtype": best, "ms": ms})
@@ -231,7 +238,7 @@ def choose_dtype(model, *, model_id: str | None = None, reps: int = 5, prompt_le
 def _head_matmuls(head: torch.nn.Module, rows: int) -> Callable[[], object]:
     """One call of every ``Linear`` of ``head`` on ``rows`` input rows: what a draft call's
     time is made of (its attention runs over a short context)."""
-    layers = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    layers = [m for m in head.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
     if not layers:
         raise ValueError(f"{type(head).__name__} has no Linear layer to time")
     dt = layers[0].weight.dtype
@@ -245,12 +252,22 @@ def _head_matmuls(head: torch.nn.Module, rows: int) -> Callable[[], object]:
     return call
 
 
+def _packed_copy(head: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A ``dtype`` copy of ``head`` with its linear weights packed where that pays, as the
+    loader runs it."""
+    m = copy.deepcopy(head).to(dtype)
+    if packing_pays(m):
+        pack_linears(m)
+    return m
+
+
 def choose_head_dtype(head: torch.nn.Module, *, head_id: str, rows: int = 3, reps: int = 7,
                       margin: float = HEAD_DTYPE_MARGIN, timer: Timer = time.perf_counter,
                       use_cache: bool = True, log=sys.stderr) -> tuple[torch.dtype, dict[str, float]]:
     """The dtype to run a draft head in on its device: float32 unless another supported
     dtype runs the head's matmuls (``rows`` rows, one draft call's width) at least
-    ``margin`` times faster. Timed round-robin on cast copies (a few milliseconds per call);
+    ``margin`` times faster. Timed round-robin on cast copies, their weights packed where
+    that pays as the loader runs them (a few milliseconds per call);
     cached per machine + ``head_id``. Returns ``(dtype, {dtype name: median ms})``.
 
     Why a margin: a bfloat16 head's probabilities differ from the float32 ones it was
@@ -262,13 +279,12 @@ def choose_head_dtype(head: torch.nn.Module, *, head_id: str, rows: int = 3, rep
     if not (isinstance(rows, int) and rows >= 1):
         raise ValueError(f"rows={rows!r} is out of range: allowed an int >= 1")
     dev = next(head.parameters()).device
-    key = cache_key("head_dtype", head_id, dev, rows=rows)
+    key = cache_key("head_dtype", f"{head_id} (packed when it pays)", dev, rows=rows)
     hit = _cached_dtype(HEAD_DTYPE_CACHE, key, use_cache,
                         "draft dtype auto: %s (cached; measured ms per head call: %s)", log)
     if hit is not None:
         return hit
-    own = next(head.parameters()).dtype  # timed as it is; the other dtypes on cast copies
-    cands = {str(dt).removeprefix("torch."): _head_matmuls(head if dt == own else copy.deepcopy(head).to(dt), rows)
+    cands = {str(dt).removeprefix("torch."): _head_matmuls(_packed_copy(head, dt), rows)
              for dt in supported_dtypes(dev)}
     _, ms = fastest(cands, reps=reps, timer=timer)
     best = "float32"

@@ -12,6 +12,7 @@ from _decode_models import tiny_llama
 from rheoplan import probe
 from rheoplan.config import TreeConfig
 from rheoplan.costmodel import Timings
+from rheoplan.models.packed_linear import PackedLinear
 
 
 class Clock:
@@ -70,10 +71,12 @@ def cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _fake_forwards(clock, cost_by_dtype, seen):
+def _fake_forwards(clock, cost_by_dtype, seen, packed=None):
     def fake(model, prompt_len, tree_tokens):
         dt = next(model.parameters()).dtype
         seen.append(dt)
+        if packed is not None:
+            packed[dt] = any(isinstance(m, PackedLinear) for m in model.modules())
         return clock.spend(cost_by_dtype[dt])
     return fake
 
@@ -91,6 +94,7 @@ def test_choose_dtype_measures_caches_and_reads_back(cache, monkeypatch, costs, 
     assert dt is want and set(seen) == {torch.float32, torch.bfloat16}
     assert f"dtype auto: {str(want).removeprefix('torch.')}" in log.getvalue()
     assert next(model.parameters()).dtype is torch.float32  # the caller's model is not cast
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())  # nor left packed
     rec = json.loads((cache / probe.DTYPE_CACHE).read_text())
     (key, val), = rec.items()
     assert "tiny" in key and "torch " in key and val["dtype"] == str(want).removeprefix("torch.")
@@ -105,6 +109,18 @@ def test_choose_dtype_measures_caches_and_reads_back(cache, monkeypatch, costs, 
     monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")
     probe.choose_dtype(model, model_id="tiny", timer=clock, log=log)
     assert seen  # asked to measure again
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_choose_dtype_times_every_dtype_packed_where_packing_pays(cache, monkeypatch, pays):
+    model = tiny_llama()
+    clock, seen, packed = Clock(), [], {}
+    monkeypatch.setattr(probe, "_forwards", _fake_forwards(clock, {torch.float32: 5.0, torch.bfloat16: 3.0},
+                                                           seen, packed))
+    monkeypatch.setattr(probe, "packing_pays", lambda m: pays)
+    probe.choose_dtype(model, model_id="tiny", timer=clock, log=io.StringIO())
+    assert packed == {torch.float32: pays, torch.bfloat16: pays}  # the loader runs them so
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())  # the caller's comes back plain
 
 
 def _fake_head_matmuls(clock, cost_by_dtype, seen):

@@ -1,4 +1,5 @@
-"""Packed linear weights: the same outputs bit for bit, a model that still behaves as one."""
+"""Packed linear weights: the same outputs (bit for bit in bfloat16, up to rounding in float32), a
+model that still behaves as one."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from rheoplan.models.packed_linear import (PackedLinear, pack_if_it_pays, pack_linears, packing_available,
-                                           packing_pays, unpack_linears)
+                                           packing_decision, packing_pays, unpack_linears)
 
 needs_packing = pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu"),
                                    reason="this torch build cannot pack bfloat16 linear weights")
@@ -73,11 +74,38 @@ def test_repack_follows_changed_weights_and_training_uses_the_plain_product():
     assert x.grad is not None and packed.weight.grad is not None
 
 
-def test_float32_models_are_left_alone():
+@pytest.mark.skipif(not packing_available(torch.float32, "cpu"), reason="this torch build cannot pack float32 weights")
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (576, 1536), (96, 1728)])
+def test_packed_float32_outputs_equal_the_plain_product_up_to_rounding(shape):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(shape[1], shape[0]).to(torch.float32)
+    packed = PackedLinear(lin)
+    with torch.no_grad():
+        for rows in (1, 2, 9, 16, 150):
+            x = torch.randn(rows, shape[1])
+            # oneDNN's float32 product against the BLAS's: the same precision, another order
+            torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
     model = _tiny_llama(torch.float32)
+    ids = torch.tensor([[1, 5, 9, 33, 7, 2]])
+    with torch.no_grad():
+        want = model(ids).logits
+        assert pack_linears(model) == 15
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_other_dtypes_are_left_alone():
+    model = _tiny_llama(torch.float64)
     assert packing_pays(model) is None
     assert pack_linears(model) == 0
     assert pack_if_it_pays(model, "tiny") is False
+
+
+def test_the_packing_rule_allows_a_near_tie_but_not_a_loss():
+    assert packing_decision([(1.0, 1.0), (1.0, 3.0)])  # a tie at one row, 3x at many: pack
+    assert packing_decision([(1.04, 1.0), (1.0, 3.0)])  # within the slack
+    assert not packing_decision([(1.2, 1.0), (1.0, 3.0)])  # 20% slower at one row: keep plain
+    assert not packing_decision([(1.0, 1.0), (1.0, 1.0)])  # no faster anywhere
+    assert packing_decision([(0.5, 1.0), (0.5, 1.0)])
 
 
 @needs_packing
