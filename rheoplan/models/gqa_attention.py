@@ -159,8 +159,8 @@ def one_query_timings(model: torch.nn.Module, cached: int = 256, reps: int = 30)
                 for i, mask in enumerate((None, zero)):
                     t0 = time.perf_counter()
                     sdpa_attention_forward(module, q, k, v, mask)
-                    if device != "cpu":
-                        torch.cuda.synchronize()
+                    if q.device.type == "cuda":
+                        torch.cuda.synchronize(q.device)
                     best[i] = min(best[i], time.perf_counter() - t0)
         _ONE_QUERY[key] = (1e6 * best[0], 1e6 * best[1])
     return _ONE_QUERY[key]
