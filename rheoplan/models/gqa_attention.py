@@ -65,15 +65,24 @@ def register() -> None:
     AttentionMaskInterface.register(GQA_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
-def gqa_pays(model: torch.nn.Module) -> bool:
-    """Whether a masked forward of ``model`` should use ``sdpa_gqa_forward``: transformers'
-    ``sdpa`` attention, on the CPU, with grouped key/value heads."""
+def attention_shape(model: torch.nn.Module) -> tuple | None:
+    """``(dtype, device, heads, kv_heads, head_dim)`` of ``model``'s attention, None when it
+    does not run transformers' ``sdpa`` with grouped key/value heads."""
     config = model.config
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    device = next(model.parameters()).device
-    return (getattr(config, "_attn_implementation", None) == "sdpa" and device.type == "cpu"
-            and heads is not None and kv_heads < heads)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or heads is None or kv_heads >= heads:
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    p = next(model.parameters())
+    return p.dtype, str(p.device), int(heads), int(kv_heads), int(head_dim)
+
+
+def gqa_pays(model: torch.nn.Module) -> bool:
+    """Whether a masked forward of ``model`` should use ``sdpa_gqa_forward``: transformers'
+    ``sdpa`` attention, on the CPU, with grouped key/value heads."""
+    shape = attention_shape(model)
+    return shape is not None and torch.device(shape[1]).type == "cpu"
 
 
 @contextmanager
@@ -105,7 +114,7 @@ def gqa_attention_active(model: torch.nn.Module, mask: torch.Tensor | None, quer
 # mask) and one query it instead folds each group's query heads into one query axis
 # (``pack_gqa``). The two are the same attention, rounded differently, and on some CPUs
 # far apart: on the 2-core AMD EPYC in bfloat16, 9 query heads over 3 key/value heads and
-# 512 cached positions took 0.29 against 0.05 ms per layer, and a SmolLM2-135M one-token
+# 600 cached positions took 0.29 against 0.06 ms per layer, and a SmolLM2-135M one-token
 # forward 23.3 ms without a mask against 17.0 with an all-zero one (docs/results.md); in
 # float32 the two measured the same. So whether a one-token step passes an all-zero mask
 # is measured, once per process and attention shape.
@@ -123,25 +132,12 @@ class _Group(torch.nn.Module):
         self.num_key_value_groups = groups
 
 
-def _shape(model: torch.nn.Module) -> tuple | None:
-    """``(dtype, device, heads, kv_heads, head_dim)`` of ``model``'s attention, None when it
-    does not run transformers' ``sdpa`` with grouped key/value heads."""
-    config = model.config
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if getattr(config, "_attn_implementation", None) != "sdpa" or heads is None or kv_heads >= heads:
-        return None
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    p = next(model.parameters())
-    return p.dtype, str(p.device), int(heads), int(kv_heads), int(head_dim)
-
-
 def one_query_timings(model: torch.nn.Module, cached: int = 256, reps: int = 30) -> tuple[float, float] | None:
     """Microseconds of one attention call of ``model``'s shape (one query per head, ``cached``
     key/value positions, transformers' ``sdpa_attention_forward``) without a mask and with an
     all-zero one, the best of ``reps`` alternating runs each; memoised per shape. None when
     the model does not run ``sdpa`` with grouped heads (nothing to choose)."""
-    key = _shape(model)
+    key = attention_shape(model)
     if key is None:
         return None
     if key not in _ONE_QUERY:

@@ -153,7 +153,7 @@ def test_one_token_step_with_a_zero_mask_is_the_same_attention(dtype, monkeypatc
 
 def test_one_query_choice_follows_the_measurement(monkeypatch):
     model = _llama(kv_heads=2)
-    key = gqa._shape(model)
+    key = gqa.attention_shape(model)
     monkeypatch.setitem(gqa._ONE_QUERY, key, (100.0, 10.0))
     assert gqa.one_query_mask_pays(model)
     monkeypatch.setitem(gqa._ONE_QUERY, key, (100.0, 90.0))  # under 20% faster: keep generate's path
@@ -161,7 +161,7 @@ def test_one_query_choice_follows_the_measurement(monkeypatch):
 
 
 def test_one_query_timings_measure_only_grouped_sdpa_models():
-    gqa._ONE_QUERY.pop(gqa._shape(_llama(kv_heads=2)), None)
+    gqa._ONE_QUERY.pop(gqa.attention_shape(_llama(kv_heads=2)), None)
     t = gqa.one_query_timings(_llama(kv_heads=2))
     assert t is not None and all(v > 0 for v in t)
     assert gqa.one_query_timings(_llama(kv_heads=4)) is None  # nothing grouped: nothing to choose
