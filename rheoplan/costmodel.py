@@ -57,6 +57,40 @@ SCALE_PRIOR = 4.0
 MAX_DEPTH = 64
 
 
+def prefill_groups(lengths: Sequence[int], overhead_tokens: float) -> list[list[int]]:
+    """Rows (indices into ``lengths``) to prefill together, one forward per group, so that
+    padding and forwards cost the least: each group's forward carries ``len(group) *
+    max(its lengths)`` tokens (left padding to its longest prompt) plus ``overhead_tokens``
+    (``Timings.forward_overhead_tokens``: a forward's fixed cost in tokens). Groups hold
+    rows of neighbouring lengths (an optimal partition of the rows sorted by length,
+    by dynamic programming over the sorted order: no other partition costs less),
+    shortest first, each in length order.
+
+    Example: lengths [40, 100, 44, 96], 46 tokens per forward -> [[0, 2], [3, 1]]
+    (2 * 44 + 2 * 100 + 2 * 46 = 380 tokens of work against 4 * 100 + 46 = 446 in one).
+    """
+    if not overhead_tokens >= 0:
+        raise ValueError(f"overhead_tokens={overhead_tokens!r}: allowed a number >= 0 (inf: one group)")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    if len(order) <= 1 or math.isinf(overhead_tokens):
+        return [order] if order else []
+    n = len(order)
+    best = [0.0] + [math.inf] * n  # best[i]: cost of the first i sorted rows
+    cut = [0] * (n + 1)  # cut[i]: where the last group of the first i rows starts
+    for i in range(1, n + 1):
+        longest = lengths[order[i - 1]]
+        for j in range(i):
+            c = best[j] + overhead_tokens + (i - j) * longest
+            if c < best[i]:
+                best[i], cut[i] = c, j
+    groups, i = [], n
+    while i > 0:
+        groups.append(order[cut[i]:i])
+        i = cut[i]
+    groups.reverse()
+    return groups
+
+
 def weight_bucket(w: float) -> int:
     """Bucket of a local weight in [0, 1]: ``min(NB - 1, floor(w * NB))``.
 
@@ -281,6 +315,22 @@ class Timings:
         else:
             oh = batch * self.ar_overhead_ms
         return self.verify_batch(batch, 1, ctx) + oh
+
+    def forward_overhead_tokens(self) -> float:
+        """What one forward costs before it carries any token, counted in tokens: the
+        one-token forward ``c_v(1)`` over the batch-1 curve's slope between its two largest
+        sizes (ms per further token, at ``ctx_lo``). ``prefill_groups`` weighs padding
+        against this.
+
+        Example: c_v(1) 18.8 ms, c_v(32) 28.7, c_v(64) 41.7 -> 18.8 / 0.406 = 46.3 tokens
+        (the 2-core CPU in bfloat16).
+        """
+        lo = self.ctx_lo
+        if len(self.sizes) < 2:
+            return float("inf")  # no slope measured: one forward for everything
+        a, b = self.sizes[-2], self.sizes[-1]
+        slope = (self.verify(b, lo) - self.verify(a, lo)) / (b - a)
+        return self.verify(1, lo) / slope if slope > 0 else float("inf")
 
     def to_dict(self) -> dict:
         return asdict(self)

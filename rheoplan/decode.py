@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 
 from rheoplan.backends import check_backend, resolve_backend
 from rheoplan.config import ConfigError, SamplingConfig, TreeConfig
-from rheoplan.costmodel import Calibration, CostModel, CostPlan, DraftSchedule, Timings, batch_margin
+from rheoplan.costmodel import (Calibration, CostModel, CostPlan, DraftSchedule, Timings, batch_margin,
+                                prefill_groups)
 from rheoplan.distributions import SubsetLogits
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.kernels.plan.cpu_pass import decide as numba_decide
@@ -364,7 +365,10 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
             pay, nodes are kept only while they pay for their verify cost, and a step
             where no tree pays is a plain autoregressive step (drafting is retried later).
             Decisions use only the frozen latencies and earlier steps' acceptances, so the
-            output law is unchanged and the same seed gives the same tokens.
+            output law is unchanged and the same seed gives the same tokens. A batch's
+            prompts are prefilled in groups of similar lengths where that costs less than
+            one forward padded to the longest (``rheoplan.costmodel.prefill_groups``; with
+            or without a draft).
         attention_mask: with a padded ``[B, n]`` tensor ``prompt_ids``: 1 at the tokens of
             each row, 0 at its padding (left or right, as transformers tokenizers make it).
         stream_ids: batched decoding only: the stream id of each row (default ``0 .. B-1``).
@@ -454,7 +458,9 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                                backend=backend, dump_ir=None if dump_ir is None else Path(dump_ir),
                                dump_steps=dump_steps, progress=progress, callback=callback,
                                processors=processors, cost=cost_model if drf is not None else None,
-                               max_batch=max_batch)
+                               max_batch=max_batch,
+                               prefill_overhead=None if cost_model is None else
+                               cost_model.timings.forward_overhead_tokens())
             return _decode_rows(state)
         _check_context(tgt, len(ids), max_new_tokens, budget)
         backend = resolve_backend(backend, tgt.device)
@@ -867,6 +873,9 @@ class BatchState:
     calibration: Calibration | None = None
     schedule: DraftSchedule = field(default_factory=DraftSchedule)  #: back-off while several rows are live
     max_batch: int | None = None  #: rows decoding at once (None: all); the others wait
+    #: a forward's fixed cost in tokens (``Timings.forward_overhead_tokens``): prompts are
+    #: prefilled in ``prefill_groups`` where the target takes groups (None: one forward)
+    prefill_overhead: float | None = None
     streams: Streams = field(init=False)
     rows: list[_Row] = field(init=False)  #: every row, in the caller's order
     step: int = 0  #: batch steps so far (names dumped IR; each row counts its own steps)
@@ -955,10 +964,15 @@ def _join_rows(s: BatchState, rows: list[_Row], n_live: int, bar, t_start: float
     (rows still decoding, rows that finished at their first token)."""
     tgt, drf = s.target, s.draft
     prompts = [r.prompt for r in rows]
-    served = tgt.add_rows_and_roots(prompts) if n_live else tgt.start_rows_and_roots(prompts)
+    kw = {}
+    if s.prefill_overhead is not None and len(rows) > 1 and tgt.prefills_in_groups:
+        # prompts of similar lengths share a forward: less left padding than one forward
+        # padded to the longest prompt, at the price of more forwards (measured per machine)
+        kw["groups"] = prefill_groups([len(p) for p in prompts], s.prefill_overhead)
+    served = tgt.add_rows_and_roots(prompts, **kw) if n_live else tgt.start_rows_and_roots(prompts, **kw)
     going = list(range(len(rows)))
     if served is None:
-        (tgt.add_rows if n_live else tgt.start_rows)(prompts)
+        (tgt.add_rows if n_live else tgt.start_rows)(prompts, **kw)
     else:
         t0 = time.perf_counter()
         t = root_only_rows([r.root for r in rows], [r.prefix_len for r in rows], s.tree)

@@ -123,6 +123,11 @@ class TargetModel(_RowCopies, ABC):
     device: torch.device | None = None
     #: the longest sequence the model handles (prompt + new tokens + one verify tree), or None
     max_context: int | None = None
+    #: whether ``start_rows``, ``start_rows_and_roots``, ``add_rows`` and
+    #: ``add_rows_and_roots`` take ``groups=``: the rows to prefill together, one forward
+    #: per group (``check_groups``; the batched loop passes ``rheoplan.costmodel.prefill_groups``
+    #: when it has a cost model). Adapters that prefill each row alone have no use for it.
+    prefills_in_groups: bool = False
 
     @abstractmethod
     def start(self, prompt_ids: list[int]) -> None:
@@ -391,6 +396,17 @@ def check_prompt_ids(prompt_ids, vocab_size: int) -> list[int]:
     if bad:
         raise ValueError(f"prompt_ids holds token ids {bad[:5]} outside [0, {vocab_size})")
     return ids
+
+
+def check_groups(groups, batch: int) -> list[list[int]]:
+    """``groups`` (rows prefilled together, ``TargetModel.prefills_in_groups``) as lists of
+    ints: every row index in ``[0, batch)`` exactly once, no group empty."""
+    out = [[int(i) for i in g] for g in groups]
+    seen = sorted(i for g in out for i in g)
+    if any(not g for g in out) or seen != list(range(batch)):
+        raise ValueError(f"groups={groups!r}: allowed non-empty groups that hold every row index in "
+                         f"[0, {batch}) exactly once")
+    return out
 
 
 def check_draft_call(tree: DraftTree, nodes, root: int | None, committed: int | None,

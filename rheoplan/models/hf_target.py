@@ -25,7 +25,7 @@ import torch
 
 from rheoplan.costmodel import ProjectionTimings, projection_timings
 from rheoplan.ir import LinearTree
-from rheoplan.models.base import (HostTree, TargetModel, TreeLogits, check_commit_path,
+from rheoplan.models.base import (HostTree, TargetModel, TreeLogits, check_commit_path, check_groups,
                                   check_prompt_ids, linear_on_host)
 from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
@@ -169,6 +169,8 @@ class HFTarget(TargetModel):
 
     #: the walk's projection choice: 'auto' (measured), 'all' or 'lazy'
     PROJECTIONS = ("auto", "all", "lazy")
+    #: batched prefills take ``groups=`` (``_prefill_groups``)
+    prefills_in_groups = True
 
     def __init__(self, model: torch.nn.Module, capture_layers: Sequence[int] | str | None = None) -> None:
         self.model = model
@@ -341,42 +343,47 @@ class HFTarget(TargetModel):
 
     # -- batched decoding: one forward for every row (rheoplan.models.row_cache) ------------
 
-    def start_rows(self, prompts: list[list[int]]) -> None:
-        """Prefill every row's prompt but its last token in one forward (left padding:
-        the shorter prompts' first columns are holes)."""
-        self._start_rows(prompts, with_root=False)
+    def start_rows(self, prompts: list[list[int]], groups: list[list[int]] | None = None) -> None:
+        """Prefill every row's prompt but its last token in one forward per group of rows
+        (``TargetModel.start_rows``; left padding: the shorter prompts' first columns are
+        holes)."""
+        self._start_rows(prompts, with_root=False, groups=groups)
 
-    def start_rows_and_roots(self, prompts: list[list[int]]) -> list[HFTreeLogits]:
-        """Prefill every row's whole prompt in one forward; row ``b``'s last column serves
-        its first new token (``TargetModel.start_rows_and_roots``)."""
-        return self._served(*self._start_rows(prompts, with_root=True))
+    def start_rows_and_roots(self, prompts: list[list[int]],
+                             groups: list[list[int]] | None = None) -> list[HFTreeLogits]:
+        """Prefill every row's whole prompt in one forward per group of rows; row ``b``'s
+        last column serves its first new token (``TargetModel.start_rows_and_roots``)."""
+        return self._served(*self._start_rows(prompts, with_root=True, groups=groups))
 
-    def _start_rows(self, prompts: list[list[int]], with_root: bool):
+    def _start_rows(self, prompts: list[list[int]], with_root: bool, groups: list[list[int]] | None):
         ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
         self.cache = None  # the batch-1 state is not used in batch mode
         self._tree = None
         self._row_tree: LinearTree | None = None
         self._row_tree_start = 0  #: the cache column where the last verified trees start
-        self._rows, self._row_prefix, self._row_prompt_features, hidden, feats = self._prefill_rows(ids, with_root)
+        self._rows, self._row_prefix, self._row_prompt_features, hidden, feats = self._prefill_rows(
+            ids, with_root, groups)
         return hidden, feats
 
-    def add_rows(self, prompts: list[list[int]]) -> None:
+    def add_rows(self, prompts: list[list[int]], groups: list[list[int]] | None = None) -> None:
         """Rows joining the batch (after ``commit_rows`` / ``keep_rows``): their prompts are
-        prefilled in one forward of their own, then appended after the current rows."""
-        self._add_rows(prompts, with_root=False)
+        prefilled in forwards of their own (one per group), then appended after the current
+        rows."""
+        self._add_rows(prompts, with_root=False, groups=groups)
 
-    def add_rows_and_roots(self, prompts: list[list[int]]) -> list[HFTreeLogits]:
+    def add_rows_and_roots(self, prompts: list[list[int]],
+                           groups: list[list[int]] | None = None) -> list[HFTreeLogits]:
         """``add_rows`` with the whole prompts cached; each new row's last column serves its
         first token (``TargetModel.add_rows_and_roots``)."""
-        return self._served(*self._add_rows(prompts, with_root=True))
+        return self._served(*self._add_rows(prompts, with_root=True, groups=groups))
 
-    def _add_rows(self, prompts: list[list[int]], with_root: bool):
+    def _add_rows(self, prompts: list[list[int]], with_root: bool, groups: list[list[int]] | None):
         if getattr(self, "_rows", None) is None:
             raise RuntimeError("add_rows() called before start_rows()")
         if self._row_tree is not None:
             raise RuntimeError("add_rows() called between forward_trees() and commit_rows()")
         ids = [check_prompt_ids(p, self.vocab_size) for p in prompts]
-        rc, prefix, feats, hidden, f = self._prefill_rows(ids, with_root)
+        rc, prefix, feats, hidden, f = self._prefill_rows(ids, with_root, groups)
         self._rows.extend(rc)
         self._row_prefix += prefix
         if self._row_prompt_features is not None and feats is not None:
@@ -391,10 +398,13 @@ class HFTarget(TargetModel):
                 for b in range(hidden.shape[0])]
 
     @torch.no_grad()
-    def _prefill_rows(self, ids: list[list[int]], with_root: bool):
+    def _prefill_rows(self, ids: list[list[int]], with_root: bool, groups: list[list[int]] | None = None):
         """One left-padded forward over every row's prompt (without its last token unless
-        ``with_root``): the row cache, the cached lengths, the prompt features (one per cached
-        token), and the forward's hidden states and features ``[B, n, .]`` (None for no token)."""
+        ``with_root``), or one per group of rows in ``groups`` (``check_groups``): the row
+        cache, the cached lengths, the prompt features (one per cached token), and the
+        forwards' hidden states and features ``[B, n, .]`` (None for no token)."""
+        if groups is not None and len(check_groups(groups, len(ids))) > 1:
+            return self._prefill_groups(ids, with_root, groups)
         B = len(ids)
         rc = RowCache(self.model, B, self.device)
         prefix = [len(p) - (0 if with_root else 1) for p in ids]
@@ -422,6 +432,33 @@ class HFTarget(TargetModel):
             f = self._capture.take_rows()
             feats = [f[b, n - k:] for b, k in enumerate(prefix)]  # one per cached token
         return rc, prefix, feats, hidden, f
+
+    def _prefill_groups(self, ids: list[list[int]], with_root: bool, groups: list[list[int]]):
+        """``_prefill_rows`` as one forward per group: each group is padded only to its own
+        longest prompt (rows of similar lengths together waste less than one forward padded
+        to the longest of all: ``rheoplan.costmodel.prefill_groups``). The groups' caches
+        are stacked (``RowCache.extend``) and put back in the rows' order
+        (``RowCache.select``); hidden states and features are left-padded to the longest."""
+        cached = lambda g: max(len(ids[i]) - (0 if with_root else 1) for i in g)  # noqa: E731
+        groups = [list(g) for g in groups]
+        for k in range(len(groups) - 1, -1, -1):  # a group caching nothing joins a neighbour
+            if len(groups) > 1 and cached(groups[k]) == 0:
+                g = groups.pop(k)
+                groups[min(k, len(groups) - 1)][:0] = g
+        if len(groups) == 1:
+            return self._prefill_rows(ids, with_root)
+        parts = [self._prefill_rows([ids[i] for i in g], with_root) for g in groups]
+        order = [i for g in groups for i in g]
+        back = sorted(range(len(order)), key=order.__getitem__)  # back[b]: row b's place in `order`
+        rc = parts[0][0]
+        for p in parts[1:]:
+            rc.extend(p[0])
+        rc.select(back)
+        flat = lambda k: [x for p in parts for x in (p[k] if p[k] is not None else [None] * len(p[1]))]  # noqa: E731
+        prefix, feats = flat(1), flat(2)
+        prefix = [prefix[j] for j in back]
+        feats = None if parts[0][2] is None else [feats[j] for j in back]
+        return (rc, prefix, feats, _stack_left([p[3] for p in parts], back), _stack_left([p[4] for p in parts], back))
 
     def prompt_features_rows_for(self, model) -> list[torch.Tensor | None]:
         """Per row, what ``prompt_features_for`` gives in batch 1."""
@@ -540,3 +577,15 @@ class HFTarget(TargetModel):
         self._prefix += len(path)
         self._tree = None
         assert cache_length(self.cache) == self._prefix
+
+
+def _stack_left(parts: list[torch.Tensor | None], back: list[int]) -> torch.Tensor | None:
+    """Per-group ``[g, n_i, D]`` tensors as one ``[B, max n_i, D]`` (shorter ones left-padded
+    with zeros, as one left-padded forward lays them out), rows taken in the order ``back``."""
+    real = [x for x in parts if x is not None]
+    if not real:
+        return None
+    n = max(x.shape[1] for x in real)
+    ref = real[0]
+    padded = [torch.cat([x.new_zeros(x.shape[0], n - x.shape[1], *x.shape[2:]), x], dim=1) for x in real]
+    return torch.cat(padded, dim=0).index_select(0, torch.as_tensor(back, device=ref.device))

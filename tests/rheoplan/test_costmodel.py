@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
 
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.costmodel import (Calibration, CostModel, DraftSchedule, ProjectionTimings, Timings, cache_key,
-                                cache_read, cache_write, measure_projection, node_class, projection_timings,
-                                weight_bucket)
+                                cache_read, cache_write, measure_projection, node_class, prefill_groups,
+                                projection_timings, weight_bucket)
 from rheoplan.ir import NodeKind
 from rheoplan.models.functional import hashed_context_lm
 from rheoplan.testing.oracle import functional_draft_fn
@@ -426,3 +427,53 @@ def test_batch_ar_scale_multiplies_the_grid_for_one_token_rows_only():
     for bad in ((1.0,), (1.0, -2.0), (1.0, float("nan"))):
         with pytest.raises(ValueError, match="batch_ar_scale"):
             tm(**grid, batch_ar_scale=bad)
+
+
+def _work(lengths, groups, overhead):
+    return sum(overhead + len(g) * max(lengths[i] for i in g) for g in groups)
+
+
+def _set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _set_partitions(rest):
+        for k in range(len(part)):
+            yield part[:k] + [[first] + part[k]] + part[k + 1:]
+        yield [[first]] + part
+
+
+def test_prefill_groups_is_the_cheapest_partition_of_the_rows():
+    """Against every partition of up to 7 rows (not only those of neighbouring lengths):
+    the groups cover every row once and cost the least padded tokens plus forwards."""
+    rng = random.Random(0)
+    for _ in range(60):
+        n = rng.randint(1, 7)
+        lengths = [rng.randint(1, 120) for _ in range(n)]
+        overhead = rng.choice([0.0, 5.0, 46.0, 300.0])
+        groups = prefill_groups(lengths, overhead)
+        assert sorted(i for g in groups for i in g) == list(range(n))
+        best = min(_work(lengths, p, overhead) for p in _set_partitions(list(range(n))))
+        assert _work(lengths, groups, overhead) == pytest.approx(best)
+        for g in groups:  # shortest first within a group
+            assert [lengths[i] for i in g] == sorted(lengths[i] for i in g)
+
+
+def test_prefill_groups_examples_and_edges():
+    assert prefill_groups([40, 100, 44, 96], 46) == [[0, 2], [3, 1]]
+    assert prefill_groups([40, 100, 44, 96], float("inf")) == [[0, 2, 3, 1]]  # no slope measured
+    assert prefill_groups([40, 100, 44, 96], 1000) == [[0, 2, 3, 1]]  # forwards dear: one
+    assert prefill_groups([5, 5, 5], 0) in ([[0, 1, 2]], [[0], [1], [2]], [[0, 1], [2]], [[0], [1, 2]])
+    assert prefill_groups([], 46) == [] and prefill_groups([7], 46) == [[0]]
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="overhead_tokens"):
+            prefill_groups([3, 4], bad)
+
+
+def test_forward_overhead_tokens_is_the_fixed_cost_over_the_slope():
+    t = tm(sizes=(1, 32, 64), verify_lo=(18.8, 28.7, 41.7), verify_hi=(20.0, 30.0, 45.0))
+    assert t.forward_overhead_tokens() == pytest.approx(18.8 / (13.0 / 32))
+    flat = tm(sizes=(1, 32, 64), verify_lo=(18.8, 28.7, 28.7), verify_hi=(20.0, 30.0, 45.0))
+    assert flat.forward_overhead_tokens() == float("inf")
+    assert tm(sizes=(1,), verify_lo=(3.0,), verify_hi=(4.0,)).forward_overhead_tokens() == float("inf")

@@ -135,6 +135,35 @@ def test_greedy_rows_equal_generate_and_batch_of_one(llamas, draft_kind):
     assert sum(len(layer._forward_pre_hooks) for layer in target.model.layers) == 0
 
 
+@pytest.mark.parametrize("draft_kind", ["none", "eagle3"])
+def test_rows_prefilled_in_groups_still_equal_generate(llamas, draft_kind, monkeypatch):
+    """With a cost model the batched loop prefills prompts of similar lengths together
+    (``prefill_groups`` over the measured cost of a forward): greedy rows still equal
+    ``generate`` (float32), the joining rows of continuous batching too, and the groups
+    were not one forward."""
+    from rheoplan.costmodel import CostModel, Timings
+    from rheoplan.models.hf_target import HFTarget
+
+    seen = []
+    real = HFTarget._prefill_groups
+
+    def recording(self, ids, with_root, groups):
+        seen.append(groups)
+        return real(self, ids, with_root, groups)
+
+    monkeypatch.setattr(HFTarget, "_prefill_groups", recording)
+    # a forward's fixed cost is 2 tokens' worth: prompts of 1..9 tokens split into groups
+    tm = Timings((1, 64), (2.0, 65.0), (2.0, 65.0), 0, 1000, (1, 64), (0.1, 0.5), 0.05, 0.05)
+    target, _ = llamas
+    drf = None if draft_kind == "none" else _eagle3(target)
+    for max_batch in (None, 3):
+        seen.clear()
+        rs = plan_and_decode(target, drf, PROMPTS, max_new_tokens=LIMITS, sampling=GREEDY, tree=TREE_HF, seed=0,
+                             cost_model=CostModel(tm), max_batch_size=max_batch)
+        assert [r.tokens for r in rs] == [greedy_reference(target, p, n) for p, n in zip(PROMPTS, LIMITS)]
+        assert seen and len(seen[0]) > 1
+
+
 @pytest.mark.parametrize("draft_kind", ["llama", "eagle3"])
 def test_sampled_rows_equal_batch_of_one_hf(llamas, draft_kind):
     """T = 1 through the batched KV caches (target and draft): the same tokens as each row alone."""

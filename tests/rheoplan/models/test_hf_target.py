@@ -205,6 +205,44 @@ def test_start_rows_and_roots_serve_each_rows_root(llama6):
     target.close()
 
 
+@pytest.mark.parametrize("groups", [[[1, 2], [0, 3]], [[0, 2], [3, 1]], [[3], [1], [0, 2]]])
+def test_prefill_in_groups_equals_one_padded_forward(llama6, groups):
+    """Rows prefilled one forward per group (``prefills_in_groups``) are served, cached and
+    verified as in one left-padded forward of every row: the served roots, their features,
+    the prompt features and the next step's logits match, row by row, in the caller's order.
+    ``start_rows`` (last token not cached) with a group whose rows cache nothing ([7]) too."""
+    prompts = [[4, 8, 15, 16, 23], [7], [9, 9, 3], [5, 6, 7, 8, 9, 10, 11]]
+    one, grouped = HFTarget(llama6, capture_layers="eagle3"), HFTarget(llama6, capture_layers="eagle3")
+    assert grouped.prefills_in_groups
+    a = one.start_rows_and_roots(prompts)
+    b = grouped.start_rows_and_roots(prompts, groups=groups)
+    for b_, (x, y) in enumerate(zip(a, b)):
+        torch.testing.assert_close(y.logits(0), x.logits(0), atol=ATOL, rtol=0)
+        torch.testing.assert_close(y.features(0), x.features(0), atol=ATOL, rtol=0)
+        torch.testing.assert_close(y.logits(0), full_logits(llama6, prompts[b_])[-1], atol=ATOL, rtol=0)
+    for x, y in zip(one.prompt_features_rows_for(llama6), grouped.prompt_features_rows_for(llama6)):
+        torch.testing.assert_close(y, x, atol=ATOL, rtol=0)
+    lin = _stack_rows([make_linear([1, 2], [-1, 0], prefix_len=len(p)) for p in prompts])
+    for b_, (x, y) in enumerate(zip(one.forward_trees(lin), grouped.forward_trees(lin))):
+        torch.testing.assert_close(y.logits(1), x.logits(1), atol=ATOL, rtol=0)
+        torch.testing.assert_close(y.logits(1), full_logits(llama6, prompts[b_] + [1, 2])[-1], atol=ATOL, rtol=0)
+    # rows joining in groups; then the prompts' last token not cached (a row of one token caches nothing)
+    grouped.commit_rows([[0, 1]] * len(prompts))
+    joined = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7]]
+    added = grouped.add_rows_and_roots(joined, groups=[[1], [0]])
+    for p, y in zip(joined, added):
+        torch.testing.assert_close(y.logits(0), full_logits(llama6, p)[-1], atol=ATOL, rtol=0)
+    plain = HFTarget(llama6)
+    plain.start_rows(prompts, groups=groups)
+    lin = _stack_rows([make_linear([p[-1], 3], [-1, 0], prefix_len=len(p) - 1) for p in prompts])
+    for p, y in zip(prompts, plain.forward_trees(lin)):
+        torch.testing.assert_close(y.logits(1), full_logits(llama6, p + [3])[-1], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="groups="):
+        plain.start_rows(prompts, groups=[[0, 1], [1, 2, 3]])
+    for t in (one, grouped, plain):
+        t.close()
+
+
 def _stack_rows(linears):
     """One ``LinearTree`` holding the given one-tree linears as its rows."""
     from dataclasses import fields
