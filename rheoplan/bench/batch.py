@@ -3,8 +3,8 @@
 For each batch size B (``--batch-sizes``, default 1 4 16), temperature and seed, the same
 ``--prompts`` held-out prompts (mixed categories, never used in training) are split into
 batches of B rows, and each batch is decoded by every method in turn (interleaved: the
-method that goes first rotates from batch to batch, so a machine that slows down slows
-every method alike):
+method that goes first rotates from batch to batch and from seed to seed, so a machine
+that slows down slows every method alike, also where one batch holds every prompt):
 
 * ``generate``: transformers ``generate`` on the batch left-padded with an attention mask
   (dynamic cache, eager), as a transformers user batches;
@@ -185,13 +185,14 @@ def run_batched(model, draft, rows, temperature: float, seed: int, tokens: int, 
 def run_batch_size(model, pad_id: int, draft, prompts: list[list[int]], batch: int, temperature: float, seed: int,
                    tokens: int, methods, cost, tree: TreeConfig) -> list[dict]:
     """Every method over ``prompts`` split into batches of ``batch`` rows, interleaved
-    (batch ``k`` starts with method ``k mod len(methods)``); one record per method."""
+    (batch ``k`` of seed ``s`` starts with method ``(k + s) mod len(methods)``: with one
+    batch per seed, the seeds still rotate the order); one record per method."""
     acc = {m: {"tokens": 0, "seconds": 0.0, "row_tau": [], "kept_sum": 0, "drafted_steps": 0, "steps": 0}
            for m in methods}
     methods = list(methods)
     for k in range(0, len(prompts), batch):
         rows = prompts[k:k + batch]
-        j = (k // batch) % len(methods)
+        j = (k // batch + seed) % len(methods)
         bseed = seed * 1000 + k
         for m in methods[j:] + methods[:j]:
             if m.startswith("generate"):

@@ -114,6 +114,33 @@ def test_run_batch_size_interleaves_every_method_over_the_same_rows(monkeypatch)
     assert [s for kind, s in calls if kind == "row"] == [3000, 3001, 3002, 3003]
 
 
+def test_method_order_rotates_by_batch_and_by_seed(monkeypatch):
+    """The method that goes first rotates from batch to batch and from seed to seed: with
+    one batch holding every prompt, the seeds alone change which method runs first."""
+    order = []
+
+    def fake(name):
+        def run(*a, **kw):
+            order.append(name)
+            return {"tokens": 4, "seconds": 1.0, "row_tau": [1.0], "kept_sum": 0, "drafted_steps": 0, "steps": 4}
+        return run
+
+    monkeypatch.setattr(bench, "run_generate", fake("generate"))
+    monkeypatch.setattr(bench, "run_rowwise", fake("rowwise"))
+    monkeypatch.setattr(bench, "run_batched", fake("batched"))
+    methods = ["generate", "rowwise", "batched"]
+    firsts = []
+    for seed in range(3):
+        order.clear()
+        bench.run_batch_size(None, 0, None, [[1], [2]], 2, 1.0, seed, 4, methods, None, None)
+        assert sorted(order) == sorted(methods)
+        firsts.append(order[0])
+    assert firsts == methods
+    order.clear()
+    bench.run_batch_size(None, 0, None, [[1], [2], [3], [4]], 2, 1.0, 1, 4, methods, None, None)
+    assert order == ["rowwise", "batched", "generate", "batched", "generate", "rowwise"]
+
+
 def test_generate_gets_the_left_padded_batch(monkeypatch):
     model = tiny_llama(seed=1)
     seen = {}
