@@ -547,7 +547,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                     tree_scale=True,  # batch_tree_scale measured (older records lack it)
                     ar_rows=3,  # the leaner batched plain step (f57ec9c) and batch_ar_scale
                     rounds="round-robin",  # c_v timed round-robin (older records could hold one hiccup)
-                    overhead="by-depth-1")  # one row: c_o at one depth + per further depth (older: one c_o)
+                    overhead="by-depth-1",  # one row: c_o at one depth + per further depth (older: one c_o)
+                    kv="in-place")  # KV appends without a copy of the cache (growing_cache.GrowingLayer)
     if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:

@@ -12,11 +12,13 @@ import inspect
 import torch
 
 from rheoplan.models.gqa_attention import gqa_attention_active, one_query_mask_pays
+from rheoplan.models.growing_cache import capacity, grow_in_place
 
 
 def forward_memory(cfg, elem: int, vocab: int, batch: int, width: int, queries: int) -> int:
     """Bytes one batched forward of a transformers decoder (config ``cfg``, ``elem``-byte
-    weights) holds at most: the KV cache of ``batch`` rows ``width`` columns wide and the
+    weights) holds at most: the KV cache of ``batch`` rows ``width`` columns wide (with the
+    spare columns a ``GrowingLayer`` buffer keeps, ``growing_cache.capacity``) and the
     largest activations of ``queries`` new tokens per row (hidden states, the MLP, float32
     mask and scores, float32 logits). A rough upper estimate from the config."""
     layers = int(cfg.num_hidden_layers)
@@ -24,7 +26,7 @@ def forward_memory(cfg, elem: int, vocab: int, batch: int, width: int, queries: 
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     inter = int(getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
-    kv = 2 * layers * kv_heads * head_dim * batch * width * elem
+    kv = 2 * layers * kv_heads * head_dim * batch * capacity(width) * elem
     act = batch * queries * (4 * cfg.hidden_size + 2 * inter) * elem
     scores = batch * heads * queries * width * 4  # float32 mask + scores
     logits = batch * queries * vocab * 4
@@ -73,10 +75,13 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def new_cache(model: torch.nn.Module):
-    """An empty dynamic KV cache for ``model`` (transformers 5.x ``DynamicCache``)."""
+    """An empty dynamic KV cache for ``model`` (transformers 5.x ``DynamicCache``) whose
+    full-attention layers append in place (``growing_cache.GrowingLayer``: no copy of the
+    whole cache per forward)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
+    grow_in_place(cache)
     for layer in getattr(cache, "layers", []):
         # Compaction rewrites the sequence dimension in place; a sliding-window layer keeps a
         # window offset that index_select would corrupt, so refuse it before any work.

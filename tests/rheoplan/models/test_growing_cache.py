@@ -1,0 +1,86 @@
+"""GrowingLayer: appends in place, and gives what transformers' DynamicLayer gives through
+every rewrite rheoplan does to a cache (narrow, in-place moves, replacement, reset)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from rheoplan.models._hf_common import commit_cache, crop_cache, new_cache, select_cache
+from rheoplan.models.growing_cache import GrowingLayer, append, capacity
+
+
+def _kv(rng: random.Random, batch: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    return torch.randn(batch, 2, q, 4, generator=g), torch.randn(batch, 2, q, 4, generator=g)
+
+
+class _Holder:
+    """A one-layer cache shaped as ``_hf_common`` reads one (``.layers``, ``get_seq_length``)."""
+
+    def __init__(self, layer) -> None:
+        self.layers = [layer]
+
+    def get_seq_length(self) -> int:
+        return self.layers[0].get_seq_length()
+
+
+def test_growing_layer_equals_dynamic_layer_through_every_rewrite():
+    rng = random.Random(0)
+    grow, plain = _Holder(GrowingLayer()), _Holder(DynamicLayer())
+    for step in range(60):
+        k, v = _kv(rng, 3, rng.randint(1, 9))
+        a = grow.layers[0].update(k, v)
+        b = plain.layers[0].update(k, v)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+        n = grow.get_seq_length()
+        op = rng.choice(["none", "none", "crop", "commit", "select"])
+        if op == "crop":
+            keep = rng.randint(0, n)
+            crop_cache(grow, keep), crop_cache(plain, keep)
+        elif op == "commit":
+            q = k.shape[2]
+            path = sorted(rng.sample(range(q), rng.randint(1, q)))
+            commit_cache(grow, n - q, path), commit_cache(plain, n - q, path)
+        elif op == "select":
+            keep = torch.tensor(sorted(rng.sample(range(n), rng.randint(1, n))))
+            select_cache(grow, keep), select_cache(plain, keep)
+        assert torch.equal(grow.layers[0].keys, plain.layers[0].keys)
+        assert torch.equal(grow.layers[0].values, plain.layers[0].values)
+    grow.layers[0].reset()
+    plain.layers[0].reset()
+    k, v = _kv(rng, 3, 5)
+    assert all(torch.equal(x, y) for x, y in zip(grow.layers[0].update(k, v), plain.layers[0].update(k, v)))
+
+
+def test_append_writes_into_spare_columns_and_grows_only_when_full():
+    buf = None
+    cur = torch.empty(0)
+    ptrs = set()
+    for _ in range(100):
+        cur, buf = append(cur, buf, torch.ones(2, 3, 1, 4))
+        ptrs.add(buf.data_ptr())
+    assert cur.shape == (2, 3, 100, 4) and buf.shape[2] >= 100
+    # 1 column + 64 spare, then at the 66th column one buffer with 64 spare again
+    assert len(ptrs) == 2 and buf.shape[2] == capacity(66) == 66 + 64
+    # a replaced tensor (not the buffer's prefix) is copied into a new buffer once
+    other = cur.clone()
+    cur2, buf2 = append(other, buf, torch.zeros(2, 3, 1, 4))
+    assert buf2.data_ptr() != buf.data_ptr() and torch.equal(cur2[:, :, :100], other)
+
+
+def test_new_cache_grows_in_place_and_a_model_forward_is_unchanged(llama):
+    cache = new_cache(llama)
+    assert all(type(layer) is GrowingLayer for layer in cache.layers)
+    ids = torch.tensor([[3, 9, 14, 2, 7, 1]])
+    ref = llama(ids).logits[0, -1]
+    with torch.no_grad():
+        llama.model(input_ids=ids[:, :4], cache=cache, use_cache=True)
+        ptr = cache.layers[0].keys.data_ptr()
+        llama.model(input_ids=ids[:, 4:5], cache=cache, use_cache=True)
+        out = llama(input_ids=ids[:, 5:], cache=cache, use_cache=True).logits[0, -1]
+    assert cache.layers[0].keys.data_ptr() == ptr  # appended in place
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
