@@ -71,23 +71,41 @@ def append(cur: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor) -> tu
 class GrowingLayer(DynamicLayer):
     """``DynamicLayer`` whose ``update`` appends into a buffer with spare columns
     (``append``) instead of ``torch.cat``; ``keys`` / ``values`` stay plain tensors (views),
-    so code that reads, narrows or replaces them works as on ``DynamicLayer``."""
+    so code that reads, narrows or replaces them works as on ``DynamicLayer``.
+
+    Why the fast path: a step calls ``update`` twice per layer (60 times for SmolLM2), so
+    its Python overhead matters as much as the copy it saves at short contexts. While
+    ``keys`` / ``values`` are still the views the last ``update`` handed out (nothing
+    narrowed or replaced them: a plain step's commit moves nothing) and the new columns
+    fit, it writes them and hands out the longer views without ``append``'s checks."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self._key_buffer: torch.Tensor | None = None
-        self._value_buffer: torch.Tensor | None = None
+        self._key_buffer = self._value_buffer = None
+        self._views = (None, None)  # the (keys, values) the last update handed out
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys, self._key_buffer = append(self.keys, getattr(self, "_key_buffer", None), key_states)
-        self.values, self._value_buffer = append(self.values, getattr(self, "_value_buffer", None), value_states)
+        keys, values = self.keys, self.values
+        if keys is self._views[0] and values is self._views[1]:
+            n, q = keys.shape[2], key_states.shape[2]
+            if n + q <= self._key_buffer.shape[2] and key_states.shape[0] == keys.shape[0]:
+                self._key_buffer.narrow(2, n, q).copy_(key_states)
+                self._value_buffer.narrow(2, n, q).copy_(value_states)
+                self.keys = self._key_buffer.narrow(2, 0, n + q)
+                self.values = self._value_buffer.narrow(2, 0, n + q)
+                self._views = (self.keys, self.values)
+                return self.keys, self.values
+        self.keys, self._key_buffer = append(keys, self._key_buffer, key_states)
+        self.values, self._value_buffer = append(values, self._value_buffer, value_states)
+        self._views = (self.keys, self.values)
         return self.keys, self.values
 
     def reset(self) -> None:
         super().reset()
         self._key_buffer = self._value_buffer = None
+        self._views = (None, None)
 
 
 def grow_in_place(cache) -> None:
