@@ -80,10 +80,16 @@ class GrowingLayer(DynamicLayer):
     narrowed or replaced them: a plain step's commit moves nothing) and the new columns
     fit, it writes them and hands out the longer views without ``append``'s checks."""
 
+    # class defaults: a layer that something else initialised (``RowCache.extend`` sets
+    # ``keys`` / ``values`` and ``is_initialized`` directly) has no buffer yet
+    _key_buffer: torch.Tensor | None = None
+    _value_buffer: torch.Tensor | None = None
+    _views: tuple = (None, None)  # the (keys, values) the last update handed out
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._key_buffer = self._value_buffer = None
-        self._views = (None, None)  # the (keys, values) the last update handed out
+        self._views = (None, None)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:

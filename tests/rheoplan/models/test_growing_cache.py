@@ -84,3 +84,16 @@ def test_new_cache_grows_in_place_and_a_model_forward_is_unchanged(llama):
         out = llama(input_ids=ids[:, 5:], cache=cache, use_cache=True).logits[0, -1]
     assert cache.layers[0].keys.data_ptr() == ptr  # appended in place
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_a_layer_initialised_from_outside_appends():
+    """``RowCache.extend`` gives an empty layer its tensors directly (no ``update``): the
+    next append still works and equals ``torch.cat``."""
+    layer = GrowingLayer()
+    k = torch.randn(2, 3, 5, 4)
+    layer.keys, layer.values, layer.is_initialized = k, k + 1, True
+    new = torch.randn(2, 3, 1, 4)
+    keys, values = layer.update(new, new)
+    assert torch.equal(keys, torch.cat([k, new], dim=2)) and torch.equal(values, torch.cat([k + 1, new], dim=2))
+    keys, _ = layer.update(new, new)  # the fast path from here on
+    assert torch.equal(keys, torch.cat([k, new, new], dim=2))
