@@ -39,6 +39,20 @@ def _rows_alone(target, draft, prompts, limits, **kw) -> list[list[int]]:
             for b, (p, n) in enumerate(zip(prompts, limits))]
 
 
+def _spy(monkeypatch, owner, name: str, keep) -> list:
+    """Wrap method ``owner.name``: every call appends ``keep(*args)`` (the call's arguments
+    after ``self``) to the returned list, then runs the method."""
+    seen = []
+    real = getattr(owner, name)
+
+    def wrapper(self, *args):
+        seen.append(keep(*args))
+        return real(self, *args)
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return seen
+
+
 def _truncate_at_eos(law, eos):
     """The law of the emitted tokens when the decode stops at the first EOS (included)."""
     out: dict[tuple[int, ...], float] = {}
@@ -144,14 +158,7 @@ def test_rows_prefilled_in_groups_still_equal_generate(llamas, draft_kind, monke
     from rheoplan.costmodel import CostModel, Timings
     from rheoplan.models.hf_target import HFTarget
 
-    seen = []
-    real = HFTarget._prefill_groups
-
-    def recording(self, ids, with_root, groups):
-        seen.append(groups)
-        return real(self, ids, with_root, groups)
-
-    monkeypatch.setattr(HFTarget, "_prefill_groups", recording)
+    seen = _spy(monkeypatch, HFTarget, "_prefill_groups", lambda ids, with_root, groups: groups)
     # a forward's fixed cost is 2 tokens' worth: prompts of 1..9 tokens split into groups
     tm = Timings((1, 64), (2.0, 65.0), (2.0, 65.0), 0, 1000, (1, 64), (0.1, 0.5), 0.05, 0.05)
     target, _ = llamas
@@ -269,14 +276,7 @@ def test_cost_model_prices_the_live_batch(monkeypatch):
     number of live rows, which falls as rows finish."""
     from rheoplan.costmodel import CostModel, Timings
 
-    sizes = []
-    real = Timings.verify_batch
-
-    def recording(self, batch, row_tokens, ctx):
-        sizes.append(batch)
-        return real(self, batch, row_tokens, ctx)
-
-    monkeypatch.setattr(Timings, "verify_batch", recording)
+    sizes = _spy(monkeypatch, Timings, "verify_batch", lambda batch, row_tokens, ctx: batch)
     tm = Timings((1, 64), (1.0, 60.0), (1.2, 70.0), 0, 1000, (1, 64), (0.1, 0.5), 0.05, 0.05)
     tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
     rs = plan_and_decode(tgt, drf, [[0, 1], [2], [3]], max_new_tokens=[2, 12, 6], seed=3, tree=TREE,
