@@ -55,9 +55,6 @@ def append(cur: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor) -> tu
     ``cur`` may be empty (no entries yet)."""
     n = cur.shape[2] if cur.dim() == 4 else 0
     q = new.shape[2]
-    if n == 0 and buf is not None and buf.shape[:2] == new.shape[:2] and buf.shape[3] == new.shape[3] \
-            and buf.dtype == new.dtype and buf.device == new.device and q <= buf.shape[2]:
-        cur = buf[:, :, :0]  # emptied (a reset or a crop to nothing): reuse the buffer
     if n + q <= (buf.shape[2] if buf is not None else 0) and _is_prefix(cur, buf) and buf.device == new.device:
         buf[:, :, n:n + q] = new
         return buf[:, :, :n + q], buf

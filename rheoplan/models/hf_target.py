@@ -454,10 +454,12 @@ class HFTarget(TargetModel):
         for p in parts[1:]:
             rc.extend(p[0])
         rc.select(back)
-        flat = lambda k: [x for p in parts for x in (p[k] if p[k] is not None else [None] * len(p[1]))]  # noqa: E731
-        prefix, feats = flat(1), flat(2)
+        prefix = [x for p in parts for x in p[1]]
         prefix = [prefix[j] for j in back]
-        feats = None if parts[0][2] is None else [feats[j] for j in back]
+        feats = None
+        if parts[0][2] is not None:  # features captured (every part alike)
+            feats = [x for p in parts for x in p[2]]
+            feats = [feats[j] for j in back]
         return (rc, prefix, feats, _stack_left([p[3] for p in parts], back), _stack_left([p[4] for p in parts], back))
 
     def prompt_features_rows_for(self, model) -> list[torch.Tensor | None]:
