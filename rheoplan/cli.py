@@ -10,6 +10,7 @@ import argparse
 import difflib
 import json
 import sys
+import time
 from pathlib import Path
 
 from rheoplan import dump, ir_text
@@ -28,11 +29,16 @@ from rheoplan.loading import (AUTO_BUDGET, AUTO_DEPTH, AUTO_OPTIONS, DEFAULTS, M
                               parse_draft_spec)
 from rheoplan.models import as_draft
 from rheoplan.pipeline import DumpIR
+from rheoplan.prompts_file import PromptLine, read_prompts, result_record
 from rheoplan.plan import plan_tree
 from rheoplan.planner.default import cost_pipeline
+from rheoplan.stream import Request, decode_requests
 from rheoplan.train import cli as train_cli
 
 DEFAULT_PROMPT = "Write a short poem about the sea."
+#: ``generate --prompts-file``'s rows at once: the largest batch ``rheoplan bench batch``
+#: measures (on the 2-core CPU, throughput still grows from 4 to 16 rows; docs/results.md)
+DEFAULT_BATCH_SIZE = 16
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -162,11 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with the embedded default model, streaming",
                        description="Generate text for PROMPT with SmolLM2-135M-Instruct, print it as it "
                                    "is produced, then the decode statistics.")
-    g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"the prompt (default {DEFAULT_PROMPT!r})")
+    g.add_argument("prompt", nargs="?", default=None,
+                   help=f"the prompt (default {DEFAULT_PROMPT!r}; or --prompts-file)")
     g.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--save-calibration", metavar="FILE",
                    help="with auto depth/budget: write the acceptance calibration this decode ended "
                         "with to FILE (pass it back with --calibration)")
+    many = g.add_argument_group("many prompts (batched decoding, docs/batch.md)")
+    many.add_argument("--prompts-file", metavar="FILE",
+                      help="decode every prompt of FILE ('-': stdin) instead of PROMPT: one prompt per "
+                           "line, or JSON lines {\"prompt\": ..., \"max_new_tokens\": N} when FILE ends "
+                           "in .jsonl. Each prompt's result is written as one JSON line when it finishes")
+    many.add_argument("--batch-size", type=int, default=None,
+                      help=f"with --prompts-file: rows decoding at once; a finished row's place goes "
+                           f"to the next prompt (continuous batching) (default {DEFAULT_BATCH_SIZE})")
+    many.add_argument("--output", "-o", metavar="FILE",
+                      help="with --prompts-file: write the JSON lines to FILE (default stdout)")
     _add_model(g)
     _add_sampling(g)
     _add_tree(g)
@@ -252,6 +269,32 @@ def tree_config_from(args):
     return auto_tree(tree, args.depth, args.budget) if uses_cost_model(args) else tree
 
 
+def _check_many_prompts(args) -> list[PromptLine] | None:
+    """The prompts of ``--prompts-file`` (None without it), with the flags that go with it
+    checked; all before any model loads."""
+    if args.prompts_file is None:
+        for flag, value in (("--batch-size", args.batch_size), ("--output", args.output)):
+            if value is not None:
+                raise ValueError(f"{flag} needs --prompts-file (it sets how many prompts decode at once "
+                                 "and where their results go)")
+        return None
+    if args.prompt is not None:
+        raise ValueError(f"both a prompt ({args.prompt!r}) and --prompts-file={args.prompts_file} were "
+                         "given: allowed one of them")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size={args.batch_size} is out of range: allowed >= 1")
+    if args.backend == "triton":
+        raise ValueError("--backend=triton decodes a single sequence (its walk runs one tree): allowed "
+                         "'auto', 'reference' or 'numba' with --prompts-file")
+    if args.output is not None:
+        out = Path(args.output)
+        if not out.parent.is_dir():
+            raise ValueError(f"--output={args.output}: the directory {str(out.parent)!r} does not exist")
+        if args.prompts_file != "-" and out.resolve() == Path(args.prompts_file).resolve():
+            raise ValueError(f"--output={args.output} is the prompts file: allowed another file")
+    return read_prompts(args.prompts_file)
+
+
 def cmd_generate(args) -> int:
     tree = tree_config_from(args)
     sampling = sampling_config_from(args)
@@ -261,6 +304,7 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} is out of range: allowed >= 1")
     if args.save_calibration and not uses_cost_model(args):
         raise ValueError("--save-calibration needs --depth auto or --budget auto (the cost model)")
+    many = _check_many_prompts(args)
     backend = resolve_backend(args.backend, _model_device())  # before the model loads
     model, tok, draft = load_default(method=args.method, draft=args.draft, dtype=args.dtype,
                                       draft_dtype=args.draft_dtype)
@@ -268,7 +312,9 @@ def cmd_generate(args) -> int:
     if uses_cost_model(args):
         cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration=args.calibration,
                                sampling=sampling)
-    ids = encode_prompt(tok, args.prompt, not args.no_chat)
+    if many is not None:
+        return _generate_many(args, many, model, tok, draft, cost, tree, sampling)
+    ids = encode_prompt(tok, DEFAULT_PROMPT if args.prompt is None else args.prompt, not args.no_chat)
     out: list[int] = []
     shown = [0]
 
@@ -286,6 +332,41 @@ def cmd_generate(args) -> int:
     print(f"\n[{args.method}] {res.summary()}", file=sys.stderr)
     if args.save_calibration and res.calibration is not None:
         res.calibration.save(args.save_calibration)
+        print(f"calibration written to {args.save_calibration}", file=sys.stderr)
+    return 0
+
+
+def _generate_many(args, prompts: list[PromptLine], model, tok, draft, cost, tree, sampling) -> int:
+    """``generate --prompts-file``: every prompt through ``decode_requests`` (at most
+    ``--batch-size`` rows at once), one JSON line per prompt as it finishes (finishing
+    order; ``index`` is the prompt's place in the file), a summary on stderr."""
+    batch = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
+    requests = [Request(encode_prompt(tok, p.text, not args.no_chat), p.max_new_tokens) for p in prompts]
+    out = sys.stdout if args.output is None else open(args.output, "w", encoding="utf-8")
+    t0 = time.perf_counter()
+    results = []
+    try:
+        done = decode_requests(model, draft, requests, max_batch_size=batch, max_new_tokens=args.max_new_tokens,
+                               sampling=sampling, tree=tree, seed=args.seed, eos_token_id=tok.eos_token_id,
+                               progress=True, cost_model=cost, backend=args.backend)
+        for i, res in done:
+            text = tok.decode(res.tokens, skip_special_tokens=True)
+            out.write(json.dumps(result_record(i, prompts[i], text, res), ensure_ascii=False) + "\n")
+            out.flush()
+            results.append(res)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.tokens) for r in results)
+    steps = [s for r in results for s in r.steps]
+    drafted = sum(1 for s in steps if s.drafted) / max(1, len(steps))
+    tau = sum(s.accepted + 1 for s in steps) / max(1, len(steps))
+    print(f"\n[{args.method}] {len(results)} prompts, {tokens} new tokens in {wall:.2f} s "
+          f"({tokens / wall:.1f} tok/s), at most {min(batch, len(prompts))} rows at once; mean accepted "
+          f"length per row step {tau:.2f}, {drafted:.0%} of row steps drafted", file=sys.stderr)
+    if args.save_calibration and results and results[-1].calibration is not None:
+        results[-1].calibration.save(args.save_calibration)
         print(f"calibration written to {args.save_calibration}", file=sys.stderr)
     return 0
 

@@ -156,6 +156,20 @@ def decode_requests(target, draft, requests: Iterable | queue.Queue, *, max_batc
                   eos_token_id, progress, passes, callback, processors, cost_model, backend)
 
 
+def _total_tokens(requests, max_new_tokens: int) -> int | None:
+    """The progress bar's total: every request's limit, when ``requests`` is a list or tuple
+    (None for a generator or a queue: their length is not known)."""
+    if not isinstance(requests, (list, tuple)):
+        return None
+    total = 0
+    for r in requests:
+        limit = r.max_new_tokens if isinstance(r, Request) else None
+        if limit is not None and not isinstance(limit, int):
+            return None  # the request's own check names it when it is taken
+        total += max_new_tokens if limit is None else limit
+    return total
+
+
 def _serve(target, draft, requests, max_batch, max_new_tokens, sampling, tree, seed, eos_token_id, progress,
            passes, callback, processors, cost_model, backend) -> Iterator[tuple[int, DecodeResult]]:
     # The adapters are built when the caller starts iterating, so a generator never iterated
@@ -169,11 +183,15 @@ def _serve(target, draft, requests, max_batch, max_new_tokens, sampling, tree, s
         source = _Source(requests, tgt, drf, budget, max_new_tokens, max_batch)
         if drf is not None:
             _warm_up(backend)
+        # as plan_and_decode: with a cost model, prompts that join together are prefilled in
+        # groups of similar lengths where that costs less than one padded forward
         state = BatchState(target=tgt, draft=drf, prompts=[], limits=[], keys=[], sampling=sampling, tree=tree,
                            seed=seed, eos=frozenset(eos), passes=passes, backend=backend, progress=progress,
                            callback=callback, processors=processors,
-                           cost=cost_model if drf is not None else None, max_batch=max_batch)
-        for row in run_rows(state, source.take):
+                           cost=cost_model if drf is not None else None, max_batch=max_batch,
+                           prefill_overhead=None if cost_model is None else
+                           cost_model.timings.forward_overhead_tokens())
+        for row in run_rows(state, source.take, total=_total_tokens(requests, max_new_tokens)):
             yield row.index, row.result
     finally:
         if tgt is not target:

@@ -15,8 +15,9 @@ one above; ``docs/concepts.md`` "Code layout" lists the same table):
  7    ``models``                                      adapters (target / draft interfaces)
  8    ``decode``, ``walk``, ``stream``                ``plan_and_decode``, the walk by backend,
                                                       ``decode_requests``
- 9    ``testing``, ``dump``, ``loading``, ``probe``   oracle, drawings, the default model,
-                                                      measuring dtype + latencies at load
+ 9    ``testing``, ``dump``, ``loading``, ``probe``,  oracle, drawings, the default model,
+      ``calibrate``, ``prompts_file``                 measuring dtype + latencies at load,
+                                                      prompts files of ``generate``
 10    ``bench``, ``train``                            benchmarks, draft training
 11    ``cli``                                         the ``rheoplan`` command
 12    ``rheoplan`` (``__init__``)                     the public facade; nothing inside imports it
@@ -48,7 +49,8 @@ LAYERS = [
     ["rheoplan.kernels"],
     ["rheoplan.models"],
     ["rheoplan.decode", "rheoplan.walk", "rheoplan.stream"],
-    ["rheoplan.testing", "rheoplan.dump", "rheoplan.loading", "rheoplan.probe", "rheoplan.calibrate"],
+    ["rheoplan.testing", "rheoplan.dump", "rheoplan.loading", "rheoplan.probe", "rheoplan.calibrate",
+     "rheoplan.prompts_file"],
     ["rheoplan.bench", "rheoplan.train"],
     ["rheoplan.cli"],
     ["rheoplan"],  # the package's __init__ only (matched exactly)

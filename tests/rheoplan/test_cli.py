@@ -8,6 +8,7 @@ import json
 import pytest
 
 from rheoplan import cli
+from rheoplan.decode import plan_and_decode
 
 
 def run(argv, capsys):
@@ -191,3 +192,67 @@ def test_config_file_takes_auto_for_depth_and_budget(tmp_path):
     f.write_text(json.dumps({"budget": "lots"}))
     with pytest.raises(ValueError, match="budget='lots' must be an int"):
         cli.read_config_file(str(f))
+
+
+# -- generate --prompts-file: many prompts, batched -----------------------------------------
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["generate", "hi", "--prompts-file", "{f}"], "both a prompt ('hi') and --prompts-file="),
+    (["generate", "--batch-size", "4"], "--batch-size needs --prompts-file"),
+    (["generate", "--output", "{d}/o.jsonl"], "--output needs --prompts-file"),
+    (["generate", "--prompts-file", "{f}", "--batch-size", "0"], "--batch-size=0 is out of range: allowed >= 1"),
+    (["generate", "--prompts-file", "{d}/none.txt"], "none.txt: no such file"),
+    (["generate", "--prompts-file", "{empty}"], "holds no prompt"),
+    (["generate", "--prompts-file", "{f}", "--backend", "triton"], "--backend=triton decodes a single sequence"),
+    (["generate", "--prompts-file", "{f}", "--output", "{d}/no/dir/o.jsonl"], "does not exist"),
+    (["generate", "--prompts-file", "{f}", "--output", "{f}"], "is the prompts file"),
+])
+def test_prompts_file_errors_before_loading(argv, needle, tmp_path, capsys):
+    f, empty = tmp_path / "p.txt", tmp_path / "e.txt"
+    f.write_text("one\ntwo\n")
+    empty.write_text("")
+    argv = [a.format(f=f, d=tmp_path, empty=empty) for a in argv]
+    rc, err = run(argv, capsys)
+    assert rc == 2 and needle in err
+
+
+class _CharTokenizer:
+    """Characters to ids of a 32-token vocabulary; no chat template, no EOS."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) % 32 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_prompts_file_rows_are_plan_and_decode_rows(batch, tmp_path, monkeypatch, capsys):
+    """Each JSON line holds the tokens row i of ``plan_and_decode`` gives for the same
+    prompts and seed (float32 models), whatever the batch size; per-line limits hold."""
+    from _decode_models import tiny_llama
+
+    target = tiny_llama(2, vocab=32, hidden=32, layers=2, head_scale=20.0)
+    draft = tiny_llama(3, vocab=32, hidden=32, layers=1, head_scale=20.0)
+    tok = _CharTokenizer()
+    monkeypatch.setattr(cli, "load_default", lambda **k: (target, tok, draft))
+    f = tmp_path / "p.jsonl"
+    lines = [{"prompt": "abc"}, {"prompt": "hello there", "max_new_tokens": 3}, {"prompt": "xy\nz"}]
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    flags = ["--depth", "2", "--budget", "4", "--seed", "5", "-n", "6", "--no-chat"]
+    out = tmp_path / "o.jsonl"
+    rc = cli.main(["generate", "--prompts-file", str(f), "--batch-size", str(batch), "--output", str(out)] + flags)
+    assert rc == 0
+    assert "3 prompts, 15 new tokens" in capsys.readouterr().err
+    recs = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda r: r["index"])
+    args = cli.build_parser().parse_args(["generate"] + flags)
+    ref = plan_and_decode(target, draft, [tok(x["prompt"])["input_ids"] for x in lines], max_new_tokens=[6, 3, 6],
+                          tree=cli.tree_config_from(args), sampling=cli.sampling_config_from(args), seed=5)
+    assert [r["index"] for r in recs] == [0, 1, 2] and [r["line"] for r in recs] == [1, 2, 3]
+    assert [r["tokens"] for r in recs] == [r.tokens for r in ref]
+    assert [r["new_tokens"] for r in recs] == [6, 3, 6]
+    assert recs[1]["text"] == tok.decode(ref[1].tokens) and recs[2]["prompt"] == "xy\nz"

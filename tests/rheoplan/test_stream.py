@@ -119,6 +119,41 @@ def test_hf_eagle3_requests_equal_the_rows_of_a_batch():
     assert sum(len(layer._forward_pre_hooks) for layer in target.model.layers) == 0  # hooks removed
 
 
+def test_requests_with_a_cost_model_are_prefilled_in_groups(monkeypatch):
+    """As ``plan_and_decode``: with a cost model, requests that join together are prefilled
+    in length groups (``prefill_groups``), and greedy requests still give the rows of a
+    batch decoded alone (float32)."""
+    from rheoplan.costmodel import CostModel, Timings
+    from rheoplan.models.hf_target import HFTarget
+
+    groups = []
+    real = HFTarget._prefill_groups
+
+    def spy(self, ids, with_root, groups_):
+        groups.append(groups_)
+        return real(self, ids, with_root, groups_)
+
+    monkeypatch.setattr(HFTarget, "_prefill_groups", spy)
+    target = tiny_llama(2, vocab=32, hidden=32, layers=2, head_scale=20.0)
+    # a forward's fixed cost is 2 tokens' worth: prompts of 1..9 tokens split into groups
+    tm = Timings((1, 64), (2.0, 65.0), (2.0, 65.0), 0, 1000, (1, 64), (0.1, 0.5), 0.05, 0.05)
+    prompts = [[1] * 9, [2], [3] * 8, [4, 5]]
+    kw = dict(sampling=SamplingConfig(temperature=0.0), tree=TreeConfig(depth=2, frontier=1, slots=1, budget=2,
+                                                                         support=32), seed=0)
+    got = dict(decode_requests(target, target, prompts, max_batch_size=4, max_new_tokens=4,
+                               cost_model=CostModel(tm), **kw))
+    assert groups and groups[0] is not None and len(groups[0]) > 1
+    assert [got[i].tokens for i in range(4)] == _batch(target, target, prompts, [4] * 4, **kw)
+
+
+def test_progress_total_counts_every_limit_of_a_list():
+    from rheoplan.stream import _total_tokens
+
+    assert _total_tokens([[1], Request([2], max_new_tokens=3), Request([4])], 5) == 13
+    assert _total_tokens(iter([[1]]), 5) is None  # a generator's length is not known
+    assert _total_tokens([Request([2], max_new_tokens="3")], 5) is None  # refused when taken
+
+
 @pytest.mark.parametrize("kw, err, match", [
     (dict(max_batch_size=0), ValueError, r"max_batch_size=0 is out of range"),
     (dict(max_new_tokens=0), ValueError, r"max_new_tokens=0 is out of range"),
