@@ -68,6 +68,10 @@ class StepStats:
     t_walk: float = 0.0
     t_commit: float = 0.0
     t_step: float = 0.0  #: the whole step, wall clock (the loop's own bookkeeping included)
+    #: of ``t_walk``: projecting the target's hidden states to logits as the walk asks for
+    #: them (``TreeLogits.projection_seconds``): the output matrix, model compute that
+    #: ``generate`` counts inside its forward; the rest of the walk is the walk's own work
+    t_project: float = 0.0
     #: with a cost model: did the step draft, and what the model predicted for its tree
     drafted: bool = True
     predicted_tokens: float | None = None  #: E, expected emitted tokens
@@ -102,7 +106,10 @@ class DecodeResult:
         return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
 
     def phase_totals(self) -> dict[str, float]:
-        keys = ["t_draft", "t_plan", "t_verify_forward", "t_walk", "t_commit"]
+        """Seconds per phase over the steps: ``draft``, ``plan``, ``verify_forward``,
+        ``walk``, ``commit`` (they add up to the steps' time but the loop's own), and
+        ``project``, the part of ``walk`` spent in the output projection."""
+        keys = ["t_draft", "t_plan", "t_verify_forward", "t_walk", "t_commit", "t_project"]
         return {k[2:]: sum(getattr(s, k) for s in self.steps) for k in keys}
 
     @property
@@ -114,7 +121,10 @@ class DecodeResult:
     def summary(self) -> str:
         ph = self.phase_totals()
         n = max(1, len(self.steps))
+        proj = ph.pop("project")
         per = ", ".join(f"{k} {1e3 * v / n:.1f} ms" for k, v in ph.items())
+        if proj > 0:
+            per += f" (of the walk, output projection {1e3 * proj / n:.1f} ms)"
         out = (f"{len(self.tokens)} tokens in {len(self.steps)} steps, {self.seconds:.2f} s "
                f"({self.tokens_per_second:.1f} tok/s); mean accepted length "
                f"{self.mean_accepted_length:.2f}, per-token acceptance {self.acceptance_rate:.1%}; "
@@ -653,6 +663,7 @@ def _decode(s: DecodeState) -> DecodeResult:
         st.trials = res.trials
         st.visited = res.visited
         st.t_verify_forward, st.t_walk = t2 - t1, t3 - t2
+        st.t_project = getattr(fw, "projection_seconds", 0.0)  # (a duck-typed adapter's: none)
         if s.calibration is not None and st.drafted:
             s.calibration.update(t, res.path)  # known only now: it shapes later steps' trees
             if st.predicted_tokens is not None:
@@ -1029,6 +1040,9 @@ def _walk_rows(s: BatchState, live: list[_Row], t: DraftTree, fws: list, st0: St
         walks.append(res)
         stops.append(stop)
         stats.append(st)
+    project = sum(getattr(fw, "projection_seconds", 0.0) for fw in fws)  # the batch's, as t_walk is
+    for st in stats:
+        st.t_project = project
     return walks, stops, stats
 
 

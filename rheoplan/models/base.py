@@ -58,6 +58,12 @@ from rheoplan.ir import DraftTree, LinearTree
 class TreeLogits(ABC):
     """Result of one verify forward (tree b = 0)."""
 
+    #: wall seconds this result spent turning hidden states into logits (the output
+    #: matrix, when an adapter projects on demand): model compute the walk triggers, which
+    #: ``generate`` counts inside its forward. The decode loops report it as
+    #: ``StepStats.t_project`` (part of ``t_walk``); 0 for adapters whose logits are free.
+    projection_seconds: float = 0.0
+
     @abstractmethod
     def logits(self, i: int) -> torch.Tensor:
         """Raw next-token logits ``[V]`` (float32) at linear node ``i``."""

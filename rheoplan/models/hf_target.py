@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -104,8 +105,10 @@ class HFTreeLogits(TreeLogits):
     def logits(self, i: int) -> torch.Tensor:
         self._check(i)
         if i not in self._memo:
+            t0 = time.perf_counter()
             with torch.no_grad():
                 self._memo[i] = self._head(self._hidden[i]).to(torch.float32)
+            self.projection_seconds += time.perf_counter() - t0
             self.n_projected += 1
         return self._memo[i]
 
@@ -122,8 +125,10 @@ class HFTreeLogits(TreeLogits):
             self._check(i)
         if not todo:
             return
+        t0 = time.perf_counter()
         with torch.no_grad():
             out = self._head(self._hidden[todo]).to(torch.float32)
+        self.projection_seconds += time.perf_counter() - t0
         self._store(todo, out)
 
     def _store(self, nodes: list[int], out: torch.Tensor) -> None:
@@ -133,8 +138,10 @@ class HFTreeLogits(TreeLogits):
 
     def all_logits(self) -> torch.Tensor:
         """Logits ``[n, V]`` at every node in one projection (for measurement and tests)."""
+        t0 = time.perf_counter()
         with torch.no_grad():
             out = self._head(self._hidden).to(torch.float32)
+        self.projection_seconds += time.perf_counter() - t0
         self.n_projected += self.n
         return out
 
@@ -532,10 +539,13 @@ class HFTarget(TargetModel):
         want = [[i for i in w if i not in fw._memo] for fw, w in zip(logits, want)]
         if not any(want):
             return
+        t0 = time.perf_counter()
         with torch.no_grad():
             out = self.head(torch.cat([fw._hidden[w] for fw, w in zip(logits, want)])).to(torch.float32)
+        share = (time.perf_counter() - t0) / sum(len(w) for w in want)  # each row's part of one call
         for fw, w, part in zip(logits, want, out.split([len(w) for w in want])):
             fw._store(w, part)
+            fw.projection_seconds += share * len(w)
 
     def commit_rows(self, paths: list[list[int]]) -> None:
         if getattr(self, "_row_tree", None) is None:

@@ -522,3 +522,21 @@ def test_root_only_tree_equals_a_freshly_linearised_one(root, prefix_len):
             assert all(torch.equal(getattr(a, g.name), getattr(b, g.name)) for g in fields(a))
         else:
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name
+
+
+def test_output_projection_time_is_reported_as_part_of_the_walk(greedy_models):
+    """``StepStats.t_project``: the walk's output projections (HFTarget projects on demand),
+    within ``t_walk``, at one row and in a batch; zero for logits that cost nothing."""
+    target, draft, _ = greedy_models
+    tree = TreeConfig(depth=2, frontier=2, slots=2, budget=4, support=V_GREEDY)
+    one = plan_and_decode(target, draft, [1, 2, 3], max_new_tokens=6, sampling=SamplingConfig(), tree=tree, seed=0)
+    rows = plan_and_decode(target, draft, [[1, 2, 3], [4, 5]], max_new_tokens=6, sampling=SamplingConfig(),
+                           tree=tree, seed=0)
+    for res in [one] + rows:
+        assert all(0 < st.t_project <= st.t_walk for st in res.steps)
+        assert res.phase_totals()["project"] == pytest.approx(sum(st.t_project for st in res.steps))
+    assert "output projection" in one.summary()
+    lm = hashed_context_lm(vocab_size=6, seed=1)
+    res = plan_and_decode(lm, lm, [0, 1], max_new_tokens=4, seed=0, tree=TreeConfig(depth=2, frontier=2, slots=2,
+                                                                                      budget=4, support=6))
+    assert all(st.t_project == 0.0 for st in res.steps) and "output projection" not in res.summary()

@@ -73,7 +73,9 @@ def test_report_tables():
 def test_lean_checks_split_prefill_from_the_loop_and_compare_with_generate():
     rec = _record()
     rec["phase_seconds"]["step"] = 1.4  # the steps' wall time: 0.1 s of the 1.5 s was prefill
+    rec["phase_seconds"]["project"] = 0.04  # of the walk's 0.1 s
     b = cost.breakdown(rec, ar_ms_per_token=50.0)
+    assert b["projection_ms"] == pytest.approx(4.0)
     assert b["loop_other_ms"] == pytest.approx(140.0 - 135.0)
     assert b["prefill_ms_per_step"] == pytest.approx(10.0)
     assert b["bookkeeping_ms"] == pytest.approx(10.0 + 10.0 + 5.0 + 5.0)  # plan + walk + commit + loop
@@ -83,4 +85,6 @@ def test_lean_checks_split_prefill_from_the_loop_and_compare_with_generate():
                         ar_ms_per_token=50.0)
     table = cost.lean_checks([ar, b], ar_ms=50.0)
     assert "| autoregressive | 3.000x |" in table  # 150 ms per token against generate's 50
-    assert "| rheo-m1-ot | – | 30.0 | 1.50x |" in table
+    assert "| rheo-m1-ot | – | 30.0 | 4.0 | 1.50x |" in table
+    header, rule = table.splitlines()[:2]
+    assert header.count("|") == rule.count("|")

@@ -82,9 +82,11 @@ def test_run_one_records_tokens_steps_and_phases(name):
     else:
         assert 2 <= rec["steps"] <= 12
         assert rec["mean_accepted_length"] == pytest.approx(12 / rec["steps"])
-        assert set(rec["phase_seconds"]) == {"draft", "plan", "verify_forward", "walk", "commit", "step"}
+        assert set(rec["phase_seconds"]) == {"draft", "plan", "verify_forward", "walk", "commit", "project", "step"}
         ps = dict(rec["phase_seconds"])
         step = ps.pop("step")  # the steps' wall time: the phases fit in it, it fits in the run
+        project = ps.pop("project")  # part of the walk
+        assert 0 < project <= ps["walk"]
         assert sum(ps.values()) <= step <= rec["seconds"]
     assert rec["dtype"] == "float32" and rec["threads"] >= 1
     json.dumps(rec)  # a run record must be writable as JSON
