@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -362,9 +363,13 @@ def _generate_many(args, prompts: list[PromptLine], model, tok, draft, cost, tre
     steps = [s for r in results for s in r.steps]
     drafted = sum(1 for s in steps if s.drafted) / max(1, len(steps))
     tau = sum(s.accepted + 1 for s in steps) / max(1, len(steps))
+    waits = [r.first_token_seconds - r.joined_seconds for r in results]  # every row emits a token
+    spans = [r.seconds - r.joined_seconds for r in results]
     print(f"\n[{args.method}] {len(results)} prompts, {tokens} new tokens in {wall:.2f} s "
           f"({tokens / wall:.1f} tok/s), at most {min(batch, len(prompts))} rows at once; mean accepted "
-          f"length per row step {tau:.2f}, {drafted:.0%} of row steps drafted", file=sys.stderr)
+          f"length per row step {tau:.2f}, {drafted:.0%} of row steps drafted; per prompt from joining the "
+          f"batch: first token {statistics.median(waits):.2f} s, done {statistics.median(spans):.2f} s "
+          "(medians)", file=sys.stderr)
     if args.save_calibration and results and results[-1].calibration is not None:
         results[-1].calibration.save(args.save_calibration)
         print(f"calibration written to {args.save_calibration}", file=sys.stderr)

@@ -84,8 +84,17 @@ class DecodeResult:
 
     tokens: list[int]
     steps: list[StepStats] = field(default_factory=list)
+    #: wall seconds from the start of the decode (of the whole batch, for a row) until
+    #: this decode (row) finished, prefill included
     seconds: float = 0.0
     stopped_by: str = "max_new_tokens"  #: 'max_new_tokens' or 'eos'
+    #: on the same clock: when the row joined the batch (its prefill began: about 0 for the
+    #: rows the decode starts with, exactly 0 for a single sequence) and when its first
+    #: token was emitted.
+    #: A row's latency is ``seconds - joined_seconds``, its time to first token
+    #: ``first_token_seconds - joined_seconds`` (continuous batching: docs/batch.md)
+    joined_seconds: float = 0.0
+    first_token_seconds: float | None = None
     #: with a cost model: the calibration this decode ended with (save it with
     #: ``Calibration.save`` and pass it as a later decode's prior)
     calibration: Calibration | None = None
@@ -669,6 +678,8 @@ def _decode(s: DecodeState) -> DecodeResult:
             if st.predicted_tokens is not None:
                 s.calibration.record_step(max(0.0, st.predicted_tokens - 1), st.accepted)
         result.tokens += emitted
+        if result.first_token_seconds is None and emitted:
+            result.first_token_seconds = time.perf_counter() - t_start
         if bar is not None:
             bar.update(len(emitted))
         if s.callback is not None:
@@ -974,6 +985,9 @@ def _join_rows(s: BatchState, rows: list[_Row], n_live: int, bar, t_start: float
     starts on prompt + that token; else step 0 verifies the last prompt token. Returns
     (rows still decoding, rows that finished at their first token)."""
     tgt, drf = s.target, s.draft
+    joined = time.perf_counter() - t_start
+    for r in rows:
+        r.result.joined_seconds = joined
     prompts = [r.prompt for r in rows]
     kw = {}
     if s.prefill_overhead is not None and len(rows) > 1 and tgt.prefills_in_groups:
@@ -1054,6 +1068,8 @@ def _advance_rows(s: BatchState, live: list[_Row], walks, stops, stats, t0: floa
         st = stats[b]
         st.t_step = now - t0
         row.result.steps.append(st)
+        if row.result.first_token_seconds is None and row.result.tokens:
+            row.result.first_token_seconds = now - t_start
         if stops[b] is not None:
             row.result.stopped_by = stops[b]
             row.result.seconds = now - t_start

@@ -93,9 +93,13 @@ def _json_line(line: str, where: str, i: int) -> PromptLine:
 
 def result_record(index: int, prompt: PromptLine, text: str, result) -> dict:
     """The JSON line of a finished prompt: where it came from, its text and token ids, why it
-    stopped and how the decode went (a ``DecodeResult``)."""
+    stopped and how the decode went (a ``DecodeResult``): seconds from the start of the run
+    until it joined the batch, until its first token and until it finished."""
     steps = result.steps
+    first = result.first_token_seconds
     return {"index": index, "line": prompt.line, "prompt": prompt.text, "text": text,
             "tokens": list(result.tokens), "new_tokens": len(result.tokens), "stopped_by": result.stopped_by,
             "steps": len(steps), "mean_accepted_length": round(result.mean_accepted_length, 4),
+            "joined_seconds": round(result.joined_seconds, 4),
+            "first_token_seconds": None if first is None else round(first, 4),
             "seconds": round(result.seconds, 4)}

@@ -483,3 +483,20 @@ def test_memory_estimate_counts_the_draft(llamas, monkeypatch):
     with pytest.raises(ValueError, match=r"prompt_ids has 4 rows: the batch needs about"):
         plan_and_decode(target, draft, PROMPTS, max_new_tokens=8, tree=TREE_HF, seed=0)
     plan_and_decode(target, None, PROMPTS, max_new_tokens=8, seed=0)
+
+
+def test_rows_report_when_they_joined_and_emitted_their_first_token():
+    """``joined_seconds`` / ``first_token_seconds`` / ``seconds`` on the run's clock: with
+    one row at a time each row joins when the one before it finished, emits its first token
+    after joining and finishes after that; a single sequence joins at 0."""
+    lm = hashed_context_lm(vocab_size=6, seed=1)
+    rs = plan_and_decode(lm, lm, [[0, 1], [2], [3, 4, 5]], max_new_tokens=[3, 5, 2], tree=TREE, seed=0,
+                         max_batch_size=1)
+    for prev, r in zip(rs, rs[1:]):
+        assert r.joined_seconds >= prev.seconds
+    for r in rs:
+        assert 0.0 < r.joined_seconds < r.first_token_seconds <= r.seconds
+    both = plan_and_decode(lm, lm, [[0, 1], [2]], max_new_tokens=[3, 5], tree=TREE, seed=0)
+    assert both[0].joined_seconds == both[1].joined_seconds < min(r.first_token_seconds for r in both)
+    one = plan_and_decode(lm, lm, [0, 1], max_new_tokens=4, tree=TREE, seed=0)
+    assert one.joined_seconds == 0.0 and 0.0 < one.first_token_seconds <= one.seconds

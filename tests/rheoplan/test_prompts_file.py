@@ -53,8 +53,9 @@ def test_missing_file(tmp_path):
 
 def test_result_record():
     res = DecodeResult(tokens=[4, 5, 6], steps=[StepStats(2, 2, 3, 2, 3), StepStats(0, 0, 1, 0, 1)],
-                       seconds=0.25, stopped_by="eos")
+                       seconds=0.25, stopped_by="eos", joined_seconds=0.1, first_token_seconds=0.125)
     p = parse('{"prompt": "hi", "max_new_tokens": 3}', "p.jsonl")[0]
     rec = result_record(7, p, "text", res)
     assert rec == {"index": 7, "line": 1, "prompt": "hi", "text": "text", "tokens": [4, 5, 6], "new_tokens": 3,
-                   "stopped_by": "eos", "steps": 2, "mean_accepted_length": 2.0, "seconds": 0.25}
+                   "stopped_by": "eos", "steps": 2, "mean_accepted_length": 2.0, "joined_seconds": 0.1,
+                   "first_token_seconds": 0.125, "seconds": 0.25}
