@@ -672,7 +672,7 @@ def _decode(s: DecodeState) -> DecodeResult:
         st.trials = res.trials
         st.visited = res.visited
         st.t_verify_forward, st.t_walk = t2 - t1, t3 - t2
-        st.t_project = getattr(fw, "projection_seconds", 0.0)  # (a duck-typed adapter's: none)
+        st.t_project = fw.projection_seconds  # (TreeLogits: 0 where logits cost nothing)
         if s.calibration is not None and st.drafted:
             s.calibration.update(t, res.path)  # known only now: it shapes later steps' trees
             if st.predicted_tokens is not None:
@@ -1054,7 +1054,7 @@ def _walk_rows(s: BatchState, live: list[_Row], t: DraftTree, fws: list, st0: St
         walks.append(res)
         stops.append(stop)
         stats.append(st)
-    project = sum(getattr(fw, "projection_seconds", 0.0) for fw in fws)  # the batch's, as t_walk is
+    project = sum(fw.projection_seconds for fw in fws)  # the batch's, as t_walk is
     for st in stats:
         st.t_project = project
     return walks, stops, stats

@@ -312,15 +312,19 @@ def test_batch_drafts_only_while_a_tree_can_pay():
 # --------------------------------------------------------------------------------------
 
 
-def _batched_samples(target, draft, prompts, limits, runs, *, tree, sampling, eos=None, mutations=()):
-    """``runs`` batched decodes (seeds SEED0 + r); per row, the emitted tuples."""
+def _batched_samples(target, draft, prompts, limits, runs, *, tree, sampling, eos=None, mutations=(),
+                     cost_model=None, steps=None):
+    """``runs`` batched decodes (seeds SEED0 + r); per row, the emitted tuples. ``steps``
+    (a list), if given, receives every row's ``StepStats``."""
     out = [[] for _ in prompts]
     with mutation(*mutations):
         for r in range(runs):
             rs = plan_and_decode(target, draft, prompts, max_new_tokens=limits, sampling=sampling, tree=tree,
-                                 seed=SEED0 + r, eos_token_id=eos)
+                                 seed=SEED0 + r, eos_token_id=eos, cost_model=cost_model)
             for b, res in enumerate(rs):
                 out[b].append(tuple(res.tokens))
+                if steps is not None:
+                    steps += res.steps
     return out
 
 
@@ -359,6 +363,23 @@ def test_functional_batch_rows_follow_the_target_law(case, record_property):
         assert min(pvals) >= ALPHA / len(pvals), pvals
 
 
+def _hf_batch_law_pvalues(target, prompts, limits, eos, samples, s, mutations) -> list[float]:
+    """Per row: chi-square p-values of all its tokens and of its first two against the
+    target's own law (a plain full-path forward), truncated at EOS."""
+    fn = hf_as_functional(target)
+    pvals = []
+    for b, (p, n) in enumerate(zip(prompts, limits)):
+        # each row's law of all its tokens, and of its first two (fewer cells to pool: the
+        # sharper test of the first batched step)
+        for k in (n, 2):
+            law = _truncate_at_eos(target_law(fn, p, k, s), eos)
+            res = chi_square(law, [x[:k] for x in samples[b]])
+            if not mutations:
+                assert res.unexpected == 0, (b, res)
+            pvals.append(res.pvalue)
+    return pvals
+
+
 @pytest.mark.slow
 @pytest.mark.no_ir_lint
 @pytest.mark.parametrize("mutations", [(), ("batch_shift_rows",)], ids=["exact", "batch_shift_rows"])
@@ -378,19 +399,41 @@ def test_hf_batch_of_4_matches_the_target_law(mutations, record_property):
     runs = 600
     samples = _batched_samples(target, draft, prompts, limits, runs, tree=cfg, sampling=s, eos=eos,
                                mutations=mutations)
-    fn = hf_as_functional(target)
-    pvals = []
-    for b, (p, n) in enumerate(zip(prompts, limits)):
-        # each row's law of all its tokens, and of its first two (fewer cells to pool: the
-        # sharper test of the first batched step)
-        for k in (n, 2):
-            law = _truncate_at_eos(target_law(fn, p, k, s), eos)
-            res = chi_square(law, [x[:k] for x in samples[b]])
-            if not mutations:
-                assert res.unexpected == 0, (b, res)
-            pvals.append(res.pvalue)
+    pvals = _hf_batch_law_pvalues(target, prompts, limits, eos, samples, s, mutations)
     record_property("pvalues", pvals)
     assert any(len(x) < 2 for x in samples[0] + samples[1])  # EOS stopped some rows early
+    if mutations:
+        assert min(pvals) < 1e-6, pvals
+    else:
+        assert min(pvals) >= ALPHA / len(pvals), pvals
+
+
+@pytest.mark.slow
+@pytest.mark.no_ir_lint
+@pytest.mark.parametrize("mutations", [(), ("batch_shift_rows",)], ids=["exact", "batch_shift_rows"])
+def test_hf_batch_of_4_with_the_cost_model_matches_the_target_law(mutations, record_property, monkeypatch):
+    """The same batch of 4 as ``rheoplan generate`` decodes it: with a cost model, so the
+    prompts are prefilled in length groups (``prefill_groups``: here 2 tokens' worth per
+    forward) and the cost passes decide every step's trees for the live rows, drafting on
+    some steps and not on others. Each row's law is still the target's own; the mutation
+    control (``batch_shift_rows``) is caught through this path too."""
+    from rheoplan.costmodel import CostModel, Timings
+    from rheoplan.models.hf_target import HFTarget
+
+    groups = _spy(monkeypatch, HFTarget, "_prefill_groups", lambda ids, with_root, g: g)
+    tm = Timings((1, 64), (2.0, 65.0), (2.0, 65.0), 0, 1000, (1, 64), (0.1, 0.5), 0.05, 0.05)
+    target, draft = tiny_llama(0, layers=2, hidden=32, head_scale=10.0), tiny_llama(1)
+    s = SamplingConfig()
+    cfg = TreeConfig(depth=3, frontier=2, slots=2, budget=5, rheostat=1, support=6)
+    prompts, limits, eos = [[0, 1], [2], [3, 4, 1, 2], [1, 0, 2]], [3, 3, 3, 3], {5}
+    steps: list = []
+    samples = _batched_samples(target, draft, prompts, limits, 600, tree=cfg, sampling=s, eos=eos,
+                               mutations=mutations, cost_model=CostModel(tm), steps=steps)
+    pvals = _hf_batch_law_pvalues(target, prompts, limits, eos, samples, s, mutations)
+    record_property("pvalues", pvals)
+    assert groups and all(g is not None and len(g) > 1 for g in groups)  # grouped prefill
+    drafted = sum(st.drafted for st in steps if st.predicted_ms)  # (step 0 is served: no tree)
+    assert 0 < drafted < sum(1 for st in steps if st.predicted_ms)  # trees on some steps only
     if mutations:
         assert min(pvals) < 1e-6, pvals
     else:
