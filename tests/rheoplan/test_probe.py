@@ -315,3 +315,41 @@ def test_bookkeeping_by_depth_from_the_fixed_tree_and_its_one_depth_cut():
     assert probe.overhead_by_depth(8.6, 4.6, 6) == pytest.approx((4.6, 0.8))
     assert probe.overhead_by_depth(4.0, 4.6, 6) == (4.6, 0.0)  # noise: never a negative cost per depth
     assert probe.overhead_by_depth(5.0, 4.6, 1) == (5.0, 0.0)  # a one-depth tree: nothing to split
+
+
+@pytest.mark.parametrize("charged_ms, flagged", [(10.0, False), (12.5, False), (14.0, True), (7.0, True)])
+def test_cached_latencies_far_from_a_forward_timed_now_get_a_note(charged_ms, flagged):
+    """``stale_speed_note``: a one-token forward at the record's context, timed now (the
+    clock charges ``charged_ms`` per forward), against the cached 10 ms: a note from 1.3x
+    either way, naming both numbers and how to measure again; nothing within it."""
+    model = tiny_llama(seed=1, vocab=16)
+    tm = Timings((1, 4), (10.0, 12.0), (11.0, 13.0), 6, 20, (1,), (1.0,), 1.0, 1.0)
+    ctxs, ticks = [], []
+    real = model.model.forward
+
+    def counting(*a, **kw):
+        ids = kw["input_ids"]
+        if ids.shape[1] == 1:  # the timed one-token forwards (not the prefill)
+            ctxs.append(kw[probe._cache_kwarg(model.model)].get_seq_length())
+            ticks.append(charged_ms)
+        return real(*a, **kw)
+
+    model.model.forward = counting
+    note = probe.stale_speed_note(model, tm, reps=3, timer=lambda: sum(ticks) / 1e3)
+    assert set(ctxs) == {6}  # at the context the cached curve was measured at
+    if flagged:
+        assert f"{charged_ms:.1f} ms now against the cached 10.0 ms" in note and "RHEOPLAN_REMEASURE=1" in note
+    else:
+        assert note is None
+
+
+def test_a_cached_record_is_checked_against_the_machine_at_load(cache, monkeypatch):
+    model, draft = tiny_llama(seed=1, vocab=16), tiny_llama(seed=2, vocab=16)
+    tree = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8)
+    kw = dict(tree=tree, ctx=(4, 12), sizes=(1, 2), reps=1, steps=4, model_id="tiny", batch_sizes=())
+    probe.measure_timings(model, draft, [1, 2, 3], log=io.StringIO(), **kw)
+    seen = []
+    monkeypatch.setattr(probe, "stale_speed_note", lambda m, tm, **k: seen.append(tm) or "off by 2x")
+    log = io.StringIO()
+    tm = probe.measure_timings(model, draft, [1, 2, 3], log=log, **kw)
+    assert seen == [tm] and "cost model: off by 2x" in log.getvalue()
