@@ -636,9 +636,10 @@ STALE_SPEED_RATIO = 1.3
 
 
 def stale_speed_note(model, tm: Timings, *, reps: int = 5, timer: Timer = time.perf_counter) -> str | None:
-    """A note when a one-token verify forward timed now (at ``tm.ctx_lo`` cached tokens, as
-    the record measured it: the median of ``reps`` after two untimed; ~0.2 s) is ``STALE_SPEED_RATIO`` or more times
-    slower or faster than the cached latency, else None.
+    """A note when a one-token verify forward timed now is ``STALE_SPEED_RATIO`` or more
+    times slower or faster than the cached latency, else None. Timed as the record was
+    measured (at ``tm.ctx_lo`` cached tokens): the median of ``reps`` forwards after two
+    untimed ones, about 0.2 s on the 2-core CPU.
 
     Why: the cache is keyed per machine and model, but a machine's speed moves (another
     tenant, another host of the same kind: 15.6 ms cached against 24.6 ms measured in one
