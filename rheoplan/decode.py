@@ -26,6 +26,7 @@ from __future__ import annotations
 import numbers
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
@@ -87,7 +88,9 @@ class DecodeResult:
     #: wall seconds from the start of the decode (of the whole batch, for a row) until
     #: this decode (row) finished, prefill included
     seconds: float = 0.0
-    stopped_by: str = "max_new_tokens"  #: 'max_new_tokens' or 'eos'
+    #: 'max_new_tokens', 'eos', or 'cancelled' (``decode_requests``: the request's event
+    #: was set; ``tokens`` holds what it emitted before)
+    stopped_by: str = "max_new_tokens"
     #: on the same clock: when the row joined the batch (its prefill began: about 0 for the
     #: rows the decode starts with, exactly 0 for a single sequence) and when its first
     #: token was emitted.
@@ -859,6 +862,8 @@ class _Row:
     limit: int  #: max_new_tokens of this row
     key: int  #: stream id
     step: int = 0  #: this row's own steps so far (the ``step`` word of its counters)
+    #: ``decode_requests``: the request's ``cancelled`` event (checked before every step)
+    cancelled: threading.Event | None = None
     root: int = field(init=False)
     prefix_len: int = field(init=False)
     result: DecodeResult = field(default_factory=lambda: DecodeResult(tokens=[]))
@@ -1109,14 +1114,41 @@ def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None
             new = take(s.max_batch - len(live))
             if not new:
                 return
-            started, finished = _join_rows(s, new, len(live), bar, t_start)
-            live += started
-            yield from finished
+            for r in new:
+                if _is_cancelled(r):  # cancelled while waiting: no prefill, no token
+                    _finish_cancelled(s, r, t_start)
+                    yield r
+            new = [r for r in new if not _is_cancelled(r)]
+            if new:
+                started, finished = _join_rows(s, new, len(live), bar, t_start)
+                live += started
+                yield from finished
+
+    def drop_cancelled(live: list[_Row]) -> list[_Row]:
+        # requests cancelled since the last step leave before this one (their cache rows
+        # too); returns those that left
+        keep = [b for b, r in enumerate(live) if not _is_cancelled(r)]
+        if len(keep) == len(live):
+            return []
+        gone = [r for r in live if _is_cancelled(r)]
+        for r in gone:
+            _finish_cancelled(s, r, t_start)
+        if keep:
+            tgt.keep_rows(keep)
+            if drf is not None:
+                drf.keep_rows(keep)
+        live[:] = [live[b] for b in keep]
+        return gone
 
     try:  # the caller may stop iterating early (decode_requests): the bar is closed anyway
         live: list[_Row] = []
         yield from fill(live)
         while live:
+            gone = drop_cancelled(live)
+            if gone:
+                yield from gone
+                yield from fill(live)
+                continue
             st0 = StepStats(0, 0, 0, 0, 0)
             t0 = time.perf_counter()
             t = _plan_rows(s, live, st0)
@@ -1154,6 +1186,17 @@ def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None
     finally:
         if bar is not None:
             bar.close()
+
+
+def _is_cancelled(row: _Row) -> bool:
+    return row.cancelled is not None and row.cancelled.is_set()
+
+
+def _finish_cancelled(s: BatchState, row: _Row, t_start: float) -> None:
+    """End ``row``'s result as cancelled (``decode_requests``), with what it emitted so far."""
+    row.result.stopped_by = "cancelled"
+    row.result.seconds = time.perf_counter() - t_start
+    row.result.calibration = s.calibration
 
 
 _WARM: set[str] = set()

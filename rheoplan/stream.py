@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numbers
 import queue
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Sequence
@@ -42,12 +43,16 @@ class Request:
 
     ``max_new_tokens``: this request's limit (default: ``decode_requests``'
     ``max_new_tokens``). ``stream_id``: its random stream (default: its index in the
-    stream of requests); two live requests never share one.
+    stream of requests); two live requests never share one. ``cancelled``: a
+    ``threading.Event`` the caller may set (its client went away): the request leaves the
+    batch before the next step and is yielded with the tokens it had, ``stopped_by
+    'cancelled'``; set before it joins, it is yielded without a prefill or a token.
     """
 
     prompt_ids: Sequence[int]
     max_new_tokens: int | None = None
     stream_id: int | None = None
+    cancelled: threading.Event | None = None
 
 
 class _Source:
@@ -108,10 +113,13 @@ class _Source:
             raise ValueError(f"{where}.stream_id={key} was used by an earlier request: allowed distinct "
                              "ids (requests sharing a stream would draw the same numbers)")
         self.keys.add(key)
+        if req.cancelled is not None and not callable(getattr(req.cancelled, "is_set", None)):
+            raise TypeError(f"{where}.cancelled is a {type(req.cancelled).__name__}: allowed a "
+                            "threading.Event (anything with is_set()) or None")
         _check_context(self.tgt, len(prompt), limit, self.budget, row=i)
         # a batch of max_batch_size requests like this one must fit (estimated, before its prefill)
         _check_memory(self.tgt, self.drf, [prompt], [limit], self.budget, self.max_batch)
-        row = _Row(i, prompt, limit, key)
+        row = _Row(i, prompt, limit, key, cancelled=req.cancelled)
         self.rows.append(row)
         return row
 

@@ -154,6 +154,46 @@ def test_progress_total_counts_every_limit_of_a_list():
     assert _total_tokens([Request([2], max_new_tokens="3")], 5) is None  # refused when taken
 
 
+@pytest.mark.parametrize("with_draft", [True, False], ids=["tree", "autoregressive"])
+def test_a_cancelled_request_leaves_and_the_others_keep_their_tokens(with_draft):
+    """A request whose event is set mid-decode (here by the stream callback, once it has
+    two tokens) leaves before the next step with the tokens it had (a prefix of its
+    uncancelled ones), ``stopped_by='cancelled'``; a waiting request takes its place, and
+    every other request gets the tokens it gets without the cancellation. A request
+    cancelled before it joins is yielded with no token and no step."""
+    tgt, drf = _lms()
+    drf = drf if with_draft else None
+    kw = dict(seed=3, tree=TREE)
+    limits = [12, 9, 3, 7]
+    want = _batch(tgt, drf, PROMPTS[:4], limits, **kw)
+    stop0, stop3 = threading.Event(), threading.Event()
+    stop3.set()
+    # request 0 leaves from in front of request 1, whose cache rows must follow it
+    reqs = [Request(PROMPTS[0], 12, cancelled=stop0), Request(PROMPTS[1], 9), Request(PROMPTS[2], 3),
+            Request(PROMPTS[3], 7, cancelled=stop3)]
+    seen: dict[int, list[int]] = {}
+
+    def callback(i, new):
+        seen.setdefault(i, []).extend(new)
+        if i == 0 and len(seen[0]) >= 2:
+            stop0.set()
+
+    got = dict(decode_requests(tgt, drf, reqs, max_batch_size=2, max_new_tokens=1, callback=callback, **kw))
+    assert got[0].stopped_by == "cancelled" and 2 <= len(got[0].tokens) < 12
+    assert got[0].tokens == want[0][:len(got[0].tokens)]
+    assert got[3].stopped_by == "cancelled" and got[3].tokens == [] and got[3].steps == []
+    assert got[3].first_token_seconds is None
+    for i in (1, 2):
+        assert got[i].stopped_by == "max_new_tokens" and got[i].tokens == want[i]
+
+
+def test_cancelled_must_be_an_event():
+    tgt, drf = _lms()
+    with pytest.raises(TypeError, match=r"requests\[0\]\.cancelled is a bool: allowed a threading.Event"):
+        list(decode_requests(tgt, drf, [Request([0, 1], cancelled=True)], max_batch_size=1, max_new_tokens=2,
+                             tree=TREE, seed=0))
+
+
 @pytest.mark.parametrize("kw, err, match", [
     (dict(max_batch_size=0), ValueError, r"max_batch_size=0 is out of range"),
     (dict(max_new_tokens=0), ValueError, r"max_new_tokens=0 is out of range"),
