@@ -1114,11 +1114,14 @@ def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None
             new = take(s.max_batch - len(live))
             if not new:
                 return
-            for r in new:
-                if _is_cancelled(r):  # cancelled while waiting: no prefill, no token
+            # each event read once: another thread may set it between two reads, and a row
+            # must then either join or leave, never neither
+            off = [_is_cancelled(r) for r in new]
+            for r, o in zip(new, off):
+                if o:  # cancelled while waiting: no prefill, no token
                     _finish_cancelled(s, r, t_start)
                     yield r
-            new = [r for r in new if not _is_cancelled(r)]
+            new = [r for r, o in zip(new, off) if not o]
             if new:
                 started, finished = _join_rows(s, new, len(live), bar, t_start)
                 live += started
@@ -1127,10 +1130,11 @@ def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None
     def drop_cancelled(live: list[_Row]) -> list[_Row]:
         # requests cancelled since the last step leave before this one (their cache rows
         # too); returns those that left
-        keep = [b for b, r in enumerate(live) if not _is_cancelled(r)]
-        if len(keep) == len(live):
+        off = [_is_cancelled(r) for r in live]  # read once (as in fill)
+        if not any(off):
             return []
-        gone = [r for r in live if _is_cancelled(r)]
+        keep = [b for b, o in enumerate(off) if not o]
+        gone = [r for r, o in zip(live, off) if o]
         for r in gone:
             _finish_cancelled(s, r, t_start)
         if keep:

@@ -187,6 +187,27 @@ def test_a_cancelled_request_leaves_and_the_others_keep_their_tokens(with_draft)
         assert got[i].stopped_by == "max_new_tokens" and got[i].tokens == want[i]
 
 
+class _SetWhileRead:
+    """An event another thread sets right after the loop first reads it."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def is_set(self) -> bool:
+        self.reads += 1
+        return self.reads > 1
+
+
+def test_an_event_set_while_the_loop_reads_it_loses_no_request():
+    """Each event is read once per decision: a request whose event is set between two
+    reads still either joins or leaves, and is yielded exactly once."""
+    tgt, drf = _lms()
+    reqs = [Request(PROMPTS[0], 4), Request(PROMPTS[1], 6, cancelled=_SetWhileRead())]
+    got = list(decode_requests(tgt, drf, reqs, max_batch_size=2, max_new_tokens=1, tree=TREE, seed=0))
+    assert sorted(i for i, _ in got) == [0, 1]
+    assert dict(got)[1].stopped_by == "cancelled" and dict(got)[0].stopped_by == "max_new_tokens"
+
+
 def test_cancelled_must_be_an_event():
     tgt, drf = _lms()
     with pytest.raises(TypeError, match=r"requests\[0\]\.cancelled is a bool: allowed a threading.Event"):
