@@ -481,8 +481,7 @@ def plan_and_decode(target, draft, prompt_ids, *, max_new_tokens: int,
                                dump_steps=dump_steps, progress=progress, callback=callback,
                                processors=processors, cost=cost_model if drf is not None else None,
                                max_batch=max_batch,
-                               prefill_overhead=None if cost_model is None else
-                               cost_model.timings.forward_overhead_tokens())
+                               prefill_overhead=prefill_overhead(cost_model))
             return _decode_rows(state)
         _check_context(tgt, len(ids), max_new_tokens, budget)
         backend = resolve_backend(backend, tgt.device)
@@ -914,6 +913,12 @@ class BatchState:
             self.max_batch = len(self.rows)
         if self.cost is not None and self.calibration is None:
             self.calibration = self.cost.fresh_calibration(self.sampling.temperature)
+
+
+def prefill_overhead(cost_model: CostModel | None) -> float | None:
+    """``BatchState.prefill_overhead`` for a batched decode with ``cost_model`` (with or
+    without a draft): a forward's fixed cost in tokens, or None (one prefill forward)."""
+    return None if cost_model is None else cost_model.timings.forward_overhead_tokens()
 
 
 def _tree_can_pay(s: BatchState, live: list[_Row]) -> bool:

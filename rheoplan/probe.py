@@ -562,22 +562,10 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                 if note is not None:
                     print(f"cost model: {note}", file=log)
                 return tm
-    vocab = int(model.config.vocab_size)
-    lo_hi = []
-    tgt = as_target(model)
-    try:
-        with torch.no_grad():
-            for c in ctx:
-                prompt = [(7 * i + 3) % vocab for i in range(c + 1)]
-                tgt.start(prompt)
-                # the forward alone, as StepStats.t_verify_forward times it: the walk's
-                # output projections are bookkeeping (c_o), measured in the decodes below
-                forwards = [partial(tgt.forward_tree, chain_linear(prompt[-1], c, n)) for n in sizes]
-                lo_hi.append(_curve(sizes, round_robin_ms(forwards, reps=reps, timer=timer),
-                                    f"the verify latency at {c} cached tokens", log))
-    finally:
-        if hasattr(tgt, "close"):
-            tgt.close()
+    # the forward alone, as StepStats.t_verify_forward times it: the walk's output
+    # projections are bookkeeping (c_o), measured in the decodes below
+    lo_hi = [_curve(sizes, chain_verify_ms(model, c, sizes, reps=reps, timer=timer),
+                    f"the verify latency at {c} cached tokens", log) for c in ctx]
     grid = (measure_batch_verify(model, batch_sizes=batch_sizes, row_sizes=batch_row_sizes, ctx=ctx[0],
                                  reps=reps, timer=timer, log=log) if batch_sizes else ())
     inner = as_draft(draft)
@@ -631,6 +619,24 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     return tm
 
 
+def chain_verify_ms(model, ctx: int, sizes: Sequence[int], *, reps: int, warmup: int = 1,
+                    timer: Timer = time.perf_counter) -> list[float]:
+    """Median ms (``round_robin_ms``) of ``model``'s verify forward (``forward_tree``, no
+    output projection) of a chain of ``n`` tokens for each ``n`` in ``sizes``, over a cache
+    of ``ctx`` tokens of a fixed synthetic prompt: what ``c_v(n, ctx)`` records."""
+    vocab = int(model.config.vocab_size)
+    prompt = [(7 * i + 3) % vocab for i in range(ctx + 1)]
+    tgt = as_target(model)
+    try:
+        with torch.no_grad():
+            tgt.start(prompt)
+            forwards = [partial(tgt.forward_tree, chain_linear(prompt[-1], ctx, n)) for n in sizes]
+            return round_robin_ms(forwards, reps=reps, warmup=warmup, timer=timer)
+    finally:
+        if hasattr(tgt, "close"):
+            tgt.close()
+
+
 #: a cached one-token forward this far off the one timed at load (either way) is reported
 STALE_SPEED_RATIO = 1.3
 
@@ -648,17 +654,7 @@ def stale_speed_note(model, tm: Timings, *, reps: int = 5, timer: Timer = time.p
     user should know, and may measure again. Only a note: acting on a live timing would make
     the tokens depend on the machine's mood (the same seed must give the same tokens)."""
     c = int(tm.ctx_lo)
-    vocab = int(model.config.vocab_size)
-    prompt = [(7 * i + 3) % vocab for i in range(c + 1)]
-    tgt = as_target(model)
-    try:
-        with torch.no_grad():
-            tgt.start(prompt)
-            now = round_robin_ms([partial(tgt.forward_tree, chain_linear(prompt[-1], c, 1))], reps=reps,
-                                 warmup=2, timer=timer)[0]
-    finally:
-        if hasattr(tgt, "close"):
-            tgt.close()
+    now = chain_verify_ms(model, c, (1,), reps=reps, warmup=2, timer=timer)[0]
     cached = tm.verify(1, c)
     ratio = now / max(cached, 1e-9)
     if 1 / STALE_SPEED_RATIO < ratio < STALE_SPEED_RATIO:

@@ -33,7 +33,7 @@ from rheoplan.backends import check_backend
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import CostModel
 from rheoplan.decode import (BatchState, DecodeResult, _check_context, _check_int, _check_memory, _check_prompt,
-                             _Row, _warm_up, check_decode_args, check_models, run_rows)
+                             _Row, _warm_up, check_decode_args, check_models, prefill_overhead, run_rows)
 from rheoplan.models import as_draft, as_target
 
 
@@ -197,8 +197,7 @@ def _serve(target, draft, requests, max_batch, max_new_tokens, sampling, tree, s
                            seed=seed, eos=frozenset(eos), passes=passes, backend=backend, progress=progress,
                            callback=callback, processors=processors,
                            cost=cost_model if drf is not None else None, max_batch=max_batch,
-                           prefill_overhead=None if cost_model is None else
-                           cost_model.timings.forward_overhead_tokens())
+                           prefill_overhead=prefill_overhead(cost_model))
         for row in run_rows(state, source.take, total=_total_tokens(requests, max_new_tokens)):
             yield row.index, row.result
     finally:
