@@ -27,9 +27,17 @@ from rheoplan.planner.cost_prune import decide
 from rheoplan.planner.expand import select_frontier
 
 
-def another_depth_pays(plan: CostPlan, tree: DraftTree, frontier: int, budget: int, decisions=None) -> bool:
+def frontiers(tree: DraftTree, k: int) -> list[list[int]]:
+    """Per tree, the ``k`` nodes ``expand`` would draft next (``select_frontier``, best first).
+    ``rheoplan.kernels.plan.cpu_pass.frontiers`` gives the same lists with one numba call."""
+    return [select_frontier(tree, b, k) for b in range(tree.batch)]
+
+
+def another_depth_pays(plan: CostPlan, tree: DraftTree, frontier: int, budget: int, decisions=None,
+                       frontiers_fn=None) -> bool:
     """Can drafting one more depth below ``tree`` pay for its draft call and verify tokens?
-    ``decisions``: a ``LastDecision`` shared with the step's prune (default: ``decide``)."""
+    ``decisions``: a ``LastDecision`` shared with the step's prune (default: ``decide``);
+    ``frontiers_fn``: an implementation of ``frontiers`` (default: that reference)."""
     d = tree.cur_depth
     if d == 0:
         return not plan.skip_draft
@@ -40,8 +48,7 @@ def another_depth_pays(plan: CostPlan, tree: DraftTree, frontier: int, budget: i
     ctx = int(tree.prefix_len.max())
     B = tree.batch
     gain, width = 0.0, 0
-    for b in range(B):
-        f = select_frontier(tree, b, frontier)
+    for b, f in enumerate((frontiers_fn or frontiers)(tree, frontier)):
         gain += plan.continuation[d] * sum(now.est_accept[b][v] for v in f)
         width = max(width, len(f))
     if width == 0:
@@ -57,25 +64,27 @@ def another_depth_pays(plan: CostPlan, tree: DraftTree, frontier: int, budget: i
 
 
 def cost_expand_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, inner,
-                     declined: list | None = None, decisions=None) -> DraftTree:
+                     declined: list | None = None, decisions=None, frontiers_fn=None) -> DraftTree:
     """``inner(tree, ctx)`` if another depth pays, else ``tree`` unchanged. ``declined``
     (a list the pass owns) remembers the tree it last returned unchanged: the later
     ``expand`` passes of the run get that very tree back (``assign`` finds nothing to
     draw in it) and would decide the same, so they return it without deciding again
     (the decision is a third of a millisecond; a run has up to ``depth`` of them).
     ``decisions``: a ``LastDecision`` shared with the step's prune, which then reuses the
-    decision behind a declined depth."""
+    decision behind a declined depth. ``frontiers_fn``: the backend's ``frontiers``."""
     if declined and declined[0] is tree:
         return tree
     cfg = ctx.tree_cfg
-    if not another_depth_pays(plan, tree, cfg.frontier, cfg.budget, decisions):
+    if not another_depth_pays(plan, tree, cfg.frontier, cfg.budget, decisions, frontiers_fn):
         if declined is not None:
             declined[:] = [tree]
         return tree
     return inner(tree, ctx)
 
 
-def cost_expand(plan: CostPlan, inner, decisions=None) -> FnPass:
+def cost_expand(plan: CostPlan, inner, decisions=None, frontiers_fn=None) -> FnPass:
     """``inner`` (an ``expand`` pass) gated by the cost model; it keeps the name ``expand``.
-    ``decisions``: the ``LastDecision`` shared with the step's prune (``cost_pipeline``)."""
-    return FnPass("expand", partial(cost_expand_tree, plan=plan, inner=inner, declined=[], decisions=decisions))
+    ``decisions``: the ``LastDecision`` shared with the step's prune (``cost_pipeline``);
+    ``frontiers_fn``: the backend's ``frontiers`` (default: the reference)."""
+    return FnPass("expand", partial(cost_expand_tree, plan=plan, inner=inner, declined=[], decisions=decisions,
+                                    frontiers_fn=frontiers_fn))

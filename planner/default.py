@@ -28,14 +28,15 @@ DEFAULT_PIPELINE = [
 ]
 
 
-def cost_pipeline(plan, base=None, on_decision=None, decide=None) -> list:
+def cost_pipeline(plan, base=None, on_decision=None, decide=None, frontiers=None) -> list:
     """``base`` (default ``DEFAULT_PIPELINE``) made cost-aware for one step's frozen
     ``rheoplan.costmodel.CostPlan``: every ``expand`` is gated by ``cost_expand`` (stop
     drafting when another depth cannot pay) and ``prune`` is replaced by ``cost_prune``
     (keep a node only while it pays for its verify cost). Other passes are kept as given.
     ``on_decision`` observes the prune's ``CostDecision`` (see ``cost_prune``).
     ``decide``: the implementation of ``cost_prune.decide`` the gates and the prune call
-    (default: that reference; the decode loop passes the numba one with ``backend='numba'``).
+    (default: that reference; the decode loop passes the numba one with ``backend='numba'``);
+    ``frontiers``: likewise for ``cost_depth.frontiers``, the gates' frontier selection.
 
     Example:
         >>> from rheoplan.costmodel import Calibration, CostPlan, Timings
@@ -49,7 +50,7 @@ def cost_pipeline(plan, base=None, on_decision=None, decide=None) -> list:
         if isinstance(p, Repeat):
             return Repeat(p.name, tuple(rewrite(q) for q in p.body), p.times)
         if p.name == "expand":
-            return cost_expand(plan, p, decisions)
+            return cost_expand(plan, p, decisions, frontiers)
         if p.name == "prune":
             return cost_prune(plan, on_decision, decisions)
         return p

@@ -42,7 +42,7 @@ from rheoplan.costmodel import (Calibration, CostModel, CostPlan, DraftSchedule,
                                 prefill_groups)
 from rheoplan.distributions import SubsetLogits
 from rheoplan.ir import DraftTree, empty_tree
-from rheoplan.kernels.plan.cpu_pass import decide as numba_decide
+from rheoplan.kernels.plan.cpu_pass import decide as numba_decide, frontiers as numba_frontiers
 from rheoplan.models import as_draft, as_target
 from rheoplan.models.base import DraftModel, TargetModel
 from rheoplan.mutation import active
@@ -615,6 +615,7 @@ def _cost_passes(s, st: StepStats, passes, schedule: DraftSchedule | None = None
     the gates and the prune decide with the backend's ``decide`` (numba: one kernel call;
     otherwise the reference in ``planner/cost_prune``)."""
     plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
+    numba = s.backend == "numba"
 
     def seen(d):
         st.predicted_tokens, st.predicted_ms = d.expected, d.predicted_ms
@@ -622,7 +623,8 @@ def _cost_passes(s, st: StepStats, passes, schedule: DraftSchedule | None = None
             schedule.record(d.pays)
 
     return cost_pipeline(plan, lower(DEFAULT_PIPELINE if passes is None else passes, s.backend),
-                         on_decision=seen, decide=numba_decide if s.backend == "numba" else None)
+                         on_decision=seen, decide=numba_decide if numba else None,
+                         frontiers=numba_frontiers if numba else None)
 
 
 def draft_answer(drf: DraftModel, tree: DraftTree, nodes) -> torch.Tensor | SubsetLogits:

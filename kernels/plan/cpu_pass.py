@@ -1,7 +1,8 @@
 """numba implementations of the ``prune`` and ``linearize`` passes (``backend='numba'``):
 same names, same output as ``planner/prune.py`` and ``planner/linearize.py``; and of the
-cost model's decision (``planner/cost_prune.decide``), which the cost passes take as
-``cost_pipeline(decide=...)``."""
+cost model's decision (``planner/cost_prune.decide``) and of the cost gates' frontier
+(``planner/cost_depth.frontiers``), which the cost passes take as
+``cost_pipeline(decide=..., frontiers=...)``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 from rheoplan.costmodel import CostPlan, Timings, draft_ms_of_depths
 from rheoplan.ir import DraftTree, LinearTree, NodeKind
-from rheoplan.kernels.plan.cpu import cost_decide_rows, draft_depth_widths, linearize as linearize_kernel, prune_rows
+from rheoplan.kernels.plan.cpu import (cost_decide_rows, draft_depth_widths, frontier_rows, linearize as linearize_kernel,
+                                       prune_rows)
 from rheoplan.pipeline import PassContext
 from rheoplan.planner.cost_prune import CostDecision
 
@@ -68,3 +70,14 @@ def decide(plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
         acc, order, count, chosen)
     orders = [order[b, :c].tolist() for b, c in enumerate(count.tolist())]
     return CostDecision(acc.tolist(), orders, chosen.tolist(), e, cost, tm.ar_step_batch(B, ctx), draft)
+
+
+def frontiers(tree: DraftTree, k: int) -> list[list[int]]:
+    """``planner.cost_depth.frontiers`` (the cost gates' frontier: the ``k`` best nodes of
+    the deepest level of each tree) with the numba selection the ``expand`` pass uses: the
+    same lists, with one kernel call instead of a sort per tree."""
+    B = tree.batch
+    nodes = np.empty((B, max(int(k), 1)), dtype=np.int64)
+    count = np.empty(B, dtype=np.int64)
+    frontier_rows(tree.score.numpy(), tree.depth.numpy(), tree.n_nodes.numpy(), tree.cur_depth, int(k), nodes, count)
+    return [nodes[b, :c].tolist() for b, c in enumerate(count.tolist())]

@@ -13,7 +13,8 @@ import torch
 
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.costmodel import Calibration, CostPlan, Timings
-from rheoplan.kernels.plan.cpu_pass import decide as numba_decide
+from rheoplan.kernels.plan.cpu_pass import decide as numba_decide, frontiers as numba_frontiers
+from rheoplan.planner.cost_depth import frontiers
 from rheoplan.planner.cost_prune import LastDecision, decide
 from rheoplan.planner.default import cost_pipeline
 
@@ -116,3 +117,43 @@ def test_cost_pipeline_takes_the_numba_decision():
     assert calls
     assert torch.equal(fast.kept, ref.kept) and torch.equal(fast.linear.token, ref.linear.token)
     assert LastDecision(counted)(plan, ref, 8) == decide(plan, ref, 8)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("B", [1, 3])
+def test_numba_frontiers_equal_the_reference(seed, B):
+    """The cost gates' frontier (``cost_depth.frontiers``): the same node lists, best
+    first, with ties (the lower id first), ``-inf`` and NaN scores (NaN last), at every
+    level a tree has and for frontiers wider than a level."""
+    t = _tree(seed, rheostat=seed % 3, B=B)
+    score = t.score.clone()
+    score[:, 2::5] = float("-inf")
+    score[:, 3::7] = float("nan")
+    score[:, 1::4] = score[0, 1]
+    for tree in (t, t.replace(score=score)):
+        for level in range(tree.cur_depth + 1):
+            at = tree.replace(cur_depth=level)
+            for k in (1, 2, 3, 20):
+                got = numba_frontiers(at, k)
+                assert got == frontiers(at, k), (level, k)
+                assert len(got) == B and all(len(f) <= k for f in got)
+
+
+def test_cost_pipeline_takes_the_numba_frontiers():
+    """``cost_pipeline(frontiers=...)``: the gates call that implementation, and the tree
+    is the reference's."""
+    calls = []
+
+    def counted(tree, k):
+        calls.append(k)
+        return numba_frontiers(tree, k)
+
+    plan = _plan(3, 0.0, 1.0)
+    cfg = TreeConfig(depth=3, frontier=2, slots=3, budget=8, rheostat=1, support=6)
+    bank = torch.randn(40, 12, generator=torch.Generator().manual_seed(3))
+    draft = lambda t, nodes: bank[(nodes.clamp(min=0) * 3 + t.cur_depth) % 40]  # noqa: E731
+    run = lambda f: plan_tree(draft, [1], tree=cfg, sampling=SamplingConfig(), prefix_len=[9], seed=3,  # noqa: E731
+                              passes=cost_pipeline(plan, frontiers=f))
+    fast, ref = run(counted), run(None)
+    assert calls == [2] * len(calls) and calls
+    assert torch.equal(fast.kept, ref.kept) and torch.equal(fast.linear.token, ref.linear.token)
