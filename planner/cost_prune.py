@@ -136,12 +136,11 @@ def cost_prune_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, on_decisi
     d = (decisions or decide)(plan, tree, ctx.tree_cfg.budget)
     if on_decision is not None:  # an observer (the decode loop's statistics); it changes nothing
         on_decision(d)
-    t = tree.clone()
-    t.kept.zero_()
-    for b in range(t.batch):
-        t.kept[b, d.order[b][: d.chosen[b]]] = True
-        t.kept[b, 0] = True
-    return t
+    kept = torch.zeros_like(tree.kept)  # the only table this pass writes: the rest is shared
+    for b in range(tree.batch):
+        kept[b, d.order[b][: d.chosen[b]]] = True
+        kept[b, 0] = True
+    return tree.replace(kept=kept)
 
 
 def cost_prune(plan: CostPlan, on_decision=None, decisions: LastDecision | None = None) -> FnPass:
