@@ -6,7 +6,8 @@ Same names, same output as ``planner/expand.py`` and ``planner/assign.py``: the
 (``frontier_rows``, ``rank_support_rows``) and the table writes; every formula comes from
 its one definition: the draft law (``distributions.draft_probs``), the tail mass and tail
 law (``distributions.tail_mass`` / ``tail_law_rows``), the proxy
-(``planner.expand.proxy_weights``), the score rule (``add_log_weight``) and the Gumbel
+(``planner.expand.proxy_weights``), the score rule (``add_log_weight``: its log in torch,
+its float64 add in ``_add_scores``) and the Gumbel
 noise (the sampler's ``gumbel_rows``, numba Philox).
 """
 
@@ -23,7 +24,7 @@ from rheoplan.kernels.plan.cpu import frontier_rows
 from rheoplan.kernels.slot_expansion.cpu import rank_support_rows
 from rheoplan.pipeline import PassContext
 from rheoplan.planner.assign import has_sampled_slots
-from rheoplan.planner.expand import add_log_weight, check_can_expand, check_draft_logits, draft_columns, proxy_weights
+from rheoplan.planner.expand import check_can_expand, check_draft_logits, draft_columns, proxy_weights
 
 _DET, _SAMPLED, _PAD = int(NodeKind.DET), int(NodeKind.SAMPLED), int(NodeKind.PAD)
 
@@ -31,16 +32,26 @@ _DET, _SAMPLED, _PAD = int(NodeKind.DET), int(NodeKind.SAMPLED), int(NodeKind.PA
 def _clone(tree: DraftTree, names: tuple[str, ...]) -> DraftTree:
     """A new tree whose ``names`` tensors are fresh copies (the others are shared and
     not written: passes stay pure without copying all ~25 tensors)."""
-    # numpy copies: a third of the cost of torch.clone for these small CPU tensors
-    return tree.replace(**{n: torch.from_numpy(getattr(tree, n).numpy().copy()) for n in names})
+    return tree.replace(**{n: getattr(tree, n).clone() for n in names})
+
+
+@njit(cache=True)
+def _add_scores(score, parent, out_b, out_c, logw):
+    """``add_log_weight`` after its log: ``score[b, c] = float32(float64(score[b, parent])
+    + float64(logw))`` for the listed children (their parents are a level up, scored)."""
+    for i in range(logw.shape[0]):
+        b, c = out_b[i], out_c[i]
+        score[b, c] = np.float32(np.float64(score[b, parent[b, c]]) + np.float64(logw[i]))
 
 
 def _score_children(t: DraftTree, out_b, out_c, wbuf, ns: int) -> None:
-    """``score[c] = add_log_weight(score[parent(c)], w)`` for the listed children."""
+    """``score[c] = add_log_weight(score[parent(c)], w)`` for the listed children: the log
+    in torch, as the rule takes it (numba's glibc log differs from torch's in the last bit
+    for ~0.1% of inputs, ``kernels/slot_expansion/cpu.py``), the add and the rounding in one
+    kernel call instead of five indexing ops (the same bits: the parity tests)."""
     if ns:
-        b, c = torch.from_numpy(out_b[:ns]), torch.from_numpy(out_c[:ns])
-        base = t.score[b, t.parent[b, c]]
-        t.score[b, c] = add_log_weight(base, torch.from_numpy(wbuf[:ns]))
+        logw = torch.log(torch.from_numpy(wbuf[:ns])).numpy()
+        _add_scores(t.score.numpy(), t.parent.numpy(), out_b[:ns], out_c[:ns], logw)
 
 
 # -- expand -------------------------------------------------------------------------------
