@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -50,3 +51,22 @@ def test_capacity_bounds_hold():
     t = plan_tree(PathDraft([[0.0, 1.0, 2.0, 3.0]]), [0], tree=cfg, sampling=SamplingConfig())
     assert int(t.n_nodes[0]) == cfg.capacity == 1 + 3 * (1 + 2 * 2)
     assert int(t.n_expanded[0]) == cfg.max_expanded
+
+
+def test_replace_shares_the_other_fields_and_refuses_unknown_names():
+    """``DraftTree.replace`` (every pass returns through it): the changed fields are new,
+    every other one is the same object, the original is untouched, and a name that is not
+    a field is refused with the allowed names, as ``dataclasses.replace`` refuses it."""
+    import dataclasses
+
+    t = empty_tree(2, 8, 4, 4, torch.tensor([5, 6]), torch.tensor([3, 4]), 1, 3)
+    kept = torch.ones_like(t.kept)
+    u = t.replace(kept=kept, cur_depth=2)
+    assert u is not t and u.kept is kept and u.cur_depth == 2
+    assert t.cur_depth == 0 and not bool(t.kept[:, 1:].any())
+    for f in dataclasses.fields(t):
+        if f.name not in ("kept", "cur_depth"):
+            assert getattr(u, f.name) is getattr(t, f.name), f.name
+    assert u == dataclasses.replace(t, kept=kept, cur_depth=2)
+    with pytest.raises(TypeError, match=r"no field\(s\) \['bogus'\].*allowed"):
+        t.replace(bogus=1)
