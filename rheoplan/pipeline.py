@@ -177,24 +177,46 @@ def flatten(passes: Sequence, ctx: PassContext) -> list[tuple[str, Callable]]:
     return out
 
 
+def _run_pass(index: int, name: str, p, tree: DraftTree, ctx: PassContext, instruments) -> DraftTree:
+    for ins in instruments:
+        ins.before_pass(index, name, tree, ctx)
+    try:
+        tree = p(tree, ctx)
+    except PassError:
+        raise
+    except Exception as exc:  # name the failing pass and what ran before it
+        raise PassError(f"pass {name!r} failed after {ctx.history or ['(none)']}: "
+                        f"{type(exc).__name__}: {exc}") from exc
+    ctx.history.append(name)
+    for ins in instruments:
+        ins.after_pass(index, name, tree, ctx)
+    return tree
+
+
 def run_pipeline(passes: Sequence, tree: DraftTree, ctx: PassContext) -> DraftTree:
-    """Run ``passes`` in order over ``tree``; instruments see every pass."""
+    """Run ``passes`` in order over ``tree``; instruments see every pass.
+
+    A top-level ``Repeat`` stops early at a fixpoint: when one iteration of its body
+    returns the very tree it started from (the cost gate declined a depth, and ``assign``
+    found nothing to draw), the later iterations would too, since a pass is a pure
+    function of the tree and the context, so they are not run (nor shown to instruments).
+    """
     instruments = list(ctx.instruments) + debug_instruments()
     for ins in instruments:
         ins.run_start(tree, ctx)
-    for index, (name, p) in enumerate(flatten(passes, ctx), start=1):
-        for ins in instruments:
-            ins.before_pass(index, name, tree, ctx)
-        try:
-            tree = p(tree, ctx)
-        except PassError:
-            raise
-        except Exception as exc:  # name the failing pass and what ran before it
-            raise PassError(f"pass {name!r} failed after {ctx.history or ['(none)']}: "
-                            f"{type(exc).__name__}: {exc}") from exc
-        ctx.history.append(name)
-        for ins in instruments:
-            ins.after_pass(index, name, tree, ctx)
+    index = 0
+    for p in passes:
+        if not isinstance(p, Repeat):
+            index += 1
+            tree = _run_pass(index, p.name, p, tree, ctx, instruments)
+            continue
+        for i in range(1, p.times(ctx) + 1):
+            start = tree
+            for name, q in flatten(p.body, ctx):
+                index += 1
+                tree = _run_pass(index, f"{name}@{i}", q, tree, ctx, instruments)
+            if tree is start:
+                break
     if ctx.deferred_checks:  # one host sync for every device-side check of the run
         flags = torch.stack([f.reshape(()) for f, _ in ctx.deferred_checks]).tolist()
         bad = [msg for (_, msg), f in zip(ctx.deferred_checks, flags) if f]

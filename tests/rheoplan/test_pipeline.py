@@ -127,3 +127,61 @@ def test_passes_are_pure():
 def test_plan_tree_rejects_empty_roots():
     with pytest.raises(ValueError, match="root_tokens is empty"):
         plan_tree(DRAFT, torch.tensor([], dtype=torch.int64), tree=CFG, sampling=SamplingConfig())
+
+
+def test_a_repeat_stops_at_a_fixpoint():
+    """An iteration of a ``Repeat`` that returns the tree it started from ends the block
+    (its passes are pure: the next iterations would return it too); an iteration that
+    changes the tree does not."""
+    calls = []
+
+    def grow_once(tree, ctx):
+        calls.append(tree.cur_depth)
+        return tree.replace(cur_depth=1) if tree.cur_depth == 0 else tree
+
+    seen = []
+
+    class Names:
+        def after_pass(self, index, name, tree, ctx):
+            seen.append((index, name))
+
+        def run_start(self, tree, ctx): ...
+        def before_pass(self, index, name, tree, ctx): ...
+        def run_end(self, tree, ctx): ...
+
+    tail = FnPass("tail", lambda t, ctx: t)
+    passes = [Repeat("grow", (FnPass("g", grow_once), FnPass("same", lambda t, ctx: t)), times=lambda ctx: 5), tail]
+    out = plan(passes=passes, instruments=[Names()])
+    assert out.cur_depth == 1
+    assert calls == [0, 1]  # iteration 1 changed the tree, iteration 2 did not: no third
+    assert seen == [(1, "g@1"), (2, "same@1"), (3, "g@2"), (4, "same@2"), (5, "tail")]
+
+
+def test_the_cost_gate_ends_growth_where_it_declines():
+    """With the numba passes, a depth the cost gate declines ends the ``grow`` block:
+    no later expand or assign runs, and the tree is the one running every depth gives."""
+    from rheoplan.costmodel import Calibration, CostPlan, Timings
+    from rheoplan.pipeline import lower
+    from rheoplan.planner.default import cost_pipeline
+
+    # verify tokens cost 10 ms each past the first: a depth never pays after the first
+    steep = Timings((1, 64), (10.0, 640.0), (10.0, 640.0), 0, 1000, (1,), (0.1,), 0.0, 0.0)
+    plan_ = CostPlan.from_calibration(steep, Calibration())
+    cfg = TreeConfig(depth=4, frontier=2, slots=3, budget=8, rheostat=1, support=5)
+    history = []
+
+    class Names:
+        def after_pass(self, index, name, tree, ctx):
+            history.append(name)
+
+        def run_start(self, tree, ctx): ...
+        def before_pass(self, index, name, tree, ctx): ...
+        def run_end(self, tree, ctx): ...
+
+    fast = plan_tree(DRAFT, [1], tree=cfg, sampling=SamplingConfig(), backend="numba", instruments=[Names()],
+                     passes=cost_pipeline(plan_, lower(DEFAULT_PIPELINE, "numba")))
+    assert history == ["expand@1", "assign@1", "expand@2", "assign@2", "prune", "linearize"]
+    ref = plan_tree(DRAFT, [1], tree=cfg, sampling=SamplingConfig(), backend="reference",
+                    passes=cost_pipeline(plan_))
+    assert fast.cur_depth == ref.cur_depth == 1
+    assert torch.equal(fast.kept, ref.kept) and torch.equal(fast.linear.token, ref.linear.token)
