@@ -203,13 +203,16 @@ def commit_cache(cache, prefix: int, path: "list[int] | torch.Tensor") -> None:
     else:
         moves = [(prefix + j, prefix + p) for j, p in enumerate(path) if p != j]
         moves = (torch.tensor([d for d, _ in moves]), torch.tensor([s for _, s in moves])) if moves else None
+    on = {}  # the moves on each device the layers live on (moved there once, not per layer)
     for holder, k, v in _layer_tensors(cache):
         keys = getattr(holder, k)
         if keys is None or keys.numel() == 0:
             continue
         vals = getattr(holder, v)
         if moves is not None:
-            dst, src = moves[0].to(keys.device), moves[1].to(keys.device)
+            if keys.device not in on:
+                on[keys.device] = (moves[0].to(keys.device), moves[1].to(keys.device))
+            dst, src = on[keys.device]
             keys.index_copy_(-2, dst, keys.index_select(-2, src))
             vals.index_copy_(-2, dst, vals.index_select(-2, src))
         setattr(holder, k, keys.narrow(-2, 0, prefix + n))
