@@ -134,7 +134,14 @@ class DraftTree:
         return DraftTree(**out)
 
     def to(self, device: torch.device | str) -> "DraftTree":
-        """The same tree with every tensor (the linear form's too) on ``device``."""
+        """The same tree with every tensor (the linear form's too) on ``device``: the tree
+        itself when they all are there already (the CPU walk asks every step)."""
+        dev = torch.device(device)
+        values = list(self.__dict__.values())
+        if self.linear is not None:
+            values += self.linear.__dict__.values()
+        if all(v.device == dev for v in values if isinstance(v, torch.Tensor)):
+            return self
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)

@@ -70,3 +70,14 @@ def test_replace_shares_the_other_fields_and_refuses_unknown_names():
     assert u == dataclasses.replace(t, kept=kept, cur_depth=2)
     with pytest.raises(TypeError, match=r"no field\(s\) \['bogus'\].*allowed"):
         t.replace(bogus=1)
+
+
+def test_to_the_device_a_tree_is_on_returns_it():
+    """``DraftTree.to`` of a tree already there (the CPU walk asks every step) is the tree
+    itself, its linear form included; asking for another device still copies."""
+    t = plan_tree(PathDraft([[0.5, 0.1, 1.0, -0.3, 0.0]]), [1], tree=TreeConfig(depth=2, frontier=2, slots=3, budget=4,
+                                                                                   rheostat=1, support=5),
+                  sampling=SamplingConfig())
+    assert t.linear is not None and t.to("cpu") is t and t.to(torch.device("cpu")) is t
+    moved = t.to("meta")
+    assert moved is not t and moved.parent.device.type == "meta" and moved.linear.token.device.type == "meta"
