@@ -10,6 +10,12 @@ quotes this script.
 
 Usage:
     python examples/function_timers.py [--prompts 6] [--tokens 64] [--temperature 1.0] [--threads 2]
+        [--line MODULE:QUALNAME ...]
+
+``--line`` also prints a line profile of the named functions over the same decodes (needs
+``pip install line_profiler``); docs/results.md, "Lean steps, sixteenth round", used
+``--line rheoplan.walk:verify_tree rheoplan.verify:walk rheoplan.distributions:target_probs
+rheoplan.models.hf_target:HFTarget.commit rheoplan.models._hf_common:commit_cache``.
 """
 
 from __future__ import annotations
@@ -78,13 +84,36 @@ def install(totals, calls) -> None:
     pipeline.debug_instruments = lambda: list(before()) + [PassTimer()]
 
 
+def resolve(spec: str):
+    """``module:qualname`` (``rheoplan.walk:verify_tree``, ``rheoplan.models.hf_target:HFTarget.commit``)
+    -> the function."""
+    module, sep, qual = spec.partition(":")
+    if not sep or not qual:
+        raise SystemExit(f"--line {spec!r}: allowed MODULE:QUALNAME, e.g. rheoplan.walk:verify_tree")
+    obj = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--line", nargs="+", default=[], metavar="MODULE:QUALNAME",
+                    help="also line-profile these functions (needs line_profiler)")
     args = ap.parse_args()
+    lines = None
+    if args.line:
+        try:
+            from line_profiler import LineProfiler
+        except ImportError:
+            raise SystemExit("--line needs line_profiler: pip install line_profiler") from None
+        lines = LineProfiler()
+        for spec in args.line:  # before the timers wrap them: profile the functions themselves
+            lines.add_function(resolve(spec))
     from rheoplan.bench.batch import DEFAULT_TREE
     from rheoplan.bench.decode import load_prompts
     from rheoplan.config import SamplingConfig
@@ -103,12 +132,17 @@ def main() -> None:
     totals.clear()
     calls.clear()
     steps = tokens = 0
+    if lines is not None:
+        lines.enable()
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         r = plan_and_decode(model, draft, p, max_new_tokens=args.tokens, sampling=sampling, tree=DEFAULT_TREE,
                             cost_model=cost, seed=i)
         steps, tokens = steps + len(r.steps), tokens + len(r.tokens)
     wall = time.perf_counter() - t0
+    if lines is not None:
+        lines.disable()
+        lines.print_stats(output_unit=1e-3)
     print(f"{steps} steps, {tokens} tokens, {tokens / wall:.2f} tok/s, {1e3 * wall / steps:.2f} ms per step")
     for label in sorted(totals, key=lambda k: -totals[k]):
         print(f"{1e3 * totals[label] / steps:8.3f} ms/step {calls[label] / steps:6.2f} calls/step  {label}")
