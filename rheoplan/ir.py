@@ -117,10 +117,11 @@ class DraftTree:
         ``dataclasses.replace`` without its per-field ``__init__`` (9 us for these 27
         fields, and every pass calls it): the class validates nothing on construction, so
         copying the instance's fields builds what ``__init__`` would."""
-        unknown = changes.keys() - _TREE_FIELDS
+        known = self.__dataclass_fields__
+        unknown = changes.keys() - known.keys()
         if unknown:
-            raise TypeError(f"DraftTree has no field(s) {sorted(unknown)}: allowed {sorted(_TREE_FIELDS)}")
-        new = object.__new__(DraftTree)
+            raise TypeError(f"{type(self).__name__} has no field(s) {sorted(unknown)}: allowed {sorted(known)}")
+        new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.__dict__.update(changes)
         return new
@@ -182,10 +183,6 @@ class DraftTree:
             out.append(int(self.token[b, node]))
             node = int(self.parent[b, node])
         return out[::-1]
-
-
-#: the names ``DraftTree.replace`` accepts
-_TREE_FIELDS = frozenset(f.name for f in fields(DraftTree))
 
 
 def empty_tree(batch: int, capacity: int, max_expanded: int, support: int,
