@@ -98,6 +98,15 @@ def test_numba_batch_decision_equals_the_reference(seed, B):
                     assert numba_decide(plan, tree, budget) == decide(plan, tree, budget), (slope, scale, budget)
 
 
+def _cost_tree(plan: CostPlan, seed: int, **impls):
+    """A depth-3 tree planned by ``cost_pipeline(plan, **impls)`` over a random draft."""
+    cfg = TreeConfig(depth=3, frontier=2, slots=3, budget=8, rheostat=1, support=6)
+    bank = torch.randn(40, 12, generator=torch.Generator().manual_seed(seed))
+    draft = lambda t, nodes: bank[(nodes.clamp(min=0) * 3 + t.cur_depth) % 40]  # noqa: E731
+    return plan_tree(draft, [1], tree=cfg, sampling=SamplingConfig(), prefix_len=[9], seed=seed,
+                     passes=cost_pipeline(plan, **impls))
+
+
 def test_cost_pipeline_takes_the_numba_decision():
     """``cost_pipeline(decide=...)``: the gates and the prune call that implementation (and
     plan the same tree as the reference)."""
@@ -108,12 +117,7 @@ def test_cost_pipeline_takes_the_numba_decision():
         return numba_decide(plan, tree, budget)
 
     plan = _plan(5, 0.3, 1.0)
-    cfg = TreeConfig(depth=3, frontier=2, slots=3, budget=8, rheostat=1, support=6)
-    bank = torch.randn(40, 12, generator=torch.Generator().manual_seed(5))
-    draft = lambda t, nodes: bank[(nodes.clamp(min=0) * 3 + t.cur_depth) % 40]  # noqa: E731
-    run = lambda d: plan_tree(draft, [1], tree=cfg, sampling=SamplingConfig(), prefix_len=[9], seed=5,  # noqa: E731
-                              passes=cost_pipeline(plan, decide=d))
-    fast, ref = run(counted), run(None)
+    fast, ref = _cost_tree(plan, 5, decide=counted), _cost_tree(plan, 5)
     assert calls
     assert torch.equal(fast.kept, ref.kept) and torch.equal(fast.linear.token, ref.linear.token)
     assert LastDecision(counted)(plan, ref, 8) == decide(plan, ref, 8)
@@ -149,11 +153,6 @@ def test_cost_pipeline_takes_the_numba_frontiers():
         return numba_frontiers(tree, k)
 
     plan = _plan(3, 0.0, 1.0)
-    cfg = TreeConfig(depth=3, frontier=2, slots=3, budget=8, rheostat=1, support=6)
-    bank = torch.randn(40, 12, generator=torch.Generator().manual_seed(3))
-    draft = lambda t, nodes: bank[(nodes.clamp(min=0) * 3 + t.cur_depth) % 40]  # noqa: E731
-    run = lambda f: plan_tree(draft, [1], tree=cfg, sampling=SamplingConfig(), prefix_len=[9], seed=3,  # noqa: E731
-                              passes=cost_pipeline(plan, frontiers=f))
-    fast, ref = run(counted), run(None)
+    fast, ref = _cost_tree(plan, 3, frontiers=counted), _cost_tree(plan, 3)
     assert calls == [2] * len(calls) and calls
     assert torch.equal(fast.kept, ref.kept) and torch.equal(fast.linear.token, ref.linear.token)
