@@ -10,8 +10,8 @@ import torch
 from _planner_helpers import PathDraft
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.ir_text import from_text, to_text
-from rheoplan.pipeline import (DumpIR, FnPass, PassError, PassTiming, PrintAfterAll, Repeat, VerifyAfterEach,
-                               debug_instruments)
+from rheoplan.pipeline import (DumpIR, FnPass, Instrument, PassError, PassTiming, PrintAfterAll, Repeat,
+                               VerifyAfterEach, debug_instruments)
 from rheoplan.planner.default import DEFAULT_PIPELINE
 
 CFG = TreeConfig(depth=2, frontier=2, slots=3, budget=4, rheostat=1, support=5)
@@ -141,13 +141,9 @@ def test_a_repeat_stops_at_a_fixpoint():
 
     seen = []
 
-    class Names:
+    class Names(Instrument):
         def after_pass(self, index, name, tree, ctx):
             seen.append((index, name))
-
-        def run_start(self, tree, ctx): ...
-        def before_pass(self, index, name, tree, ctx): ...
-        def run_end(self, tree, ctx): ...
 
     tail = FnPass("tail", lambda t, ctx: t)
     passes = [Repeat("grow", (FnPass("g", grow_once), FnPass("same", lambda t, ctx: t)), times=lambda ctx: 5), tail]
@@ -170,13 +166,9 @@ def test_the_cost_gate_ends_growth_where_it_declines():
     cfg = TreeConfig(depth=4, frontier=2, slots=3, budget=8, rheostat=1, support=5)
     history = []
 
-    class Names:
+    class Names(Instrument):
         def after_pass(self, index, name, tree, ctx):
             history.append(name)
-
-        def run_start(self, tree, ctx): ...
-        def before_pass(self, index, name, tree, ctx): ...
-        def run_end(self, tree, ctx): ...
 
     fast = plan_tree(DRAFT, [1], tree=cfg, sampling=SamplingConfig(), backend="numba", instruments=[Names()],
                      passes=cost_pipeline(plan_, lower(DEFAULT_PIPELINE, "numba")))
