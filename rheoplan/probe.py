@@ -86,9 +86,10 @@ def median_ms(fn: Callable[[], object], *, reps: int, warmup: int = 1,
 
 
 def round_robin_ms(calls: Sequence[Callable[[], object]], *, reps: int, warmup: int = 1,
-                   timer: Timer = time.perf_counter) -> list[float]:
+                   timer: Timer = time.perf_counter, before: Callable[[], object] | None = None) -> list[float]:
     """Median wall time (ms) of each of ``calls`` over ``reps`` rounds of one call each,
-    after ``warmup`` untimed calls of each.
+    after ``warmup`` untimed calls of each. ``before``, if given, runs untimed before every
+    call (warm-up ones too): what the caller's real use does between two calls.
 
     Round-robin, not one call's ``reps`` in a row: a hiccup of the machine (another process,
     a page fault) then spoils one sample of one call, which the median drops, instead of
@@ -111,10 +112,14 @@ def round_robin_ms(calls: Sequence[Callable[[], object]], *, reps: int, warmup: 
         raise ValueError(f"reps={reps} is out of range: allowed >= 1")
     for fn in calls:
         for _ in range(warmup):
+            if before is not None:
+                before()
             fn()
     samples: list[list[float]] = [[] for _ in calls]
     for _ in range(reps):
         for i, fn in enumerate(calls):
+            if before is not None:
+                before()
             t0 = timer()
             fn()
             samples[i].append(1e3 * (timer() - t0))
@@ -548,7 +553,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                     ar_rows=3,  # the leaner batched plain step (f57ec9c) and batch_ar_scale
                     rounds="round-robin",  # c_v timed round-robin (older records could hold one hiccup)
                     overhead="by-depth-1",  # one row: c_o at one depth + per further depth (older: one c_o)
-                    kv="in-place")  # KV appends without a copy of the cache (growing_cache.GrowingLayer)
+                    kv="in-place",  # KV appends without a copy of the cache (growing_cache.GrowingLayer)
+                    gap="projection")  # c_v timed after an output projection (older records: back to back)
     if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:
@@ -623,7 +629,14 @@ def chain_verify_ms(model, ctx: int, sizes: Sequence[int], *, reps: int, warmup:
                     timer: Timer = time.perf_counter) -> list[float]:
     """Median ms (``round_robin_ms``) of ``model``'s verify forward (``forward_tree``, no
     output projection) of a chain of ``n`` tokens for each ``n`` in ``sizes``, over a cache
-    of ``ctx`` tokens of a fixed synthetic prompt: what ``c_v(n, ctx)`` records."""
+    of ``ctx`` tokens of a fixed synthetic prompt: what ``c_v(n, ctx)`` records.
+
+    Each forward is timed right after an output projection of one row (untimed,
+    ``output_projection_gap``), as a decode runs it: after the previous step's walk.
+    Why: timed back to back, a 17-token forward of bfloat16 SmolLM2 on the 2-core CPU cost
+    1.24-1.28x a one-token forward, against 1.44x inside real decodes and 1.34-1.59x after
+    a projection; priced back to back, the cost model planned trees too large to pay
+    (docs/results.md, "Forwards timed as a decode runs them")."""
     vocab = int(model.config.vocab_size)
     prompt = [(7 * i + 3) % vocab for i in range(ctx + 1)]
     tgt = as_target(model)
@@ -631,10 +644,32 @@ def chain_verify_ms(model, ctx: int, sizes: Sequence[int], *, reps: int, warmup:
         with torch.no_grad():
             tgt.start(prompt)
             forwards = [partial(tgt.forward_tree, chain_linear(prompt[-1], ctx, n)) for n in sizes]
-            return round_robin_ms(forwards, reps=reps, warmup=warmup, timer=timer)
+            return round_robin_ms(forwards, reps=reps, warmup=warmup, timer=timer,
+                                  before=output_projection_gap(model))
     finally:
         if hasattr(tgt, "close"):
             tgt.close()
+
+
+def output_projection_gap(model) -> Callable[[], object] | None:
+    """A call that projects one zero hidden state through ``model``'s output embeddings
+    (its lm_head: the largest matrix a CPU walk streams between two verify forwards), and
+    waits for it on a GPU; None for a model without output embeddings."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    weight = getattr(head, "weight", None)
+    if head is None or weight is None:
+        return None
+    hidden = torch.zeros(1, weight.shape[-1], dtype=weight.dtype, device=weight.device)
+    sync = torch.cuda.synchronize if weight.device.type == "cuda" else None
+
+    def gap():
+        with torch.no_grad():
+            head(hidden)
+        if sync is not None:
+            sync()
+
+    return gap
 
 
 #: a cached one-token forward this far off the one timed at load (either way) is reported

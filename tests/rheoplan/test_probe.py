@@ -54,6 +54,39 @@ def test_round_robin_times_one_call_of_each_per_round():
         probe.round_robin_ms([call("a", 1.0)], reps=0, timer=c)
 
 
+def test_round_robin_runs_before_untimed_ahead_of_every_call():
+    c = Clock()
+    order = []
+
+    def call(name, ms):
+        def fn():
+            order.append(name)
+            c.now += ms / 1e3
+        return fn
+
+    ms = probe.round_robin_ms([call("a", 1.0), call("b", 4.0)], reps=2, warmup=1, timer=c, before=call("-", 50.0))
+    assert ms == pytest.approx([1.0, 4.0])  # the 50 ms before each call are not timed
+    assert order == ["-", "a", "-", "b"] * 3
+
+
+def test_chain_verify_times_each_forward_after_an_output_projection(monkeypatch):
+    model = tiny_llama(seed=1, vocab=16)
+    seen = []  # the order of lm_head projections and verify forwards
+    model.lm_head.register_forward_hook(lambda m, i, o: seen.append(("proj", tuple(i[0].shape))))
+    real = model.model.forward
+
+    def counting(*a, **kw):
+        seen.append(("fwd", tuple(kw["input_ids"].shape)))
+        return real(*a, **kw)
+
+    model.model.forward = counting
+    probe.chain_verify_ms(model, 4, (1, 3), reps=2, warmup=1)
+    timed = seen[seen.index(("fwd", (1, 4))) + 1:]  # after the prompt's forward (4 cached tokens)
+    hidden = model.config.hidden_size
+    assert timed == [("proj", (1, hidden)), ("fwd", (1, 1)), ("proj", (1, hidden)), ("fwd", (1, 3))] * 3
+    assert probe.output_projection_gap(torch.nn.Linear(2, 2)) is None  # no output embeddings: no gap
+
+
 def test_fastest_uses_the_median_not_one_lucky_call():
     c = Clock()
     costs = iter([9.0, 1.0, 9.0, 9.0, 9.0])  # warm-up, then one lucky 1 ms call among 9 ms ones
