@@ -18,16 +18,25 @@ no prior, side by side.
 
 ``auto`` is the shipped head (``rheoplan/assets/smollm2-eagle3``); any other value is a
 directory written by ``rheoplan train-draft`` (or any EAGLE-3 checkpoint for SmolLM2).
+
+Every head's cost model measures its own draft call and bookkeeping, but they all price
+the target's verify forwards with one curve, the first head's: it is the same target, and
+on a noisy machine two measurements of it can differ in shape by more than two heads
+differ (one such comparison read 1.33x against 1.36x with a one-token forward timed at 34.0
+ms for the first head and 29.6 ms for the second; docs/results.md, "Forwards timed as a
+decode runs them"). ``--own-curves`` keeps each head's own measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
 import torch
 
 from rheoplan.bench.decode import decode_prompt, load_prompts, methods_for
+from rheoplan.costmodel import CostModel
 from rheoplan.loading import (DRAFT_DTYPES, SHIPPED_HEAD, encode_prompt, load_cost_model, load_default, load_head,
                               model_dtype)
 
@@ -47,6 +56,9 @@ def main() -> None:
                    help="the cost model's starting calibration: the head's calibration.json "
                         "(default, as rheoplan generate) and/or none")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--own-curves", action="store_true",
+                   help="each head's cost model keeps its own measurement of the target's verify curve "
+                        "(default: all take the first head's)")
     a = p.parse_args()
     if not 1 <= a.prompts <= 40:
         p.error(f"--prompts={a.prompts}: allowed 1..40")
@@ -76,6 +88,10 @@ def main() -> None:
                 label = h if len(a.draft_dtypes) == 1 else f"{h} ({model_dtype(draft.head)}, asked {dt})"
                 label += "" if len(a.priors) == 1 else f", prior {prior}"
                 heads[label] = (draft, costs)
+    if not a.own_curves:
+        first = next(iter(heads.values()))[1]
+        for label, (draft, costs) in heads.items():
+            heads[label] = (draft, {m: shared_curve(cm, first[m]) for m, cm in costs.items()})
     prompts = [encode_prompt(tok, text, chat=True) for _, text in load_prompts(a.prompts)]
     cols = [("ar-hf", None)] + [(m, h) for h in heads for m in a.methods]
     seconds = {(m, h, t): 0.0 for m, h in cols for t in a.temperatures}
@@ -101,6 +117,13 @@ def main() -> None:
             rate = tokens[m, h, t] / seconds[m, h, t]
             print(f"| {h or '-'} | {m} | {t:g} | {rate:.1f} | {rate / base:.2f}x | "
                   f"{tokens[m, h, t] / max(steps[m, h, t], 1):.2f} |")
+
+
+def shared_curve(cost: CostModel, ref: CostModel) -> CostModel:
+    """``cost`` with ``ref``'s verify curve (the target's), its own draft and bookkeeping."""
+    t = ref.timings
+    return CostModel(replace(cost.timings, sizes=t.sizes, verify_lo=t.verify_lo, verify_hi=t.verify_hi,
+                             ctx_lo=t.ctx_lo, ctx_hi=t.ctx_hi), cost.calibration, cost.priors)
 
 
 if __name__ == "__main__":
