@@ -634,9 +634,10 @@ def chain_verify_ms(model, ctx: int, sizes: Sequence[int], *, reps: int, warmup:
     Each forward is timed right after an output projection of one row (untimed,
     ``output_projection_gap``), as a decode runs it: after the previous step's walk.
     Why: timed back to back, a 17-token forward of bfloat16 SmolLM2 on the 2-core CPU cost
-    1.24-1.28x a one-token forward, against 1.44x inside real decodes and 1.34-1.59x after
-    a projection; priced back to back, the cost model planned trees too large to pay
-    (docs/results.md, "Forwards timed as a decode runs them")."""
+    1.24-1.33x a one-token forward, against 1.44-1.77x inside real decodes and, in two
+    measurements of three, 1.34-1.59x after a projection; priced back to back, the cost
+    model planned trees too large to pay (docs/results.md, "Forwards timed as a decode
+    runs them")."""
     vocab = int(model.config.vocab_size)
     prompt = [(7 * i + 3) % vocab for i in range(ctx + 1)]
     tgt = as_target(model)
