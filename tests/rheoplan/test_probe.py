@@ -38,16 +38,19 @@ def test_fastest_picks_the_lowest_median_and_ties_go_first():
         probe.fastest({}, timer=c)
 
 
-def test_round_robin_times_one_call_of_each_per_round():
-    c = Clock()
-    order = []
-
+def _recorded_calls(c: Clock, order: list):
+    """``call(name, ms)``: a call that records its name in ``order`` and advances ``c`` by ``ms``."""
     def call(name, ms):
         def fn():
             order.append(name)
             c.now += ms / 1e3
         return fn
+    return call
 
+
+def test_round_robin_times_one_call_of_each_per_round():
+    c, order = Clock(), []
+    call = _recorded_calls(c, order)
     ms = probe.round_robin_ms([call("a", 1.0), call("b", 4.0)], reps=2, warmup=1, timer=c)
     assert ms == pytest.approx([1.0, 4.0]) and order == ["a", "b", "a", "b", "a", "b"]
     with pytest.raises(ValueError, match="reps=0"):
@@ -55,15 +58,8 @@ def test_round_robin_times_one_call_of_each_per_round():
 
 
 def test_round_robin_runs_before_untimed_ahead_of_every_call():
-    c = Clock()
-    order = []
-
-    def call(name, ms):
-        def fn():
-            order.append(name)
-            c.now += ms / 1e3
-        return fn
-
+    c, order = Clock(), []
+    call = _recorded_calls(c, order)
     ms = probe.round_robin_ms([call("a", 1.0), call("b", 4.0)], reps=2, warmup=1, timer=c, before=call("-", 50.0))
     assert ms == pytest.approx([1.0, 4.0])  # the 50 ms before each call are not timed
     assert order == ["-", "a", "-", "b"] * 3
