@@ -92,16 +92,11 @@ def main() -> None:
         if getattr(a, name) < 1:
             ap.error(f"--{name}={getattr(a, name)}: allowed >= 1")
     from rheoplan.loading import load_default
+    from rheoplan.probe import output_projection_gap
 
     torch.set_num_threads(a.threads)
     model, tok, draft = load_default(method="rheo", draft="auto", dtype="bfloat16")
-    head = model.get_output_embeddings()
-    hidden = torch.zeros(1, head.weight.shape[-1], dtype=head.weight.dtype)
-
-    def project():
-        with torch.no_grad():
-            head(hidden)
-
+    project = output_projection_gap(model)  # what the cost model's probe runs before each forward
     variants = {"nothing (back to back)": lambda: None, "6 ms busy Python": lambda: busy(6),
                 "6 ms sleep": lambda: time.sleep(0.006), "output projection": project,
                 "projection + 6 ms busy": lambda: (project(), busy(6))}

@@ -31,7 +31,7 @@ from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write, inte
 from rheoplan.decode import plan_and_decode
 from rheoplan.ir import empty_tree
 from rheoplan.models import as_draft, as_target, hashed_context_lm
-from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache
+from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache, output_head
 from rheoplan.models.base import DraftModel
 from rheoplan.models.hf_target import HFTarget
 from rheoplan.models.packed_linear import PackedLinear, pack_linears, packing_pays, unpack_linears
@@ -656,13 +656,13 @@ def output_projection_gap(model) -> Callable[[], object] | None:
     """A call that projects one zero hidden state through ``model``'s output embeddings
     (its lm_head: the largest matrix a CPU walk streams between two verify forwards), and
     waits for it on a GPU; None for a model without output embeddings."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if get is not None else None
-    weight = getattr(head, "weight", None)
-    if head is None or weight is None:
+    try:
+        head = output_head(model)
+    except TypeError:
         return None
-    hidden = torch.zeros(1, weight.shape[-1], dtype=weight.dtype, device=weight.device)
-    sync = torch.cuda.synchronize if weight.device.type == "cuda" else None
+    p = next(model.parameters())
+    hidden = torch.zeros(1, int(model.config.hidden_size), dtype=p.dtype, device=p.device)
+    sync = torch.cuda.synchronize if p.device.type == "cuda" else None
 
     def gap():
         with torch.no_grad():
