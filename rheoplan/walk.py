@@ -114,13 +114,14 @@ def verify_roots(tree: DraftTree, fws: Sequence, rows: Sequence[int], sampling: 
     ``backend`` other than 'reference': the rows' noise comes from the numba Philox in one
     call (the same numbers as ``Streams``; numpy's generator is rebuilt per row)."""
     lin = tree.linear
-    for b in rows:
-        if int(lin.n[b]) != 1:
-            raise ValueError(f"verify_roots: tree {b} has {int(lin.n[b])} linear nodes: allowed 1 (the root)")
     if not rows:
         return []
+    sel = torch.as_tensor(list(rows), dtype=torch.int64, device=lin.n.device)
+    sizes, nodes = lin.n[sel].tolist(), lin.node[sel, 0].tolist()  # one host read each, not per row
+    for b, n in zip(rows, sizes):
+        if n != 1:
+            raise ValueError(f"verify_roots: tree {b} has {n} linear nodes: allowed 1 (the root)")
     logits = torch.stack([fw.logits(0).cpu() for fw in fws])
-    nodes = [int(lin.node[b, 0]) for b in rows]
     uniforms = None
     if backend != "reference":
         def uniforms(V: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 
 from rheoplan.ir import DraftTree
 from rheoplan.models.base import (DraftModel, HostDraft, check_draft_call, check_emitted, check_prompt_ids,
-                                  draft_on_host)
+                                  draft_on_host, drafts_on_host)
 from rheoplan.models._hf_common import (
     base_model, cache_length, new_cache, output_head, run_base, commit_cache, forward_memory,
 )
@@ -344,8 +344,9 @@ class HFDraft(DraftModel):
                     features: list[list[torch.Tensor | None]]) -> None:
         rc = self._row_started("commit_rows")
         keep = []
+        hosts = drafts_on_host(tree)  # every row's tree in one transfer
         for b in range(rc.batch):
-            nodes = check_emitted(tree, path_nodes[b], emitted[b], b)
+            nodes = check_emitted(tree, path_nodes[b], emitted[b], b, hosts[b])
             done = [v for v in nodes if v in self._r_slot[b]]
             if done != nodes[:len(done)]:
                 raise AssertionError(f"row {b}: forwarded path nodes {done} are not a prefix of {nodes}")

@@ -27,7 +27,7 @@ import torch
 from rheoplan.costmodel import ProjectionTimings, projection_timings
 from rheoplan.ir import LinearTree
 from rheoplan.models.base import (HostTree, TargetModel, TreeLogits, check_commit_path, check_groups,
-                                  check_prompt_ids, linear_on_host)
+                                  check_prompt_ids, linear_on_host, linears_on_host)
 from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
     run_base, commit_cache, forward_memory,
@@ -553,8 +553,8 @@ class HFTarget(TargetModel):
         if len(paths) != self._rows.batch:
             raise ValueError(f"paths holds {len(paths)} paths for {self._rows.batch} rows")
         checked = []
-        for b, p in enumerate(paths):
-            checked.append(check_commit_path(linear_on_host(self._row_tree, b), p))
+        for b, (host, p) in enumerate(zip(linears_on_host(self._row_tree), paths)):
+            checked.append(check_commit_path(host, p))
             self._row_prefix[b] += len(checked[-1])
         # accepted entries move to the front of the tree's columns, the rest are dropped
         self._rows.commit_paths(self._row_tree_start, checked)

@@ -36,7 +36,8 @@ from torch import nn
 from rheoplan.distributions import SubsetLogits
 from rheoplan.ir import DraftTree
 from rheoplan.models._hf_common import base_model
-from rheoplan.models.base import DraftModel, TargetModel, check_draft_call, check_emitted, check_prompt_ids
+from rheoplan.models.base import (DraftModel, TargetModel, check_draft_call, check_emitted, check_prompt_ids,
+                                  drafts_on_host)
 from rheoplan.models.eagle3.checkpoint import read_eagle3
 from rheoplan.models.eagle3.head import Eagle3Head, Eagle3LoadError, check_vocab_map
 from rheoplan.models.hf_target import HFTarget, eagle3_layers
@@ -590,8 +591,9 @@ class Eagle3Draft(DraftModel):
                     features: list[list[torch.Tensor | None]]) -> None:
         rows = self._brows_started("commit_rows")
         dev, dt = self._param.device, self._param.dtype
+        hosts = drafts_on_host(tree)  # every row's tree in one transfer
         for b, row in enumerate(rows):
-            nodes = check_emitted(tree, path_nodes[b], emitted[b], b)
+            nodes = check_emitted(tree, path_nodes[b], emitted[b], b, hosts[b])
             feats = features[b]
             if len(feats) != len(nodes) or any(f is None for f in feats):
                 raise ValueError(f"row {b}: features must hold one target feature tensor per path node "
