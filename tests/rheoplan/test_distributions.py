@@ -166,3 +166,9 @@ def test_greedy_tokens_is_where_the_greedy_law_puts_its_mass():
         greedy_tokens(x, SamplingConfig(temperature=1.0))
     with pytest.raises(ValueError, match="NaN"):
         greedy_tokens(torch.full((2, 4), float("nan")), SamplingConfig(temperature=0))
+    # one broken entry in one row of many (the check and the token come from one pass)
+    for row, bad in ((3, [float("nan")]), (0, [float("inf")]), (4, [float("-inf")] * 40)):
+        y = x.clone()
+        y[row, :len(bad)] = torch.tensor(bad)
+        with pytest.raises(ValueError, match="NaN or \\+inf, or a row with no finite entry"):
+            greedy_tokens(y, SamplingConfig(temperature=0))

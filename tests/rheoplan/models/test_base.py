@@ -114,3 +114,30 @@ def test_every_member_the_loop_calls_is_declared():
     assert used_t <= declared_t, used_t - declared_t
     assert used_d <= declared_d, used_d - declared_d
     assert {"logits", "features", "prefetch"} <= {n for n in dir(TreeLogits) if not n.startswith("__")}
+
+
+def test_batched_host_reads_equal_the_per_row_reads():
+    """``linears_on_host`` / ``drafts_on_host`` (one transfer for every row, what the
+    batched commits read) give each row what ``linear_on_host`` / ``draft_on_host`` give,
+    on trees of different sizes (rows padded to the widest)."""
+    import dataclasses
+
+    import torch
+
+    from rheoplan import SamplingConfig, plan_tree
+    from rheoplan.models.base import draft_on_host, drafts_on_host, linear_on_host, linears_on_host
+    from tests._planner_helpers import PathDraft
+
+    g = torch.Generator().manual_seed(5)
+    draft = PathDraft(torch.randn(7, 12, generator=g).tolist())
+    tree = plan_tree(draft, [3, 5, 7], tree=TreeConfig(depth=3, frontier=2, slots=2, rheostat=1, budget=5),
+                     sampling=SamplingConfig(temperature=1.0), prefix_len=[4, 9, 2], seed=1, step=0)
+    # rows of different sizes, as a batch holds (a root-only row among them)
+    lin = dataclasses.replace(tree.linear, n=torch.tensor([6, 1, 4]))
+    tree = tree.replace(n_nodes=torch.tensor([11, 1, 7]), linear=lin)
+    hosts = linears_on_host(lin)
+    assert hosts == [linear_on_host(lin, b) for b in range(tree.batch)]
+    assert [h.n for h in hosts] == [6, 1, 4] and len(hosts[2].token) == 4
+    drafts = drafts_on_host(tree)
+    assert drafts == [draft_on_host(tree, [], b) for b in range(tree.batch)]
+    assert [len(d.parent) for d in drafts] == [11, 1, 7]
