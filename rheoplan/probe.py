@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write, interp, remeasure_requested
+from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write, remeasure_requested
 from rheoplan.decode import plan_and_decode
 from rheoplan.ir import empty_tree
 from rheoplan.models import as_draft, as_target, hashed_context_lm
@@ -386,45 +386,56 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
             raise ValueError(f"{name}={list(xs)}: allowed increasing ints >= 1")
     if ctx < 1:
         raise ValueError(f"ctx={ctx} is out of range: allowed >= 1")
+    gen = torch.Generator().manual_seed(0)
+    grid = []
+    for B in batch_sizes:
+        grid.append(_curve(row_sizes, round_robin_ms(batch_forwards(model, B, row_sizes, ctx, gen), reps=reps,
+                                                     timer=timer),
+                           f"the batched verify latency of {B} rows", log))
+    return tuple(grid)
+
+
+def batch_forwards(model, B: int, row_sizes: Sequence[int], ctx: int,
+                   gen: torch.Generator | None = None) -> list[Callable[[], None]]:
+    """One call per ``n`` in ``row_sizes``: the rectangular batched verify forward of ``B``
+    rows x ``n`` new tokens over ``ctx`` cached tokens per row that ``measure_batch_verify``
+    times (random keys and values, cropped back to ``ctx`` after each call; the calls share
+    one cache, freed with them)."""
     base = base_model(model)
     p = next(model.parameters())
     cfg = model.config
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     vocab = int(cfg.vocab_size)
-    gen = torch.Generator().manual_seed(0)
-    grid = []
+    gen = torch.Generator().manual_seed(0) if gen is None else gen
     with torch.no_grad():
-        for B in batch_sizes:
-            cache = new_cache(model)
-            for layer in range(len(base.layers)):
-                kv = torch.randn(2, B, n_kv, ctx, head_dim, generator=gen).to(p.device, p.dtype)
-                cache.update(kv[0], kv[1], layer)
-            forwards = []
-            for n in row_sizes:
-                tok = torch.randint(0, vocab, (B, n), generator=gen).to(p.device)
-                pos = (ctx + torch.arange(n, device=p.device)).expand(B, n)
-                if n == 1:
-                    # all-zero, as ``run_base_rows`` passes: a masked one-token step takes
-                    # transformers' folded one-query attention, an unmasked one ``enable_gqa``
-                    mask = torch.zeros(B, 1, 1, ctx + 1, dtype=p.dtype, device=p.device)
-                else:
-                    allowed = torch.ones(n, ctx + n, dtype=torch.bool, device=p.device)
-                    allowed[:, ctx:] = torch.ones(n, n, dtype=torch.bool, device=p.device).tril()
-                    mask = additive_mask(allowed, p.dtype).expand(B, 1, n, ctx + n)
+        cache = new_cache(model)
+        for layer in range(len(base.layers)):
+            kv = torch.randn(2, B, n_kv, ctx, head_dim, generator=gen).to(p.device, p.dtype)
+            cache.update(kv[0], kv[1], layer)
+    forwards = []
+    for n in row_sizes:
+        tok = torch.randint(0, vocab, (B, n), generator=gen).to(p.device)
+        pos = (ctx + torch.arange(n, device=p.device)).expand(B, n)
+        if n == 1:
+            # all-zero, as ``run_base_rows`` passes: a masked one-token step takes
+            # transformers' folded one-query attention, an unmasked one ``enable_gqa``
+            mask = torch.zeros(B, 1, 1, ctx + 1, dtype=p.dtype, device=p.device)
+        else:
+            allowed = torch.ones(n, ctx + n, dtype=torch.bool, device=p.device)
+            allowed[:, ctx:] = torch.ones(n, n, dtype=torch.bool, device=p.device).tril()
+            mask = additive_mask(allowed, p.dtype).expand(B, 1, n, ctx + n)
 
-                def fwd(tok=tok, pos=pos, mask=mask, cache=cache) -> None:
-                    base(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True,
-                         **{_cache_kwarg(base): cache})
-                    crop_cache(cache, ctx)
-                    if p.device.type == "cuda":
-                        torch.cuda.synchronize(p.device)
+        def fwd(tok=tok, pos=pos, mask=mask, cache=cache) -> None:
+            with torch.no_grad():
+                base(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True,
+                     **{_cache_kwarg(base): cache})
+            crop_cache(cache, ctx)
+            if p.device.type == "cuda":
+                torch.cuda.synchronize(p.device)
 
-                forwards.append(fwd)
-            grid.append(_curve(row_sizes, round_robin_ms(forwards, reps=reps, timer=timer),
-                               f"the batched verify latency of {B} rows", log))
-            del cache
-    return tuple(grid)
+        forwards.append(fwd)
+    return forwards
 
 
 def batched_decode_unavailable() -> str | None:
@@ -480,7 +491,7 @@ def measure_batch_steps(model, draft, prompt_ids: Sequence[int], *, tree, sampli
         st = res[0].steps[1:live] or res[0].steps[:1]
         draft_ms.append(_per_call_draft_ms(st, tree.depth))
         tree_oh.append(_overhead_ms_of(st))
-        ar = plan_and_decode(model, None, rows, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
+        ar = plan_and_decode(model, None, rows, max_new_tokens=steps, sampling=sampling, seed=0)
         live = min(len(r.steps) for r in ar)
         ar_steps = ar[0].steps[1:live] or ar[0].steps[:1]
         ar_oh.append(_overhead_ms_of(ar_steps))
@@ -554,7 +565,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                     rounds="round-robin",  # c_v timed round-robin (older records could hold one hiccup)
                     overhead="by-depth-1",  # one row: c_o at one depth + per further depth (older: one c_o)
                     kv="in-place",  # KV appends without a copy of the cache (growing_cache.GrowingLayer)
-                    gap="projection")  # c_v timed after an output projection (older records: back to back)
+                    gap="projection",  # c_v timed after an output projection (older records: back to back)
+                    scales="anchored")  # batched scales against the grid timed right after (older: the grid's own)
     if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:
@@ -597,23 +609,31 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     stepped: dict = {}
     if grid and batched_decode_unavailable() is None:
         more = [b for b in batch_sizes if b > 1]
-        d, o, a, fw = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
+        d, o, a, tree_scale, ar_scale = [], [], [], [], []
+        for B in more:
+            bd, bo, ba, bfw = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=[B])
+            # each real forward against the grid's forward of its shape timed right after it,
+            # not against the grid of the minute before: on the noisy 2-core CPU a real 4-row
+            # plain step once read 1.36x its grid point so (and 16 rows 0.91x), the cost model
+            # then priced plain 4-row steps 15% above what they took and drafted trees that lost
+            # 7% at T = 0 (docs/results.md, "Sixteenth measurement")
+            ar_now = round_robin_ms(batch_forwards(model, B, (1,), ctx[0]), reps=reps, timer=timer)[0]
+            (ms, n), = measure_batch_tree_verify(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=[B])
+            k = max(2, int(round(n)))
+            tree_now = round_robin_ms(batch_forwards(model, B, (k,), ctx[0]), reps=reps, timer=timer)[0]
+            d += bd
+            o += bo
+            a += ba
+            tree_scale.append(max(ms, 1e-3) / max(tree_now, 1e-3))
+            ar_scale.append(max(bfw[0], 1e-3) / max(ar_now, 1e-3))
         one = [b for b in batch_sizes if b == 1]  # batch 1: the batch-1 decodes above
         pick = lambda first, rest: tuple([first] * len(one) + list(rest))  # noqa: E731
         # several rows: the fixed tree's bookkeeping at every depth (Timings.tree_overhead says why)
         stepped = dict(batch_draft_ms=pick(_per_call_draft_ms(res.steps[1:] or res.steps, tree.depth), d),
                        batch_draft_width=(1 + (tree.depth - 1) * tree.frontier) / max(1, tree.depth),
-                       batch_overhead_ms=pick(full, o), batch_ar_overhead_ms=pick(_overhead_ms(ar), a))
-        real = measure_batch_tree_verify(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=more)
-        scale = []
-        for B, (ms, n) in zip(more, real):
-            row = grid[batch_sizes.index(B)]
-            scale.append(max(ms, 1e-3) / max(interp(batch_row_sizes, row, n), 1e-3))
-        stepped["batch_tree_scale"] = pick(1.0, scale)
-        # the same anchor for one-token rows: a real plain step's forward over the grid's
-        stepped["batch_ar_scale"] = pick(1.0, [
-            max(ms, 1e-3) / max(interp(batch_row_sizes, grid[batch_sizes.index(B)], 1), 1e-3)
-            for B, ms in zip(more, fw)])
+                       batch_overhead_ms=pick(full, o), batch_ar_overhead_ms=pick(_overhead_ms(ar), a),
+                       # a real small-tree forward and a real plain step's forward over the grid's
+                       batch_tree_scale=pick(1.0, tree_scale), batch_ar_scale=pick(1.0, ar_scale))
     tm = Timings(tuple(sizes), lo_hi[0], lo_hi[1], ctx[0], ctx[1],
                  tuple(sorted(widths)), tuple(statistics.median(widths[w]) for w in sorted(widths)),
                  overhead, _overhead_ms(ar),

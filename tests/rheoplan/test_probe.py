@@ -313,7 +313,7 @@ def test_measure_batch_steps_takes_medians_of_the_live_steps(monkeypatch):
 
     monkeypatch.setattr(probe, "plan_and_decode", fake)
     d, o, a, fw = probe.measure_batch_steps(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,), steps=8)
-    assert seen == [(False, 2, 8), (True, 2, 4)]
+    assert seen == [(False, 2, 8), (True, 2, 8)]
     assert d == pytest.approx((2.0,)) and o == pytest.approx((6.0,)) and a == pytest.approx((6.0,))
     assert fw == pytest.approx((10.0,))  # the plain steps' forward
 
@@ -335,6 +335,53 @@ def test_measure_batch_tree_verify_takes_the_real_forward_and_widest_row(monkeyp
     out = probe.measure_batch_tree_verify(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,))
     assert seen == [(2, 3, 6)]  # the small tree: depth 3, budget 6
     assert out == (pytest.approx((40.0, 5.0)),)  # median 40 ms; widest rows 6, 5, 4 -> 5 tokens
+
+
+def test_batched_scales_set_each_real_forward_against_the_grid_timed_right_after_it(cache, monkeypatch):
+    """The grid was timed in a busy spell (every forward twice its cost); the real batched
+    forwards and the grid forwards of their shapes timed right after them read alike, so the
+    scales are ~1, not the 0.5 and 0.25 a real forward over the early grid would give."""
+    import time
+
+    model, draft = tiny_llama(seed=1, vocab=16), tiny_llama(seed=2, vocab=16)
+    tree = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8)
+    extra = [0.0]  # seconds the fake forwards add to the real clock
+    order = []
+
+    def spend(ms, what):
+        def fn():
+            order.append(what)
+            extra[0] += ms / 1e3
+        return fn
+
+    busy = ((20.0, 40.0, 80.0), (40.0, 80.0, 160.0))  # rows 1 and 4 at 1, 2, 4 tokens per row
+    monkeypatch.setattr(probe, "measure_batch_verify", lambda *a, **k: busy)
+
+    def steps(model, draft, ids, *, batch_sizes, **kw):
+        order.append(("decode", tuple(batch_sizes)))
+        return (3.0,), (9.0,), (4.0,), (20.0,)  # draft, tree and plain bookkeeping, plain forward 20 ms
+
+    def tree_verify(model, draft, ids, *, batch_sizes, **kw):
+        order.append(("tree decode", tuple(batch_sizes)))
+        return ((30.0, 3.0),)  # a 30 ms forward whose widest row held 3 tokens
+
+    monkeypatch.setattr(probe, "measure_batch_steps", steps)
+    monkeypatch.setattr(probe, "measure_batch_tree_verify", tree_verify)
+    monkeypatch.setattr(probe, "batch_forwards",
+                        lambda model, B, ns, ctx, gen=None: [spend(20.0 if n == 1 else 10.0 * n, (B, n)) for n in ns])
+    tm = probe.measure_timings(model, draft, [1, 2, 3], tree=tree, ctx=(4, 12), sizes=(1, 2), reps=3, steps=4,
+                               model_id="tiny-anchor", batch_sizes=(1, 4), batch_row_sizes=(1, 2, 4),
+                               timer=lambda: time.perf_counter() + extra[0], log=io.StringIO())
+    if probe.batched_decode_unavailable() is not None:
+        pytest.skip("this install decodes one prompt at a time")
+    # the anchor of each real forward is timed right after the decode that ran it
+    moves = [x for x in order if x in {("decode", (4,)), ("tree decode", (4,))} or isinstance(x[0], int)]
+    assert moves[0] == ("decode", (4,)) and moves[1] == (4, 1)
+    i = moves.index(("tree decode", (4,)))
+    assert moves[i + 1] == (4, 3)
+    assert tm.batch_ar_scale[1] == pytest.approx(1.0, rel=0.05)
+    assert tm.batch_tree_scale[1] == pytest.approx(1.0, rel=0.05)
+    assert tm.batch_verify == busy and tm.batch_overhead_ms[1] == 9.0
 
 
 def test_bookkeeping_by_depth_from_the_fixed_tree_and_its_one_depth_cut():
