@@ -243,7 +243,8 @@ def greedy_tokens(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None
     # Nothing processes greedy scores without a context rule: one pass over V gives both the
     # check (``broken_rows``: a row's max is NaN, +inf or -inf exactly when it is broken) and
     # the token (``max`` returns the first index of the maximum, as ``_greedy``'s argmax),
-    # where ``process_scores`` then ``_greedy`` made two (16 rows x 49k: 0.8 -> 0.4 ms).
+    # where ``process_scores`` then ``_greedy`` made two (16 rows x 49k on the 2-core CPU:
+    # 0.56 -> 0.47 ms on their own, 0.87 -> 0.75 ms inside batched decodes).
     x = logits.to(torch.float32)
     top, token = x.max(dim=-1)
     if check and not bool(torch.isfinite(top).all()):
