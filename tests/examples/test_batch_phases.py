@@ -3,7 +3,7 @@ forwards and the rest per step."""
 
 from __future__ import annotations
 
-import importlib.util
+import runpy
 from pathlib import Path
 
 import pytest
@@ -11,15 +11,8 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "batch_phases.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("batch_phases", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_the_prefill_ends_at_the_first_one_token_forward():
-    split = _load().split_forwards
+    split = runpy.run_path(str(EXAMPLE))["split_forwards"]
     # two prefill forwards (length groups), a one-token step, a tree step of 7 tokens, a step
     spans = [(0.0, 0.1, 40), (0.1, 0.2, 9), (0.2, 0.23, 1), (0.25, 0.30, 7), (0.31, 0.34, 1)]
     r = split(spans, 0.5)
