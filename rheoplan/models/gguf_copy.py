@@ -135,6 +135,8 @@ def write_copy(model: torch.nn.Module, tok, folder: Path, source: dict) -> bool:
             save_model(model, str(tmp / "model.safetensors"))
         tok.save_pretrained(tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=1, sort_keys=True) + "\n")
+        if folder.is_dir() and not (folder / SOURCE_FILE).is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # not a finished copy (e.g. emptied by hand)
         try:
             os.replace(tmp, folder)
         except OSError:  # another process finished the same copy first: keep that one

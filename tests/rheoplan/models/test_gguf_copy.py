@@ -98,6 +98,17 @@ def test_damaged_copy_is_reported_and_made_again(source, capsys):
     assert len(calls) == 2 and _same_weights(m, again)
 
 
+def test_unfinished_folder_is_replaced(source):
+    """A folder under the copy's name without its source file (not a finished copy)."""
+    gguf, load, calls = source
+    folder = gguf_copy.copy_dir(gguf)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    gguf_copy.cached_load(gguf, load)
+    gguf_copy.cached_load(gguf, load)
+    assert len(calls) == 1 and (folder / gguf_copy.SOURCE_FILE).is_file()
+
+
 def test_switched_off_reads_the_gguf_and_writes_nothing(source, monkeypatch):
     gguf, load, calls = source
     monkeypatch.setenv(gguf_copy.ENV, "0")
