@@ -10,10 +10,6 @@ from __future__ import annotations
 import json
 import warnings
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-
 from rheoplan.ir import DraftTree, NodeKind
 from rheoplan import ir_text
 from rheoplan.ir_text import kind_name
@@ -152,6 +148,12 @@ def draw_png(tree: DraftTree, path, tokenizer=None, b: int = 0, *, show_pruned: 
     """Draw tree ``b`` to a PNG with matplotlib (no graphviz needed). Colour = node kind
     (legend), label = token (text when ``tokenizer`` is given), q and score; pruned nodes
     faded, phantom sampled children outlined dotted."""
+    # imported here: matplotlib costs ~0.5 s to import, and every ``rheoplan`` command
+    # (``generate`` too) imports this module
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
     n = int(tree.n_nodes[b])
     pruning_done = _pruned_anything(tree, b)
     phantom = _phantoms(tree, b)
