@@ -25,9 +25,10 @@ from functools import partial
 from typing import Callable, Mapping, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.costmodel import Timings, cache_key, cache_read, cache_write, remeasure_requested
+from rheoplan.costmodel import Timings, cache_dir, cache_key, cache_read, cache_write, remeasure_requested
 from rheoplan.decode import plan_and_decode
 from rheoplan.ir import empty_tree
 from rheoplan.models import as_draft, as_target, hashed_context_lm
@@ -580,12 +581,20 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                 if note is not None:
                     print(f"cost model: {note}", file=log)
                 return tm
+    more = [b for b in batch_sizes if b > 1]
+    # ~20 s on the 2-core CPU, once per machine, model and head: say what the wait is
+    bar = tqdm(total=len(ctx) + 4 + len(more), unit="part", file=log, leave=False,
+               desc=f"cost model: measuring this machine's latencies (once: cached in {cache_dir() / TIMINGS_CACHE})")
     # the forward alone, as StepStats.t_verify_forward times it: the walk's output
     # projections are bookkeeping (c_o), measured in the decodes below
-    lo_hi = [_curve(sizes, chain_verify_ms(model, c, sizes, reps=reps, timer=timer),
-                    f"the verify latency at {c} cached tokens", log) for c in ctx]
+    lo_hi = []
+    for c in ctx:
+        lo_hi.append(_curve(sizes, chain_verify_ms(model, c, sizes, reps=reps, timer=timer),
+                            f"the verify latency at {c} cached tokens", log))
+        bar.update()
     grid = (measure_batch_verify(model, batch_sizes=batch_sizes, row_sizes=batch_row_sizes, ctx=ctx[0],
                                  reps=reps, timer=timer, log=log) if batch_sizes else ())
+    bar.update()
     inner = as_draft(draft)
     timed = _TimedDraft(inner, timer)
     ids = list(prompt_ids)
@@ -599,16 +608,18 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
         widths.setdefault(w, []).append(1e3 * s)
     if not widths:
         widths = {w: [1e3 * s] for w, s in timed.calls}
+    bar.update()
     # the bookkeeping grows with the tree's depth (more passes, a longer walk): a decode
     # of the same tree cut to one depth gives c_o at one depth and per further depth
     res1 = res if tree.depth <= 1 else plan_and_decode(model, draft, ids, max_new_tokens=steps, sampling=sampling,
                                                        tree=one_depth_tree(tree), seed=0)
     full = _overhead_ms(res)
     overhead, per_depth = overhead_by_depth(full, _overhead_ms(res1), tree.depth)
+    bar.update()
     ar = plan_and_decode(model, None, ids, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
+    bar.update()
     stepped: dict = {}
     if grid and batched_decode_unavailable() is None:
-        more = [b for b in batch_sizes if b > 1]
         d, o, a, tree_scale, ar_scale = [], [], [], [], []
         for B in more:
             bd, bo, ba, bfw = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=[B])
@@ -626,6 +637,7 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
             a += ba
             tree_scale.append(max(ms, 1e-3) / max(tree_now, 1e-3))
             ar_scale.append(max(bfw[0], 1e-3) / max(ar_now, 1e-3))
+            bar.update()
         one = [b for b in batch_sizes if b == 1]  # batch 1: the batch-1 decodes above
         pick = lambda first, rest: tuple([first] * len(one) + list(rest))  # noqa: E731
         # several rows: the fixed tree's bookkeeping at every depth (Timings.tree_overhead says why)
@@ -639,6 +651,7 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                  overhead, _overhead_ms(ar),
                  batch_sizes if grid else (), batch_row_sizes if grid else (), grid, overhead_depth_ms=per_depth,
                  **stepped)
+    bar.close()
     if use_cache:
         cache_write(TIMINGS_CACHE, key, tm.to_dict())
     print(f"cost model: measured latencies ({_describe(tm)})", file=log)
