@@ -173,7 +173,12 @@ def cached_load(gguf: Path, load_gguf: Callable[[], tuple], *, use_copy: bool | 
     t_gguf = time.perf_counter() - t0
     source = {"gguf": str(gguf.resolve()), "key": copy_key(gguf), "format": FORMAT,
               "transformers": _package_version("transformers"), "gguf_package": _package_version("gguf")}
-    if write_copy(model, tok, folder, source):
+    try:
+        written = write_copy(model, tok, folder, source)
+    except OSError as e:  # a read-only or full cache dir: the load itself has succeeded
+        _note(f"model copy: not written ({type(e).__name__}: {e}): the next load reads the GGUF again")
+        written = False
+    if written:
         _note(f"model copy: the GGUF took {t_gguf:.1f} s to read; its float32 weights, configs and tokenizer "
               f"are now in {folder} ({_weights_bytes(model) / 2**20:.0f} MiB), which later loads read "
               f"instead ({ENV}=0: off)")

@@ -142,6 +142,19 @@ def test_too_little_disk_writes_nothing(source, monkeypatch, capsys):
     assert len(calls) == 2
 
 
+def test_unwritable_cache_still_loads(source, monkeypatch, capsys):
+    gguf, load, calls = source
+
+    def fail(*a, **k):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr("safetensors.torch.save_model", fail)
+    m, _ = gguf_copy.cached_load(gguf, load)
+    assert "not written (PermissionError: read-only file system)" in capsys.readouterr().err
+    assert not gguf_copy.copy_dir(gguf).exists() and not list(gguf_copy.copy_dir(gguf).parent.iterdir())
+    assert isinstance(m, torch.nn.Module) and len(calls) == 1
+
+
 @pytest.mark.realmodel
 def test_smollm2_copy_equals_the_gguf():
     """SmolLM2 read from its converted copy (written now if missing) and from the GGUF:
