@@ -3,7 +3,7 @@
 transformers reads a GGUF file through ``from_pretrained(..., gguf_file=...)``, and every
 load parses it again: the tokenizer, the config and the weights each read the file's
 metadata (SmolLM2's 49,152-token vocabulary and merges), and the weights' name map is
-rebuilt once per tensor. For SmolLM2-135M that is 16-20 s on the 2-core CPU, every time,
+rebuilt once per tensor. For SmolLM2-135M that is 16-22 s on the 2-core CPU, every time,
 in front of a decode of two or three seconds (cProfile of the load: docs/cli.md,
 "Loading the model").
 

@@ -57,8 +57,8 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *, use_copy: bool | None = 
     The GGUF is always dequantised to float32 and then cast: asking transformers for
     another dtype at load only adds a misleading warning about packed weights, and the
     dtype probe (``rheoplan.probe.choose_dtype``) casts copies of one loaded model anyway.
-    The first load keeps a converted float32 copy and later loads read it (about 1 s
-    against 16-20 s; the same weights bit for bit): ``rheoplan.models.gguf_copy``.
+    The first load keeps a converted float32 copy and later loads read it (under a
+    second against 16-22 s here; the same weights bit for bit): ``rheoplan.models.gguf_copy``.
     ``use_copy=False`` (or ``RHEOPLAN_MODEL_CACHE=0``) reads the GGUF and writes nothing.
     """
     folder = smollm2_dir()
