@@ -153,7 +153,8 @@ def write_copy(model: torch.nn.Module, tok, folder: Path, source: dict) -> bool:
 
 def cached_load(gguf: Path, load_gguf: Callable[[], tuple], *, use_copy: bool | None = None):
     """``(model, tokenizer)`` of the GGUF file ``gguf``: from its converted copy when there
-    is one, else ``load_gguf()`` (which dequantises it to float32), then a copy is written.
+    is one, else ``load_gguf()`` (which dequantises it to float32), then a copy is written
+    and read back.
     ``use_copy``: None follows ``RHEOPLAN_MODEL_CACHE``; False reads the GGUF and writes
     nothing. A copy that fails to load is reported, removed and made again."""
     gguf = Path(gguf)
@@ -178,8 +179,16 @@ def cached_load(gguf: Path, load_gguf: Callable[[], tuple], *, use_copy: bool | 
     except OSError as e:  # a read-only or full cache dir: the load itself has succeeded
         _note(f"model copy: not written ({type(e).__name__}: {e}): the next load reads the GGUF again")
         written = False
-    if written:
-        _note(f"model copy: the GGUF took {t_gguf:.1f} s to read; its float32 weights, configs and tokenizer "
-              f"are now in {folder} ({_weights_bytes(model) / 2**20:.0f} MiB), which later loads read "
-              f"instead ({ENV}=0: off)")
-    return model, tok
+    if not written:
+        return model, tok
+    _note(f"model copy: the GGUF took {t_gguf:.1f} s to read; its float32 weights, configs and tokenizer "
+          f"are now in {folder} ({_weights_bytes(model) / 2**20:.0f} MiB), which later loads read "
+          f"instead ({ENV}=0: off)")
+    # read it back (~0.4 s): every load with the copy on then returns the same kind of
+    # model (no GGUF quantizer state attached), and a copy that does not load is caught now
+    try:
+        return read_copy(folder, str(gguf.parent))
+    except Exception as e:
+        _note(f"model copy: the new copy in {folder} does not load ({type(e).__name__}: {e}); removed")
+        shutil.rmtree(folder, ignore_errors=True)
+        return model, tok

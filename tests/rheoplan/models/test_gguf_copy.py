@@ -49,8 +49,11 @@ def _same_weights(a, b) -> bool:
 
 def test_second_load_reads_the_copy_bit_for_bit(source):
     gguf, load, calls = source
-    m1, t1 = gguf_copy.cached_load(gguf, load)
+    m0, t0 = load()
+    calls.clear()
+    m1, t1 = gguf_copy.cached_load(gguf, load)  # converts, writes the copy and reads it back
     assert len(calls) == 1 and (gguf_copy.copy_dir(gguf) / gguf_copy.SOURCE_FILE).is_file()
+    assert _same_weights(m0, m1)
     m2, t2 = gguf_copy.cached_load(gguf, load)
     assert len(calls) == 1  # read from the copy, not converted again
     assert _same_weights(m1, m2)
@@ -67,9 +70,11 @@ def test_a_lossy_copy_is_caught(source):
     """The control: a copy stored through bfloat16 (``model_copy_bf16``) is another model."""
     gguf, load, _ = source
     with mutation("model_copy_bf16"):
-        m1, _ = gguf_copy.cached_load(gguf, load)
-    m2, _ = gguf_copy.cached_load(gguf, load)
-    assert not _same_weights(m1, m2)
+        written, _ = gguf_copy.cached_load(gguf, load)
+    again, _ = gguf_copy.cached_load(gguf, load)
+    direct, _ = load()
+    assert _same_weights(written, again)  # both read the copy
+    assert not _same_weights(again, direct)
 
 
 def test_changed_file_or_library_converts_again_and_drops_the_old_copy(source, monkeypatch):
@@ -167,6 +172,7 @@ def test_smollm2_copy_equals_the_gguf():
     except FileNotFoundError as e:
         pytest.skip(str(e))
     read, tok_g = smollm.load_smollm2(use_copy=False)
+    assert "quantization_config" not in copied.config.to_dict()  # read from the copy, even when just written
     assert _same_weights(copied, read)
     assert copied.lm_head.weight.data_ptr() == copied.model.embed_tokens.weight.data_ptr()  # still tied
     ca, cb = copied.config.to_dict(), read.config.to_dict()
