@@ -18,7 +18,10 @@ held-out prompts, each request with a budget drawn once (``--min-tokens`` to
 The rheoplan methods run as ``rheoplan generate`` does by default (RheoSampling with the
 cost model). Prints, per round (the order of the methods rotating) and as medians: the
 tokens the requests asked for and got (up to their budget and EOS) per second of wall
-time, and the wall time to serve them all.
+time, the wall time to serve them all, and each request's latency: every request arrives
+at the start, so its latency is when its tokens are complete (``generate``: when its
+batch's call returns; rheoplan: its row's ``DecodeResult.seconds``, plus the start of its
+batch for fixed batches), as the median and the 90th percentile over the requests.
 
     python examples/serve_mixed_lengths.py --requests 16 --batch-size 4 --min-tokens 16 --max-tokens 96 --rounds 3
 """
@@ -44,11 +47,20 @@ def cut(tokens: list[int], budget: int, eos: set[int]) -> list[int]:
     return out
 
 
-def serve_generate(model, prompts, budgets, batch, temperature, seed, pad_id, eos) -> int:
-    """``generate`` over batches of ``batch`` requests; returns the requests' tokens."""
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q``-quantile of ``xs`` (linear between order statistics; q in [0, 1])."""
+    ys = sorted(xs)
+    pos = q * (len(ys) - 1)
+    lo = int(pos)
+    return ys[lo] + (ys[min(lo + 1, len(ys) - 1)] - ys[lo]) * (pos - lo)
+
+
+def serve_generate(model, prompts, budgets, batch, temperature, seed, pad_id, eos) -> tuple[int, list[float]]:
+    """``generate`` over batches of ``batch`` requests; returns the requests' tokens and
+    each request's latency (s from the start)."""
     from rheoplan.bench.batch import left_pad
 
-    got = 0
+    got, latency, t0 = 0, [], time.perf_counter()
     for k in range(0, len(prompts), batch):
         ids, mask = left_pad(prompts[k:k + batch], pad_id)
         torch.manual_seed(seed + k)
@@ -56,21 +68,26 @@ def serve_generate(model, prompts, budgets, batch, temperature, seed, pad_id, eo
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=max(budgets[k:k + batch]), top_k=0,
                                  top_p=1.0, pad_token_id=pad_id, eos_token_id=sorted(eos), **kw)
+        done = time.perf_counter() - t0
         for i, row in enumerate(out[:, ids.shape[1]:].tolist()):
             got += len(cut(row, budgets[k + i], eos))
-    return got
+            latency.append(done)
+    return got, latency
 
 
-def serve_rheoplan(model, draft, prompts, budgets, batch, temperature, seed, eos, cost, tree, continuous) -> int:
-    """rheoplan's batched loop over the same batches, or over every request at once."""
+def serve_rheoplan(model, draft, prompts, budgets, batch, temperature, seed, eos, cost, tree,
+                   continuous) -> tuple[int, list[float]]:
+    """rheoplan's batched loop over the same batches, or over every request at once; returns
+    the requests' tokens and each request's latency (s from the start)."""
     from rheoplan.config import SamplingConfig
     from rheoplan.decode import plan_and_decode
 
     sampling = SamplingConfig(temperature=temperature)
     groups = [(0, len(prompts))] if continuous else [(k, min(k + batch, len(prompts)))
                                                      for k in range(0, len(prompts), batch)]
-    got = 0
+    got, latency, t0 = 0, [], time.perf_counter()
     for a, b in groups:
+        start = time.perf_counter() - t0
         res = plan_and_decode(model, draft, [list(p) for p in prompts[a:b]], max_new_tokens=list(budgets[a:b]),
                               sampling=sampling, tree=tree, seed=seed + a, eos_token_id=sorted(eos),
                               cost_model=cost, max_batch_size=batch)
@@ -78,7 +95,8 @@ def serve_rheoplan(model, draft, prompts, budgets, batch, temperature, seed, eos
             if len(cut(r.tokens, budget, eos)) != len(r.tokens):
                 raise AssertionError("rheoplan emitted past a request's budget or EOS")
             got += len(r.tokens)
-    return got
+            latency.append(start + r.seconds)
+    return got, latency
 
 
 def main(argv=None) -> None:
@@ -126,18 +144,23 @@ def main(argv=None) -> None:
     serve_rheoplan(model, draft, prompts[:2], [4, 4], 2, args.temperature, 0, eos, cost, DEFAULT_TREE, True)
     rate = {m: [] for m in METHODS}
     wall = {m: [] for m in METHODS}
+    p50 = {m: [] for m in METHODS}
+    p90 = {m: [] for m in METHODS}
     names = list(METHODS)
     for r in range(args.rounds):
         for m in names[r % 3:] + names[:r % 3]:
             t0 = time.perf_counter()
-            got = run[m](args.seed * 1000 + r * 100)
+            got, lat = run[m](args.seed * 1000 + r * 100)
             wall[m].append(time.perf_counter() - t0)
             rate[m].append(got / wall[m][-1])
-        print(f"round {r}: " + ", ".join(f"{m} {rate[m][-1]:.1f} tok/s ({wall[m][-1]:.1f} s)" for m in names),
-              flush=True)
+            p50[m].append(percentile(lat, 0.5))
+            p90[m].append(percentile(lat, 0.9))
+        print(f"round {r}: " + ", ".join(f"{m} {rate[m][-1]:.1f} tok/s ({wall[m][-1]:.1f} s; latency p50 "
+                                         f"{p50[m][-1]:.1f} s, p90 {p90[m][-1]:.1f} s)" for m in names), flush=True)
     base = statistics.median(rate["generate"])
-    print("median: " + ", ".join(f"{m} {statistics.median(rate[m]):.1f} tok/s, {statistics.median(wall[m]):.1f} s "
-                                 f"({statistics.median(rate[m]) / base:.2f}x generate)" for m in names))
+    med = statistics.median
+    print("median: " + ", ".join(f"{m} {med(rate[m]):.1f} tok/s, {med(wall[m]):.1f} s, latency p50 {med(p50[m]):.1f} s "
+                                 f"/ p90 {med(p90[m]):.1f} s ({med(rate[m]) / base:.2f}x generate)" for m in names))
 
 
 if __name__ == "__main__":

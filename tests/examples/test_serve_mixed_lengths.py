@@ -19,6 +19,14 @@ def test_a_request_ends_at_its_budget_or_its_first_eos():
     assert cut([9, 3], 5, {2, 3}) == [9, 3]
 
 
+def test_percentile_interpolates_between_order_statistics():
+    percentile = runpy.run_path(str(EXAMPLE))["percentile"]
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0], 0.9) == pytest.approx(10.0)
+    assert percentile([7.0], 0.9) == 7.0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max-tokens", "8", "--min-tokens", "9"], "--max-tokens=8 is out of range: allowed >= 9"),
     (["--requests", "41"], "--requests=41 is out of range: allowed 1..40"),
