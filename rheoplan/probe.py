@@ -585,6 +585,7 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     # ~20 s on the 2-core CPU, once per machine, model and head: say what the wait is
     bar = tqdm(total=len(ctx) + 4 + len(more), unit="part", file=log, leave=False,
                desc=f"cost model: measuring this machine's latencies (once: cached in {cache_dir() / TIMINGS_CACHE})")
+    log = _AboveBar(bar, log)  # a warning meanwhile gets its own line above the bar
     # the forward alone, as StepStats.t_verify_forward times it: the walk's output
     # projections are bookkeeping (c_o), measured in the decodes below
     lo_hi = []
@@ -769,6 +770,21 @@ def dips(sizes: Sequence[int], ms: Sequence[float], tolerance: float = DIP_TOLER
         if float(v) > top:
             top, at = float(v), n
     return out
+
+
+class _AboveBar:
+    """A text stream for ``print`` that writes each line above ``bar`` (``tqdm.write``), so
+    a message printed while the bar runs does not land on the bar's line."""
+
+    def __init__(self, bar, stream) -> None:
+        self.bar, self.stream = bar, stream
+
+    def write(self, text: str) -> None:
+        if text.strip():  # print writes its end ("\n") apart: tqdm.write adds one
+            self.bar.write(text.rstrip("\n"), file=self.stream)
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 def _curve(sizes: Sequence[int], ms: Sequence[float], what: str, log) -> tuple[float, ...]:

@@ -434,3 +434,18 @@ def test_a_cached_record_is_checked_against_the_machine_at_load(cache, monkeypat
     log = io.StringIO()
     tm = probe.measure_timings(model, draft, [1, 2, 3], log=log, **kw)
     assert seen == [tm] and "cost model: off by 2x" in log.getvalue()
+
+
+def test_a_message_during_the_measurement_gets_its_own_line():
+    """While the first measurement's progress bar runs, a warning printed to the log lands
+    on a line of its own above the bar, not glued to the bar's line."""
+    import re
+
+    from tqdm import tqdm
+
+    out = io.StringIO()
+    bar = tqdm(total=2, file=out, desc="measuring")
+    bar.update()
+    print("cost model: warning: a dip", file=probe._AboveBar(bar, out))
+    bar.close()
+    assert re.search(r"(^|[\r\n])cost model: warning: a dip\n", out.getvalue())
