@@ -39,12 +39,11 @@ METHODS = ("generate", "batched", "continuous")
 
 
 def cut(tokens: list[int], budget: int, eos: set[int]) -> list[int]:
-    """A request's tokens: at most ``budget``, ending at the first EOS (kept)."""
-    out = tokens[:budget]
-    for j, t in enumerate(out):
-        if t in eos:
-            return out[:j + 1]
-    return out
+    """A request's tokens: at most ``budget``, ending at the first EOS (kept): the rule
+    rheoplan's decode loop cuts each step's tokens by, applied to ``generate``'s rows."""
+    from rheoplan.decode import _cut_emitted
+
+    return _cut_emitted(tokens, budget, eos)[0]
 
 
 def percentile(xs: list[float], q: float) -> float:

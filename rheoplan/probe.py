@@ -582,7 +582,7 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                     print(f"cost model: {note}", file=log)
                 return tm
     more = [b for b in batch_sizes if b > 1]
-    # ~20 s on the 2-core CPU, once per machine, model and head: say what the wait is
+    # 18 s in one run on the 2-core CPU, once per machine, model and head: say what the wait is
     bar = tqdm(total=len(ctx) + 4 + len(more), unit="part", file=log, leave=False,
                desc=f"cost model: measuring this machine's latencies (once: cached in {cache_dir() / TIMINGS_CACHE})")
     log = _AboveBar(bar, log)  # a warning meanwhile gets its own line above the bar
