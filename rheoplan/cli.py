@@ -311,8 +311,9 @@ def cmd_generate(args) -> int:
                                       draft_dtype=args.draft_dtype)
     cost = None
     if uses_cost_model(args):
+        # one prompt: one row's prices only (a first measurement two thirds shorter)
         cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration=args.calibration,
-                               sampling=sampling)
+                               sampling=sampling, batched=many is not None)
     if many is not None:
         return _generate_many(args, many, model, tok, draft, cost, tree, sampling)
     ids = encode_prompt(tok, DEFAULT_PROMPT if args.prompt is None else args.prompt, not args.no_chat)
@@ -388,7 +389,7 @@ def cmd_dump(args) -> int:
     passes, decisions = None, []
     if uses_cost_model(args):  # measured before the draft starts on the prompt (it decodes)
         cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration=args.calibration,
-                               sampling=sampling)
+                               sampling=sampling, batched=False)
         plan = CostPlan.from_calibration(cost.timings, cost.fresh_calibration(sampling.temperature))
         passes = cost_pipeline(plan, on_decision=decisions.append)
     ids = encode_prompt(tok, args.prompt, not args.no_chat)
@@ -434,7 +435,7 @@ def cmd_calibrate(args) -> int:
     backend = resolve_backend(args.backend, _model_device())  # before the model loads
     model, tok, draft = load_default(method=args.method, draft=args.draft, dtype=args.dtype,
                                       draft_dtype=args.draft_dtype)
-    cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration="none")
+    cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration="none", batched=False)
     ids = [encode_prompt(tok, t, not args.no_chat) for t in texts]
     priors = calibrate_head(model, draft, ids, timings=cost.timings, tree=tree, temperatures=args.temperatures,
                             tokens=args.tokens, max_trials=args.max_trials, seed=args.seed, backend=backend)

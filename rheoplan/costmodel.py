@@ -36,7 +36,7 @@ import os
 import platform
 import time
 from bisect import bisect_left
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -331,6 +331,12 @@ class Timings:
         a, b = self.sizes[-2], self.sizes[-1]
         slope = (self.verify(b, lo) - self.verify(a, lo)) / (b - a)
         return self.verify(1, lo) / slope if slope > 0 else float("inf")
+
+    def one_row(self) -> "Timings":
+        """These latencies less the batched ones: what a decode of one prompt reads (a
+        batch priced with it counts as one row of all its tokens, ``verify_batch``)."""
+        batched = {f: v.default for f, v in self.__dataclass_fields__.items() if f.startswith("batch_")}
+        return replace(self, **batched)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -168,14 +168,25 @@ def auto_tree(tree: TreeConfig, depth, budget) -> TreeConfig:
 
 
 def load_cost_model(model, tok, draft, tree: TreeConfig, *, draft_id: str = "",
-                    calibration: str | None = None, sampling: SamplingConfig | None = None) -> CostModel:
+                    calibration: str | None = None, sampling: SamplingConfig | None = None,
+                    batched: bool = True) -> CostModel:
     """The cost model for ``model`` + ``draft`` with trees up to ``tree``: latencies measured
     on this machine (a few seconds the first time, then read from the cache) and the prior
     calibration a decode starts from: ``calibration`` (a JSON file written by
     ``--save-calibration``); without one, the draft head's own priors per temperature
     (``calibration.json`` in an ``eagle3`` head's directory, made by ``rheoplan calibrate``;
     ``draft_id`` is the ``--draft`` spec that names it); ``'none'``: no prior at all.
-    The loop's bookkeeping is measured with ``sampling`` when it samples, else at T = 1."""
+    The loop's bookkeeping is measured with ``sampling`` when it samples, else at T = 1.
+
+    ``batched=False``: the cost model will plan one prompt at a time, so where nothing is
+    cached only what one row's steps cost is measured: the batched forwards and steps,
+    two thirds of the first measurement (11.5-12.8 s against 42.7-44.8 s on a 2-core Intel Xeon,
+    ``examples/measure_first_cost_model.py``), are left out. A cached record of one row
+    serves first (a batched measurement writes one as well: its own one-row part), then a
+    batched one. A decode of several prompts with such a model prices its batches as one
+    row of all their tokens (``Timings.verify_batch``)."""
+    if not isinstance(batched, bool):
+        raise TypeError(f"batched={batched!r}: allowed True or False")
     prior = Calibration.load(calibration) if calibration not in (None, "none") else None
     priors: tuple = ()
     if calibration is None:
@@ -194,8 +205,13 @@ def load_cost_model(model, tok, draft, tree: TreeConfig, *, draft_id: str = "",
     # (measured apart), greedy decodes ran no faster (docs/results.md, thirteenth round).
     if sampling is None or sampling.greedy:
         sampling = SamplingConfig()
-    tm = measure_timings(model, draft, ids, tree=tree, sampling=sampling,
-                         model_id=SMOLLM2_ID + speed_tag(model), draft_id=draft_id)
+    kw = dict(tree=tree, sampling=sampling, model_id=SMOLLM2_ID + speed_tag(model), draft_id=draft_id)
+    if batched:
+        tm = measure_timings(model, draft, ids, **kw)
+    else:  # one row's record (a batched measurement writes one too), else a batched one, else measure
+        tm = (measure_timings(model, draft, ids, batch_sizes=(), cached_only=True, **kw)
+              or measure_timings(model, draft, ids, cached_only=True, **kw)
+              or measure_timings(model, draft, ids, batch_sizes=(), **kw))
     return CostModel(tm, prior, priors)
 
 

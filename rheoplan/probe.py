@@ -527,12 +527,32 @@ def measure_batch_tree_verify(model, draft, prompt_ids: Sequence[int], *, tree, 
     return tuple(out)
 
 
+def timings_key(model_id: str, device, dtype: str, draft_id: str, tree, batch_sizes: Sequence[int],
+                batch_row_sizes: Sequence[int]) -> str:
+    """The cache key of ``measure_timings``' record: the machine, the model, the draft, the
+    tree's shape, the batch sizes measured, and a tag per change that made older records
+    stale (they are measured again)."""
+    batch_sizes, batch_row_sizes = tuple(batch_sizes), tuple(batch_row_sizes)
+    return cache_key("timings", model_id, device, dtype=dtype, draft=draft_id,
+                     tree=f"{tree.depth}x{tree.frontier}x{tree.slots}",
+                     batch="x".join(map(str, batch_sizes)) + "/" + "x".join(map(str, batch_row_sizes)),
+                     batched_loop=batch_sizes != () and batched_decode_unavailable() is None,
+                     verify="forward",  # c_v without the output projections (older records had them)
+                     tree_scale=True,  # batch_tree_scale measured (older records lack it)
+                     ar_rows=3,  # the leaner batched plain step (f57ec9c) and batch_ar_scale
+                     rounds="round-robin",  # c_v timed round-robin (older records could hold one hiccup)
+                     overhead="by-depth-1",  # one row: c_o at one depth + per further depth (older: one c_o)
+                     kv="in-place",  # KV appends without a copy of the cache (growing_cache.GrowingLayer)
+                     gap="projection",  # c_v timed after an output projection (older records: back to back)
+                     scales="anchored")  # batched scales against the grid timed right after (older: its own)
+
+
 def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=None,
                     ctx: tuple[int, int] = (64, 512), sizes: Sequence[int] = VERIFY_SIZES,
                     reps: int = 5, steps: int = 24, model_id: str | None = None,
                     draft_id: str = "", use_cache: bool = True, timer: Timer = time.perf_counter,
                     batch_sizes: Sequence[int] = BATCH_SIZES, batch_row_sizes: Sequence[int] = BATCH_ROW_SIZES,
-                    log=sys.stderr) -> Timings:
+                    log=sys.stderr, cached_only: bool = False) -> Timings | None:
     """The cost model's latencies for ``model`` (+ ``draft``) on this machine (cached).
 
     * ``c_v(n, ctx)``: a verify forward of ``n`` tokens (``sizes``) at two context lengths
@@ -550,24 +570,15 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
       (``Timings.draft_batch``).
 
     Takes a few seconds the first time on a CPU; the cache makes later loads instant.
+    ``cached_only``: return the cached record, or None where there is none (or
+    ``RHEOPLAN_REMEASURE`` asks for a new one), and measure nothing.
     """
     sampling = sampling or SamplingConfig()
     dev = next(model.parameters()).device
     dt = str(next(model.parameters()).dtype).removeprefix("torch.")
     mid = model_id or model_identity(model)
     batch_sizes, batch_row_sizes = tuple(batch_sizes), tuple(batch_row_sizes)
-    key = cache_key("timings", mid, dev, dtype=dt, draft=draft_id,
-                    tree=f"{tree.depth}x{tree.frontier}x{tree.slots}",
-                    batch="x".join(map(str, batch_sizes)) + "/" + "x".join(map(str, batch_row_sizes)),
-                    batched_loop=batch_sizes != () and batched_decode_unavailable() is None,
-                    verify="forward",  # c_v without the output projections (older records had them)
-                    tree_scale=True,  # batch_tree_scale measured (older records lack it)
-                    ar_rows=3,  # the leaner batched plain step (f57ec9c) and batch_ar_scale
-                    rounds="round-robin",  # c_v timed round-robin (older records could hold one hiccup)
-                    overhead="by-depth-1",  # one row: c_o at one depth + per further depth (older: one c_o)
-                    kv="in-place",  # KV appends without a copy of the cache (growing_cache.GrowingLayer)
-                    gap="projection",  # c_v timed after an output projection (older records: back to back)
-                    scales="anchored")  # batched scales against the grid timed right after (older: the grid's own)
+    key = timings_key(mid, dev, dt, draft_id, tree, batch_sizes, batch_row_sizes)
     if use_cache and _read_cache():
         rec = cache_read(TIMINGS_CACHE, key)
         if rec is not None:
@@ -581,6 +592,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                 if note is not None:
                     print(f"cost model: {note}", file=log)
                 return tm
+    if cached_only:
+        return None
     more = [b for b in batch_sizes if b > 1]
     # 18 s in one run on the 2-core CPU, once per machine, model and head: say what the wait is
     bar = tqdm(total=len(ctx) + 4 + len(more), unit="part", file=log, leave=False,
@@ -655,6 +668,9 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     bar.close()
     if use_cache:
         cache_write(TIMINGS_CACHE, key, tm.to_dict())
+        if tm.batch_sizes:  # its one-row part is the newest record of one row's prices too
+            cache_write(TIMINGS_CACHE, timings_key(mid, dev, dt, draft_id, tree, (), batch_row_sizes),
+                        tm.one_row().to_dict())
     print(f"cost model: measured latencies ({_describe(tm)})", file=log)
     return tm
 

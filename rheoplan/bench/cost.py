@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     todo += [(methods[m], draft) for m in TREE_METHODS]
     records = {}
     # the cost model's latencies (measured here once, then cached) for the 'default' method
-    cost = load_cost_model(model, tok, draft, methods["default"].tree, draft_id=args.draft)
+    cost = load_cost_model(model, tok, draft, methods["default"].tree, draft_id=args.draft, batched=False)
     for method, d in tqdm(todo, desc="cost: warm-up", unit="method"):
         run_one(model, tok, d, method, prompts[:1], args.temperature, args.seed + 1, 4, cost_model=cost)
     # every method decodes each prompt before the next prompt starts (interleaved)

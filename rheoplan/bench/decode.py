@@ -486,7 +486,7 @@ def main(argv=None) -> int:
                     compile_s, compile_err = warm_static_generate(model, tok)
                 costed = [m for m in methods if m.cost]
                 if costed and cost is None:
-                    cost = load_cost_model(model, tok, draft, costed[0].tree, draft_id=args.draft)
+                    cost = load_cost_model(model, tok, draft, costed[0].tree, draft_id=args.draft, batched=False)
                 recs = {}
                 if compile_err:  # report the failure, run the others
                     for m in [m for m in methods if m.kind == "generate-static"]:

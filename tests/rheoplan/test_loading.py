@@ -45,3 +45,42 @@ def test_load_head_in_the_asked_or_measured_dtype(tiny, monkeypatch, asked, pick
 def test_load_head_refuses_an_unknown_dtype(tiny):
     with pytest.raises(ValueError, match=r"draft_dtype='fp16' is not one of"):
         loading.load_head(tiny[1], tiny[0], "fp16")
+
+
+def test_one_row_cost_model_reads_one_rows_record_then_a_batched_one_then_measures_one_row(monkeypatch):
+    """``batched=False`` (``rheoplan generate`` with one prompt): a cached one-row record
+    serves first, then a cached batched one; without either only one row's prices are
+    measured (``batch_sizes=()``). ``batched=True`` asks for the batched record, as before."""
+    from rheoplan import TreeConfig
+    from rheoplan.costmodel import Timings
+
+    one = Timings((1, 64), (10.0, 73.0), (12.0, 75.0), 0, 1000, (1, 4), (0.5, 1.0), 0.5, 0.5)
+    full = Timings((1, 64), (11.0, 70.0), (12.0, 75.0), 0, 1000, (1, 4), (0.5, 1.0), 0.5, 0.5,
+                   (1, 4), (1, 2), ((10.0, 11.0), (12.0, 14.0)))
+    tree = TreeConfig(depth=3, frontier=2, slots=2, budget=6, rheostat=1, support=5)
+    cached, calls = {}, []
+
+    def measure(*a, cached_only=False, batch_sizes=None, **k):
+        key = "one" if batch_sizes == () else "full"
+        calls.append((key, cached_only))
+        if cached_only:
+            return cached.get(key)
+        cached[key] = one if key == "one" else full
+        return cached[key]
+
+    monkeypatch.setattr(loading, "measure_timings", measure)
+    monkeypatch.setattr(loading, "encode_prompt", lambda *a, **k: [0])
+    load = lambda **k: loading.load_cost_model(None, None, None, tree, calibration="none", **k)  # noqa: E731
+    assert load(batched=True).timings is full and calls == [("full", False)]  # nothing cached: measured
+    calls.clear()
+    del cached["full"]
+    assert load(batched=False).timings is one  # nothing cached: one row measured
+    assert calls == [("one", True), ("full", True), ("one", False)]
+    calls.clear()
+    cached["full"] = full
+    assert load(batched=False).timings is one and calls == [("one", True)]  # one row's record first
+    calls.clear()
+    del cached["one"]
+    assert load(batched=False).timings is full and calls == [("one", True), ("full", True)]  # then a batched one
+    with pytest.raises(TypeError, match="batched='no'"):
+        load(batched="no")

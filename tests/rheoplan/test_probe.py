@@ -239,6 +239,38 @@ def test_measure_timings_on_a_tiny_model_and_cache(cache, monkeypatch):
     assert again == tm and "cached" in log.getvalue()
 
 
+def test_cached_only_reads_a_record_and_measures_nothing(cache, monkeypatch):
+    """``cached_only``: the record of exactly these settings or None, and no measurement
+    either way; a one-row record (``batch_sizes=()``) is not the full one's."""
+    model, draft = tiny_llama(seed=1, vocab=16), tiny_llama(seed=2, vocab=16)
+    tree = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8)
+    kw = dict(tree=tree, ctx=(4, 12), sizes=(1, 2), reps=1, steps=4, model_id="tiny", log=io.StringIO())
+    decodes = []
+    real = probe.plan_and_decode
+
+    def recording(m, *a, **k):
+        if m is model:  # (the cache key's check that batched decoding works decodes a functional model)
+            decodes.append(1)
+        return real(m, *a, **k)
+
+    monkeypatch.setattr(probe, "plan_and_decode", recording)
+    assert probe.measure_timings(model, draft, [1, 2, 3], cached_only=True, **kw) is None
+    assert probe.measure_timings(model, draft, [1, 2, 3], cached_only=True, batch_sizes=(), **kw) is None
+    assert decodes == []  # nothing measured
+    one = probe.measure_timings(model, draft, [1, 2, 3], batch_sizes=(), **kw)
+    assert one.batch_sizes == () and one.batch_verify == () and len(decodes) == 3  # one row's decodes only
+    assert probe.measure_timings(model, draft, [1, 2, 3], cached_only=True, batch_sizes=(), **kw) == one
+    assert probe.measure_timings(model, draft, [1, 2, 3], cached_only=True, **kw) is None  # not the full record
+    full = probe.measure_timings(model, draft, [1, 2, 3], **kw)  # a batched measurement ...
+    assert full.batch_sizes == probe.BATCH_SIZES and full.one_row() != one
+    # ... is also the newest record of one row: its one-row part, every batched price dropped
+    assert probe.measure_timings(model, draft, [1, 2, 3], cached_only=True, batch_sizes=(), **kw) == full.one_row()
+    assert full.one_row().batch_verify == () and full.one_row().verify_lo == full.verify_lo
+    assert probe.measure_timings(model, draft, [1, 2, 3], cached_only=True, **kw) == full
+    monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")  # asked to measure again: nothing cached counts
+    assert probe.measure_timings(model, draft, [1, 2, 3], cached_only=True, batch_sizes=(), **kw) is None
+
+
 def test_verify_latencies_never_drop_with_more_tokens():
     assert probe.monotone([40.0, 38.0, 55.0, 50.0]) == (40.0, 40.0, 55.0, 55.0)
     assert probe.monotone([1.0]) == (1.0,)
