@@ -179,12 +179,12 @@ def load_cost_model(model, tok, draft, tree: TreeConfig, *, draft_id: str = "",
     The loop's bookkeeping is measured with ``sampling`` when it samples, else at T = 1.
 
     ``batched=False``: the cost model will plan one prompt at a time, so where nothing is
-    cached only what one row's steps cost is measured: the batched forwards and steps,
-    two thirds of the first measurement (11.5-12.8 s against 42.7-44.8 s on a 2-core Intel Xeon,
-    ``examples/measure_first_cost_model.py``), are left out. A cached record of one row
-    serves first (a batched measurement writes one as well: its own one-row part), then a
-    batched one. A decode of several prompts with such a model prices its batches as one
-    row of all their tokens (``Timings.verify_batch``)."""
+    cached only what one row's steps cost is measured, not the batched forwards and steps
+    (a first measurement of 11.5-12.8 s against 42.7-44.8 s on a 2-core Intel Xeon,
+    ``examples/measure_first_cost_model.py``). A cached record of one row serves first (a
+    batched measurement writes one as well: its own one-row part), then a batched one. A
+    decode of several prompts with such a model prices its batches as one row of all their
+    tokens (``Timings.verify_batch``)."""
     if not isinstance(batched, bool):
         raise TypeError(f"batched={batched!r}: allowed True or False")
     prior = Calibration.load(calibration) if calibration not in (None, "none") else None
