@@ -271,6 +271,37 @@ def test_cached_only_reads_a_record_and_measures_nothing(cache, monkeypatch):
     assert probe.measure_timings(model, draft, [1, 2, 3], cached_only=True, batch_sizes=(), **kw) is None
 
 
+def test_a_dipping_verify_curve_is_timed_again_and_each_size_keeps_its_faster_median(cache, monkeypatch):
+    """A curve that dips (a busy spell) is measured once more and each size keeps the lower
+    of its two medians; a clean curve is measured once; a dip that survives still warns."""
+    model, draft = tiny_llama(seed=1, vocab=16), tiny_llama(seed=2, vocab=16)
+    tree = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8)
+    curves = {4: [[20.0, 15.0, 16.0], [12.0, 13.0, 17.0]],  # dips, then a quiet retake
+              12: [[30.0, 31.0, 33.0]],                     # clean: timed once
+              }
+    calls = []
+
+    def fake(model, ctx, sizes, **kw):
+        calls.append(ctx)
+        return curves[ctx].pop(0)
+
+    monkeypatch.setattr(probe, "chain_verify_ms", fake)
+    log = io.StringIO()
+    tm = probe.measure_timings(model, draft, [1, 2, 3], tree=tree, ctx=(4, 12), sizes=(1, 2, 4), reps=1,
+                               steps=4, model_id="tiny", batch_sizes=(), log=log)
+    assert calls == [4, 4, 12]
+    assert tm.verify_lo == (12.0, 13.0, 16.0) and tm.verify_hi == (30.0, 31.0, 33.0)
+    assert "warning" not in log.getvalue()
+    curves.update({4: [[20.0, 15.0, 16.0], [21.0, 14.0, 15.0]], 12: [[30.0, 31.0, 33.0]]})  # the dip stays
+    monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")
+    tm = probe.measure_timings(model, draft, [1, 2, 3], tree=tree, ctx=(4, 12), sizes=(1, 2, 4), reps=1,
+                               steps=4, model_id="tiny", batch_sizes=(), log=log)
+    assert tm.verify_lo == (20.0, 20.0, 20.0)  # min [20, 14, 15], made monotone
+    assert "warning: the verify latency at 4 cached tokens dropped" in log.getvalue()
+    with pytest.raises(ValueError, match="one per size"):
+        probe.retimed([1.0, 2.0], [1.0])
+
+
 def test_verify_latencies_never_drop_with_more_tokens():
     assert probe.monotone([40.0, 38.0, 55.0, 50.0]) == (40.0, 40.0, 55.0, 55.0)
     assert probe.monotone([1.0]) == (1.0,)
