@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -100,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--topk", type=int, default=32, help="target top-k kept as the soft target (training)")
     g.add_argument("--heldout-topk", type=int, default=256,
                    help="target top-k kept for held-out positions (bounds of the acceptance proxy)")
+    g.add_argument("--tv-weight", type=float, default=0.0, help="weight of a total-variation term added "
+                   "to the cross-entropy (the acceptance proxy's own loss: mass - sum min(p, q)); 0: none")
     g.add_argument("--prompt-weight", type=float, default=0.3, help="loss weight of prompt positions "
                    "(answers weigh 1, the shared system prompt 0)")
     g.add_argument("--feature-cache-gb", type=float, default=8.0,
@@ -157,6 +160,8 @@ def _check_args(a: argparse.Namespace) -> list[str]:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(a, name)}: allowed >= 0")
     if not 0 <= a.prompt_weight <= 1:
         raise SystemExit(f"--prompt-weight={a.prompt_weight}: allowed 0..1")
+    if not (a.tv_weight >= 0 and math.isfinite(a.tv_weight)):
+        raise SystemExit(f"--tv-weight={a.tv_weight}: allowed a finite number >= 0")
     if not a.lr > 0:
         raise SystemExit(f"--lr={a.lr}: allowed > 0")
     if a.skip_rows < 0:
@@ -346,7 +351,7 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     held_src, sub_src = _eval_sets(a, model, held_rows, train_rows, shared)
     t2d_index = tr.target_to_draft_index(draft_ids, V)
     tcfg = tr.TrainConfig(epochs=a.epochs, lr=a.lr, chunk_tokens=a.chunk_tokens, ttt_steps=a.ttt_steps,
-                          prompt_weight=a.prompt_weight, autocast_bf16=not a.no_bf16, seed=a.seed,
+                          prompt_weight=a.prompt_weight, tv_weight=a.tv_weight, autocast_bf16=not a.no_bf16, seed=a.seed,
                           ckpt_every=a.ckpt_every)
     depths = max(a.eval_depths, a.ttt_steps)
     if init is not None and held_rows and not (a.resume and os.path.exists(os.path.join(a.work_dir, "ckpt.pt"))):
@@ -354,8 +359,12 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
         report["eval_heldout_init"] = tr.evaluate(head, embed, held_src, steps=depths, chunk_tokens=a.chunk_tokens,
                                                   draft_ids=draft_ids, t2d_index=tr.target_to_draft_index(draft_ids, V),
                                                   scale=scale)
-        print(f"[train] --init-from head, held-out top-1 per depth: " + " / ".join(
-            f"{100 * report['eval_heldout_init'][f'top1_step{k}']:.1f}%" for k in range(1, depths + 1)), flush=True)
+        ev = report["eval_heldout_init"]
+        print("[train] --init-from head, held-out top-1 per depth: " + " / ".join(
+            f"{100 * ev[f'top1_step{k}']:.1f}%" for k in range(1, depths + 1)) + "; acceptance proxy: " + " / ".join(
+            f"{100 * ev[f'accept_lo_step{k}']:.2f}%" for k in range(1, depths + 1)), flush=True)
+        with open(os.path.join(a.work_dir, "train_log.jsonl"), "a") as f:  # beside the epochs' evaluations
+            f.write(json.dumps({"eval_init": ev}) + "\n")
 
     def heldout_eval(epoch: int) -> dict:
         return tr.evaluate(head, embed, held_src, steps=depths, chunk_tokens=a.chunk_tokens,
@@ -493,7 +502,9 @@ def model_card(r: dict) -> str:
         f"{cfg.get('chunk_tokens')} packed positions, lr {cfg.get('lr')} (cosine, {cfg.get('warmup_frac')} "
         f"warmup), {'bf16 autocast' if cfg.get('autocast_bf16') else 'fp32'}, "
         f"{r.get('machine', {}).get('cpu_threads')} CPU thread(s)",
-        f"- loss: soft cross-entropy to the target's top-k distribution restricted to the draft vocabulary; "
+        "- loss: soft cross-entropy to the target's top-k distribution restricted to the draft vocabulary"
+        + (f" plus {cfg['tv_weight']:g} x the total-variation term `mass - sum_x min(p(x), q(x))` over that top-k "
+           "(`--tv-weight`)" if cfg.get("tv_weight") else "") + "; "
         f"EAGLE-3 training-time test with {cfg.get('ttt_steps')} steps (step weights {cfg.get('step_decay')}^(k-1))",
         _wall_line(trn),
     ]

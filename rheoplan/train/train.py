@@ -342,13 +342,21 @@ def soft_targets(topk_ids: torch.Tensor, topk_logp: torch.Tensor, t2d_index: tor
 
 
 def step_loss(logits: torch.Tensor, d: torch.Tensor, p: torch.Tensor, mass: torch.Tensor,
-              weight: torch.Tensor) -> torch.Tensor:
-    """Weighted soft cross-entropy against ``p`` renormalised over the draft vocabulary."""
+              weight: torch.Tensor, tv_weight: float = 0.0) -> torch.Tensor:
+    """Weighted soft cross-entropy against ``p`` renormalised over the draft vocabulary,
+    plus ``tv_weight`` times the part of the total-variation distance the acceptance proxy
+    sees: ``mass - sum_x min(p(x), q(x))`` over the target's top-k in the draft vocabulary
+    (``step_metrics``' ``accept_lo`` is ``sum min(p, q)``; a drafted token at T = 1 is
+    accepted with probability ``sum_x min(p, q)``, which the cross-entropy only pulls
+    towards indirectly)."""
     logq = torch.log_softmax(logits.float(), dim=-1)
+    lq = logq.gather(1, d)
     pn = p / mass.clamp(min=1e-9)[:, None]
-    ce = -(pn * logq.gather(1, d)).sum(-1)
+    per = -(pn * lq).sum(-1)
+    if tv_weight:
+        per = per + tv_weight * (mass - torch.minimum(p, lq.exp()).sum(-1))
     w = weight * (mass > 0)
-    return (ce * w).sum() / w.sum().clamp(min=1e-9)
+    return (per * w).sum() / w.sum().clamp(min=1e-9)
 
 
 @torch.no_grad()
@@ -426,6 +434,8 @@ class TrainConfig:
     ttt_steps: int = 2
     step_decay: float = 0.8
     prompt_weight: float = 0.3
+    #: weight of the total-variation term of ``step_loss`` (0: cross-entropy alone)
+    tv_weight: float = 0.0
     autocast_bf16: bool = True
     seed: int = 0
     ckpt_every: int = 50
@@ -515,7 +525,7 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
                 w = b.weight * (b.local >= k - 1)
                 sel = w > 0
                 logits = head.draft_logits(h[sel])
-                losses.append(step_loss(logits, d[sel], p[sel], mass[sel], w[sel]))
+                losses.append(step_loss(logits, d[sel], p[sel], mass[sel], w[sel], cfg.tv_weight))
         loss = sum(cfg.step_decay ** k * l for k, l in enumerate(losses))
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -105,6 +105,23 @@ def test_a_few_steps_reduce_the_loss(setup):
     assert 0 <= after["accept_lo_step1"] <= after["accept_hi_step1"] <= 1 + 1e-6
 
 
+def test_tv_term_is_the_mass_the_acceptance_proxy_misses():
+    # two positions over a 4-token draft vocabulary; p known on its top-3, one of them out of vocab
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    d = torch.tensor([[0, 1, 0], [3, 2, 1]])
+    p = torch.tensor([[0.5, 0.3, 0.0], [0.4, 0.2, 0.1]])  # row 0: the third entry is out of vocab
+    mass, w = p.sum(-1), torch.ones(2)
+    ce = tr.step_loss(logits, d, p, mass, w)
+    both = tr.step_loss(logits, d, p, mass, w, tv_weight=2.0)
+    q = torch.softmax(logits.detach(), -1)
+    overlap = torch.minimum(p, q.gather(1, d) * (p > 0)).sum(-1)  # step_metrics' accept_lo
+    assert torch.allclose(both - ce, 2.0 * (mass - overlap).mean())
+    assert float(tr.step_loss(logits, d, p, mass, w, tv_weight=0.0)) == float(ce)
+    # its gradient raises q where q < p: the logit of token 3 in row 1 (q 0.25 < p 0.4)
+    g, = torch.autograd.grad(both - ce, logits)
+    assert g[1, 3] < 0
+
+
 def test_training_from_token_rows_equals_training_on_in_memory_examples(tiny_target, tiny_rows, setup):
     """The on-demand source (target forwards per chunk, nothing stored) trains exactly like
     examples whose features were computed up front."""

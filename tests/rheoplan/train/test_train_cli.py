@@ -36,6 +36,8 @@ def test_help_lists_the_main_flags(capsys):
     (["--draft-vocab", "0"], "--draft-vocab"),
     (["--init-from", "/nonexistent/head"], "--init-from"),
     (["--skip-rows", "-1"], "--skip-rows"),
+    (["--tv-weight", "-1"], "--tv-weight"),
+    (["--tv-weight", "nan"], "--tv-weight"),
 ])
 def test_bad_arguments_are_rejected_before_any_work(argv, msg, tmp_path):
     a = cli.build_parser().parse_args(["--work-dir", str(tmp_path)] + argv)
@@ -58,6 +60,9 @@ def test_model_card_reads_sizes_from_the_report():
     assert "H=4096, 32 heads / 8 kv heads" in card and "fc 12288 -> 4096" in card
     assert "layers [2, 16, 29]" in card and "mymodel.gguf" in card and "576" not in card
     assert "rheoplan train-draft --work-dir w" in card
+    assert "total-variation" not in card  # cross-entropy alone
+    tv = cli.model_card({"train": {"config": {"tv_weight": 32.0}}})
+    assert "plus 32 x the total-variation term" in tv
 
 
 def _prompt_files(tmp_path):
