@@ -351,8 +351,8 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     held_src, sub_src = _eval_sets(a, model, held_rows, train_rows, shared)
     t2d_index = tr.target_to_draft_index(draft_ids, V)
     tcfg = tr.TrainConfig(epochs=a.epochs, lr=a.lr, chunk_tokens=a.chunk_tokens, ttt_steps=a.ttt_steps,
-                          prompt_weight=a.prompt_weight, tv_weight=a.tv_weight, autocast_bf16=not a.no_bf16, seed=a.seed,
-                          ckpt_every=a.ckpt_every)
+                          prompt_weight=a.prompt_weight, tv_weight=a.tv_weight, autocast_bf16=not a.no_bf16,
+                          seed=a.seed, ckpt_every=a.ckpt_every)
     depths = max(a.eval_depths, a.ttt_steps)
     if init is not None and held_rows and not (a.resume and os.path.exists(os.path.join(a.work_dir, "ckpt.pt"))):
         # where this run starts from, measured by the same evaluation as its epochs
