@@ -341,20 +341,26 @@ def soft_targets(topk_ids: torch.Tensor, topk_logp: torch.Tensor, t2d_index: tor
     return d.clamp(min=0), p, p.sum(-1)
 
 
+def overlap(p: torch.Tensor, q_at_d: torch.Tensor) -> torch.Tensor:
+    """``sum_x min(p(x), q(x))`` over the target's top-k in the draft vocabulary, per
+    position: ``p`` from ``soft_targets`` (0 out of vocab), ``q_at_d`` the head's law at its
+    draft ids ``d``. The acceptance proxy's lower bound (``step_metrics``) and what the
+    total-variation term of ``step_loss`` adds up to ``mass``."""
+    return torch.minimum(p, q_at_d * (p > 0)).sum(-1)
+
+
 def step_loss(logits: torch.Tensor, d: torch.Tensor, p: torch.Tensor, mass: torch.Tensor,
               weight: torch.Tensor, tv_weight: float = 0.0) -> torch.Tensor:
     """Weighted soft cross-entropy against ``p`` renormalised over the draft vocabulary,
-    plus ``tv_weight`` times the part of the total-variation distance the acceptance proxy
-    sees: ``mass - sum_x min(p(x), q(x))`` over the target's top-k in the draft vocabulary
-    (``step_metrics``' ``accept_lo`` is ``sum min(p, q)``; a drafted token at T = 1 is
-    accepted with probability ``sum_x min(p, q)``, which the cross-entropy only pulls
-    towards indirectly)."""
+    plus ``tv_weight`` times ``mass - overlap(p, q)``: the part of the total-variation
+    distance the acceptance proxy sees (a drafted token at T = 1 is accepted with
+    probability ``sum_x min(p, q)``, which the cross-entropy only pulls towards indirectly)."""
     logq = torch.log_softmax(logits.float(), dim=-1)
     lq = logq.gather(1, d)
     pn = p / mass.clamp(min=1e-9)[:, None]
     per = -(pn * lq).sum(-1)
     if tv_weight:
-        per = per + tv_weight * (mass - torch.minimum(p, lq.exp()).sum(-1))
+        per = per + tv_weight * (mass - overlap(p, lq.exp()))
     w = weight * (mass > 0)
     return (per * w).sum() / w.sum().clamp(min=1e-9)
 
@@ -372,7 +378,7 @@ def step_metrics(logits: torch.Tensor, batch: Batch, draft_ids: torch.Tensor, t2
     top3 = (draft_ids[logits.topk(min(3, logits.shape[-1]), dim=-1).indices] == tk_ids[:, :1]).any(-1)
     d, p, _ = soft_targets(tk_ids, tk_lp, t2d_index)
     qk = q.gather(1, d) * (p > 0)
-    lower = torch.minimum(p, qk).sum(-1)
+    lower = overlap(p, qk)
     p_rest = (1 - tk_lp.float().exp().sum(-1)).clamp(min=0)
     q_rest = (1 - qk.sum(-1)).clamp(min=0)
     upper = lower + torch.minimum(p_rest, q_rest)
