@@ -7,14 +7,30 @@ pass that leaves an ill-formed tree fails the test that ran it, naming the pass.
 
 Opt out (e.g. a test that plans thousands of trees, or one that checks
 ``debug_instruments`` itself) with ``@pytest.mark.no_ir_lint``.
+
+The suite keeps a cache of its own (``RHEOPLAN_CACHE_DIR``, a temporary folder removed at
+exit): what it measures while it loads the machine (the dtype ``--dtype auto`` picks, the
+cost model's latencies, the output projection's) must not become the choices a user's
+later ``rheoplan generate`` reads from ``~/.cache/rheoplan``, and a user's cache must not
+change what a test sees. ``RHEOPLAN_TEST_CACHE_DIR=DIR`` keeps it in ``DIR`` instead, so
+that reruns skip the GGUF conversion (about 0.5 GB) and the measurements.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+_cache = os.environ.get("RHEOPLAN_TEST_CACHE_DIR")
+if not _cache:
+    _cache = tempfile.mkdtemp(prefix="rheoplan-test-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ["RHEOPLAN_CACHE_DIR"] = _cache  # subprocesses (the CLI tests) inherit it
 
 # Without CUDA, Triton kernels (the 'triton' backend included) run under Triton's CPU
 # interpreter. It must be chosen before triton is first imported, hence here.
