@@ -86,10 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-dtype", choices=sorted(DTYPES), default="bfloat16",
                    help="target dtype of the teacher-forced forwards that make features and soft targets")
     g.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (the target tokens "
-                   f"sampled most often); default {DEFAULT_DRAFT_VOCAB}, or the --init-from head's")
+                   f"sampled most often); default {DEFAULT_DRAFT_VOCAB}, or the --init-from head's; larger "
+                   "than the --init-from head's: its vocabulary grows to this size (its trained rows kept, "
+                   "the next tokens by count added, rheoplan.train.train.extend_vocab)")
     g.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from this EAGLE-3 head (config.json + weights, e.g. the shipped "
-                        "rheoplan/assets/smollm2-eagle3) instead of a fresh one, keeping its draft vocabulary: "
+                        "rheoplan/assets/smollm2-eagle3) instead of a fresh one, keeping its draft vocabulary (or growing it: --draft-vocab): "
                         "more training for a head that exists (give it a lower --lr, e.g. 3e-4); its held-out "
                         "numbers before this run go into the report and the model card")
     g.add_argument("--epochs", type=int, default=2)
@@ -268,9 +270,11 @@ def read_init_head(a, model) -> tr.Eagle3Head:
     except (Eagle3LoadError, OSError, ValueError) as e:
         raise SystemExit(f"--init-from {a.init_from!r}: {e}")
     n = head.config.draft_vocab_size
-    if a.draft_vocab is not None and a.draft_vocab != n:
+    V = int(model.config.vocab_size)
+    if a.draft_vocab is not None and not n <= a.draft_vocab <= V:
         raise SystemExit(f"--draft-vocab={a.draft_vocab} with --init-from {a.init_from!r}, whose draft vocabulary "
-                         f"has {n} tokens: allowed {n} (or leave --draft-vocab out)")
+                         f"has {n} tokens: allowed {n}..{V} (more than {n}: the vocabulary grows; or leave "
+                         "--draft-vocab out)")
     want = tr.head_config_for(model.config, n).to_dict()
     got = head.config.to_dict()
     diff = [f"{k}: head {got.get(k)!r}, target needs {v!r}" for k, v in want.items() if got.get(k) != v]
@@ -303,6 +307,12 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     vocab_path = os.path.join(a.work_dir, "draft_vocab.pt")
     # counted again on resume too (a second or two): the model card reports the coverage
     counts = tr.token_counts(train_rows, V, skip_prefix=shared)
+    if init is not None and a.draft_vocab is not None and a.draft_vocab > init.config.draft_vocab_size:
+        n = init.config.draft_vocab_size
+        init = tr.extend_vocab(init, model, counts, a.draft_vocab)
+        report["init_vocab_grown_from"] = n
+        print(f"[train] --draft-vocab {a.draft_vocab}: the --init-from head's {n} tokens grown to {a.draft_vocab} "
+              "(the next by count; rows mapped from the target's)", flush=True)
     if a.resume and os.path.exists(vocab_path):
         draft_ids = torch.load(vocab_path)
         if init is not None and not torch.equal(draft_ids, init.target_ids()):
@@ -509,8 +519,11 @@ def model_card(r: dict) -> str:
         _wall_line(trn),
     ]
     if r.get("init_from"):
-        lines.append(f"- started from the head in `{r['init_from']}` (`--init-from`), not from a fresh one; its "
-                     "held-out numbers before this run are the first rows of the table below")
+        grown = (f", its draft vocabulary grown from {r['init_vocab_grown_from']} tokens (`--draft-vocab`: the "
+                 "added tokens' rows the target's output rows mapped into the head's output space)"
+                 if r.get("init_vocab_grown_from") else "")
+        lines.append(f"- started from the head in `{r['init_from']}` (`--init-from`){grown}, not from a fresh one; "
+                     "its held-out numbers before this run (after any growth) are the first rows of the table below")
     lines += [
         "",
         "## Measured quality per draft depth (answer positions)",

@@ -55,6 +55,38 @@ def test_vocab_map_matches_the_checkpoint_convention(setup, tmp_path):
     assert torch.equal(back.target_ids(), ids) and torch.equal(back.t2d, head.t2d)
 
 
+def test_extend_vocab_keeps_the_head_and_maps_the_new_rows(setup, tiny_target):
+    """A grown vocabulary: the next tokens by mass are added, every trained weight and row is
+    kept (the old tokens' logits are unchanged), and the new rows are the target's carried by
+    the map the old rows were trained along (here an exact affine map, which it recovers)."""
+    V, H = tiny_target.config.vocab_size, tiny_target.config.hidden_size
+    n = 2 * H  # more rows than the map's H + 1 unknowns per output: the fit is determined
+    ids = torch.randperm(V - 10, generator=torch.Generator().manual_seed(1))[:n].sort().values
+    head = tr.init_head(tr.head_config_for(tiny_target.config, n), ids, tiny_target)
+    out_w = tiny_target.get_output_embeddings().weight.detach().float()
+    g = torch.Generator().manual_seed(0)
+    M, b = torch.eye(H) + 0.3 * torch.randn(H, H, generator=g), torch.randn(H, generator=g)
+    with torch.no_grad():  # "trained" rows: an affine image of the target's, as training drifts them
+        head.lm_head.weight.copy_(out_w[ids] @ M + b)
+        head.midlayer.mlp.down_proj.weight.mul_(1.5)
+    mass = torch.arange(V, dtype=torch.float64)  # the largest ids are the most frequent
+    grown = tr.extend_vocab(head, tiny_target, mass, n + 5)
+    new_ids = grown.target_ids()
+    extra = sorted(set(range(V)) - set(ids.tolist()))[-5:]
+    assert new_ids.tolist() == sorted(ids.tolist() + extra)
+    old_pos = torch.searchsorted(new_ids, ids)
+    new_pos = torch.searchsorted(new_ids, torch.tensor(extra))
+    assert torch.equal(grown.lm_head.weight[old_pos], head.lm_head.weight)
+    torch.testing.assert_close(grown.lm_head.weight[new_pos], out_w[extra] @ M + b, atol=1e-4, rtol=1e-4)
+    assert torch.equal(grown.midlayer.mlp.down_proj.weight, head.midlayer.mlp.down_proj.weight)
+    h = torch.randn(3, H, generator=g)
+    assert torch.equal(grown.draft_logits(h)[:, old_pos], head.draft_logits(h))
+    with pytest.raises(ValueError, match=rf"size={n} is out of range: allowed {n + 1}\.\."):
+        tr.extend_vocab(head, tiny_target, mass, n)
+    with pytest.raises(ValueError, match="mass has shape"):
+        tr.extend_vocab(head, tiny_target, mass[:-1], n + 5)
+
+
 def test_example_pairs_features_with_the_next_token(tiny_rows):
     r = tiny_rows[0]
     e = tr.make_example(r, shared_prefix=2, prompt_weight=0.5)

@@ -110,7 +110,8 @@ def test_the_pipeline_runs_and_resumes_on_a_local_model(tiny_target_dir, tmp_pat
 def test_init_from_continues_an_exported_head(tiny_target_dir, tmp_path):
     """``--init-from``: the exported head (scale folded into fc) is unfolded again, so the
     run starts from exactly that head: its held-out numbers before training equal the
-    export's; a head that does not fit (vocabulary size, target) is refused before training."""
+    export's; a larger ``--draft-vocab`` grows its vocabulary; a head that does not fit (a
+    smaller vocabulary, another target) is refused before training."""
     toks = str(tmp_path / "tokens")
     base = ["--tokens-dir", toks, "--target", tiny_target_dir, "--prompts", "16", "--tokens-per-prompt", "10",
             "--heldout-tokens", "6", "--batch-size", "8", "--threads", "1", "--no-progress",
@@ -125,6 +126,14 @@ def test_init_from_continues_an_exported_head(tiny_target_dir, tmp_path):
     second = str(tmp_path / "second")
     with pytest.raises(SystemExit, match="--draft-vocab=30 .* allowed 40"):
         cli.main(base + ["--work-dir", second, "--stages", "train", "--init-from", exported, "--draft-vocab", "30"])
+    # a larger --draft-vocab grows the head's vocabulary (rheoplan.train.train.extend_vocab)
+    grown = str(tmp_path / "grown")
+    assert cli.main(base + ["--work-dir", grown, "--stages", "train,export", "--init-from", exported,
+                            "--draft-vocab", "50", "--max-steps", "1"]) == 0
+    g = read_eagle3(os.path.join(grown, "export"))
+    assert g.config.draft_vocab_size == 50
+    assert set(read_eagle3(exported).target_ids().tolist()) < set(g.target_ids().tolist())
+    assert "draft vocabulary grown from 40 tokens" in open(os.path.join(grown, "export", "MODEL_CARD.md")).read()
     assert cli.main(base + ["--work-dir", second, "--stages", "train,export", "--init-from", exported,
                             "--lr", "3e-4", "--max-steps", "2", "--skip-rows", "5"]) == 0
     rep = json.load(open(os.path.join(second, "export", "report.json")))
