@@ -91,9 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the next tokens by count added, rheoplan.train.train.extend_vocab)")
     g.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from this EAGLE-3 head (config.json + weights, e.g. the shipped "
-                        "rheoplan/assets/smollm2-eagle3) instead of a fresh one, keeping its draft vocabulary (or growing it: --draft-vocab): "
-                        "more training for a head that exists (give it a lower --lr, e.g. 3e-4); its held-out "
-                        "numbers before this run go into the report and the model card")
+                        "rheoplan/assets/smollm2-eagle3) instead of a fresh one, keeping its draft vocabulary "
+                        "(or growing it: --draft-vocab): more training for a head that exists (give it a lower "
+                        "--lr, e.g. 3e-4); its held-out numbers before this run go into the report and the "
+                        "model card")
     g.add_argument("--epochs", type=int, default=2)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--chunk-tokens", type=int, default=1024, help="pairs per optimiser step (packed rows)")

@@ -55,7 +55,7 @@ def test_vocab_map_matches_the_checkpoint_convention(setup, tmp_path):
     assert torch.equal(back.target_ids(), ids) and torch.equal(back.t2d, head.t2d)
 
 
-def test_extend_vocab_keeps_the_head_and_maps_the_new_rows(setup, tiny_target):
+def test_extend_vocab_keeps_the_head_and_maps_the_new_rows(tiny_target):
     """A grown vocabulary: the next tokens by mass are added, every trained weight and row is
     kept (the old tokens' logits are unchanged), and the new rows are the target's carried by
     the map the old rows were trained along (here an exact affine map, which it recovers)."""
