@@ -163,16 +163,21 @@ def extend_vocab(head: Eagle3Head, target_model: torch.nn.Module, mass: torch.Te
     ids = choose_draft_vocab(mass, size, always=old.tolist())  # sorted: old + the next by mass
     extra = ids[~torch.isin(ids, old)]
     new = init_head(replace(head.config, draft_vocab_size=size, extra=dict(head.config.extra)), ids)
-    state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
-    new.load_state_dict(state, strict=False)
+    vocab_keys = ("lm_head.weight", "d2t", "t2d")  # new.lm_head is set below; the map by init_head
+    got = new.load_state_dict({k: v for k, v in head.state_dict().items() if k not in vocab_keys}, strict=False)
+    if got.unexpected_keys or set(got.missing_keys) - set(vocab_keys):  # every other weight copied
+        raise ValueError(f"extend_vocab: weights not copied {sorted(set(got.missing_keys) - set(vocab_keys))}, "
+                         f"unexpected {got.unexpected_keys}")
+    out_w = target_model.get_output_embeddings().weight.detach()
+
+    def target_rows(t: torch.Tensor) -> torch.Tensor:  # [len(t), H + 1]: the map's shift rides on the 1s
+        return torch.cat([out_w[t].float(), torch.ones(t.numel(), 1)], 1)
+
     with torch.no_grad():
         trained = head.lm_head.weight.detach().float()
-        out_w = target_model.get_output_embeddings().weight.detach().float()
-        ones = torch.ones(V, 1)
-        rows = torch.cat([out_w, ones], 1)  # [V, H + 1]: the map's shift rides on the last column
-        A = torch.linalg.lstsq(rows[old], trained).solution
+        A = torch.linalg.lstsq(target_rows(old), trained).solution
         w = new.lm_head.weight
-        w[torch.searchsorted(ids, extra)] = (rows[extra] @ A).to(w.dtype)
+        w[torch.searchsorted(ids, extra)] = (target_rows(extra) @ A).to(w.dtype)
         w[torch.searchsorted(ids, old)] = trained.to(w.dtype)
     return new
 
