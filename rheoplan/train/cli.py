@@ -31,6 +31,7 @@ import platform
 import random
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -71,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("generation (stage 'generate')")
     g.add_argument("--prompts", type=int, default=7500, help="programmatic prompts in the plan (besides the "
                    "--train-prompts file); a quarter also get a follow-up turn")
+    g.add_argument("--more-prompts", type=int, default=0, help="programmatic prompts appended to the plan after "
+                   "its --prompts (the same seeded generator, held-out filter included), sampled after every "
+                   "shard of the plan into shards of their own (train_x_*); a larger value later only adds "
+                   f"shards. A multiple of --batch-size x {gen.FOLLOWUP_GROUP}")
     g.add_argument("--tokens-per-prompt", type=int, default=256, help="max sampled tokens per answer")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the answers")
     g.add_argument("--batch-size", type=int, default=32, help="answers per shard (the unit written to disk "
@@ -121,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-rows", type=int, default=None, help="train on the first N rows only (smoke runs)")
     g.add_argument("--skip-rows", type=int, default=0, help="leave out the first N rows (after them come the "
                    "--max-rows): e.g. the rows an earlier --init-from run trained on")
+    g.add_argument("--shards", default=None, metavar="FILE",
+                   help="train on these shards only: a text file of shard names, one per line (e.g. "
+                        "rheoplan/assets/smollm2-eagle3/train_shards.txt, the shards the shipped head saw), or "
+                        "a run's WORK/train_rows.json")
+    g.add_argument("--exclude-shards", default=None, metavar="FILE",
+                   help="leave these shards out (same formats as --shards): e.g. train a head further on the "
+                        "rows it has not seen")
     g.add_argument("--no-bf16", action="store_true", help="train the head in fp32 instead of bf16 autocast")
     g.add_argument("--ckpt-every", type=int, default=50, help="checkpoint every N optimiser steps")
     g.add_argument("--resume", action="store_true", help="continue training from WORK/ckpt.pt (same rows)")
@@ -154,6 +166,10 @@ def _check_args(a: argparse.Namespace) -> list[str]:
                          "(e.g. rheoplan/assets/smollm2-eagle3)")
     if a.prompts < 0:
         raise SystemExit(f"--prompts={a.prompts}: allowed >= 0")
+    unit = a.batch_size * gen.FOLLOWUP_GROUP  # whole follow-up groups: a larger value only appends shards
+    if a.more_prompts < 0 or a.more_prompts % unit:
+        raise SystemExit(f"--more-prompts={a.more_prompts}: allowed 0 or a positive multiple of {unit} "
+                         f"(--batch-size {a.batch_size} x {gen.FOLLOWUP_GROUP} first-turn shards per follow-up shard)")
     if not a.feature_cache_gb >= 0:
         raise SystemExit(f"--feature-cache-gb={a.feature_cache_gb}: allowed >= 0 (0 = no cache)")
     if a.ttt_steps < 1:
@@ -175,6 +191,9 @@ def _check_args(a: argparse.Namespace) -> list[str]:
             raise SystemExit(f"--{name.replace('_', '-')}={v}: allowed >= 1")
     if a.target is not None and not os.path.isfile(os.path.join(a.target, "config.json")):
         raise SystemExit(f"--target {a.target!r}: expected a local transformers model directory with config.json")
+    for name in ("shards", "exclude_shards"):
+        if getattr(a, name) is not None:
+            read_shard_names(getattr(a, name), f"--{name.replace('_', '-')}")
     for name in ("train_prompts", "heldout_prompts"):
         if not os.path.isfile(getattr(a, name)):
             raise SystemExit(f"--{name.replace('_', '-')} {getattr(a, name)!r}: no such file")
@@ -189,15 +208,43 @@ def heldout_texts(a: argparse.Namespace) -> list[str]:
     return [t for _, t in sd.read_prompts(a.heldout_prompts)]
 
 
-def make_plan(a: argparse.Namespace) -> list[pr.PromptSpec]:
-    return pr.build_plan(seed=a.seed, n_generated=a.prompts, file_prompts=sd.read_prompts(a.train_prompts),
-                         heldout=heldout_texts(a))
+def make_plan(a: argparse.Namespace) -> tuple[list[pr.PromptSpec], list[pr.PromptSpec]]:
+    """The plan and the ``--more-prompts`` appended to it. One seeded generator makes both
+    (``build_plan`` is prefix-stable in ``n_generated``), so the plan does not depend on
+    ``--more-prompts`` and a larger value extends the earlier extension."""
+    files = sd.read_prompts(a.train_prompts)
+    every = pr.build_plan(seed=a.seed, n_generated=a.prompts + a.more_prompts, file_prompts=files,
+                          heldout=heldout_texts(a))
+    first_more = len(files) + a.prompts  # ids: file prompts, then the generated ones in order
+    return [p for p in every if p.id < first_more], [p for p in every if p.id >= first_more]
 
 
-def dataset_info(a: argparse.Namespace, model, name: str, plan: list[pr.PromptSpec]) -> dict:
+def more_record(more: list[pr.PromptSpec]) -> dict | None:
+    """``dataset.json``'s record of the prompts appended to the plan (None: none)."""
+    return {"prompts": len(more), "digest": pr.plan_digest(more)} if more else None
+
+
+def more_grows(more: list[pr.PromptSpec]) -> Callable[[dict | None], str | None]:
+    """``tokens.check_dataset``'s ``grows``: the recorded extension must be a prefix of this
+    one (the shards it holds are then shards of this plan too)."""
+    def grows(old: dict | None) -> str | None:
+        n_old = 0 if old is None else int(old["prompts"])
+        if len(more) < n_old:
+            return (f"it holds shards of {n_old} prompts appended to the plan; --more-prompts={len(more)}: "
+                    f"allowed {n_old} or more")
+        if old is not None and pr.plan_digest(more[:n_old]) != old["digest"]:
+            return ("its appended prompts are not the first of this --more-prompts (another --seed, "
+                    "--prompts or prompt file?)")
+        return None
+    return grows
+
+
+def dataset_info(a: argparse.Namespace, model, name: str, plan: list[pr.PromptSpec],
+                 more: list[pr.PromptSpec] = ()) -> dict:
     """What ``dataset.json`` records: everything that changes what a shard holds."""
     held = heldout_texts(a)
-    return {"format": 1, "target": sd.target_record(model, name), "plan_digest": pr.plan_digest(plan),
+    extra = {"more": more_record(list(more))} if more else {}
+    return {**extra, "format": 1, "target": sd.target_record(model, name), "plan_digest": pr.plan_digest(plan),
             "plan_prompts": len(plan), "heldout_digest": pr.plan_digest(
                 [pr.PromptSpec(i, "heldout", "", t) for i, t in enumerate(held)]),
             "seed": a.seed, "batch_size": a.batch_size, "tokens_per_prompt": a.tokens_per_prompt,
@@ -208,17 +255,57 @@ def dataset_info(a: argparse.Namespace, model, name: str, plan: list[pr.PromptSp
 
 def stage_generate(a, model, tok, name: str) -> dict:
     t0 = time.time()
-    plan = make_plan(a)
+    plan, more = make_plan(a)
     d = tokens_dir(a)
-    tk.check_dataset(d, dataset_info(a, model, name, plan))
+    tk.check_dataset(d, dataset_info(a, model, name, plan, more), grows=more_grows(more))
     jobs = gen.plan_jobs(plan, heldout_texts(a), tok, d, batch_size=a.batch_size,
                          max_new_tokens=a.tokens_per_prompt, heldout_tokens=a.heldout_tokens,
-                         temperature=a.temperature, heldout_temperature=a.heldout_temperature, seed=a.seed)
+                         temperature=a.temperature, heldout_temperature=a.heldout_temperature, seed=a.seed,
+                         more=more)
     out = gen.run_jobs(model, tok, jobs, d, seed=a.seed, vocab_size=int(model.config.vocab_size),
                        eos_id=sd.eos_id(model, tok), dtype_name=a.sample_dtype, max_shards=a.max_shards,
                        live_rows=a.live_rows)
     out["plan_s"] = time.time() - t0 - out["wall_s"]
     return out
+
+
+def read_shard_names(path: str, flag: str) -> list[str]:
+    """Shard names from a text file (one per line; blank lines and ``#`` comments skipped)
+    or from a run's ``train_rows.json`` (its ``shards``)."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"{flag} {path!r}: no such file")
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json"):
+        try:
+            names = json.loads(text)["shards"]
+        except (ValueError, KeyError, TypeError):
+            raise SystemExit(f"{flag} {path!r}: expected a run's train_rows.json (a JSON object with 'shards')")
+    else:
+        names = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+        names = [n for n in names if n]
+    bad = [n for n in names if not isinstance(n, str) or not n.startswith("train_")]
+    if bad or not names:
+        raise SystemExit(f"{flag} {path!r}: expected training shard names (train_...), one per line; "
+                         f"got {bad[:3] if bad else 'none'}")
+    return names
+
+
+def _select_shards(a, names: list[str]) -> list[str]:
+    """The finished shards ``names`` narrowed by ``--shards`` and ``--exclude-shards``."""
+    if a.shards is not None:
+        wanted = read_shard_names(a.shards, "--shards")
+        missing = sorted(set(wanted) - set(names))
+        if missing:
+            raise SystemExit(f"--shards {a.shards!r}: {len(missing)} of its shards are not in {tokens_dir(a)} "
+                             f"({missing[:3]}...)")
+        names = [n for n in names if n in set(wanted)]
+    if a.exclude_shards is not None:
+        drop = set(read_shard_names(a.exclude_shards, "--exclude-shards"))
+        names = [n for n in names if n not in drop]
+    if not names and (a.shards is not None or a.exclude_shards is not None):
+        raise SystemExit(f"no training shards left in {tokens_dir(a)} after --shards / --exclude-shards")
+    return names
 
 
 def _rows_record(work: str) -> str:
@@ -241,7 +328,7 @@ def _train_shards(a) -> list[str]:
                 flag = "--" + key.replace("_", "-")
                 raise SystemExit(f"--resume: the checkpointed run used {flag} {rec.get(key)}, not {getattr(a, key)}")
         return rec["shards"]
-    names = tk.list_shards(tokens_dir(a), "train")
+    names = _select_shards(a, tk.list_shards(tokens_dir(a), "train"))
     os.makedirs(a.work_dir, exist_ok=True)
     with open(path, "w") as f:
         json.dump({"shards": names, "max_rows": a.max_rows, "skip_rows": a.skip_rows}, f)
@@ -299,7 +386,8 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     held_rows = tk.load_rows(d, tk.list_shards(d, "heldout"))
     if not train_rows:
         raise SystemExit(f"no training shards in {d}: run the 'generate' stage first")
-    report["data"] = {"train": {**_data_stats(train_rows), "shards": len(names), "skipped_rows": a.skip_rows},
+    report["data"] = {"train": {**_data_stats(train_rows), "shards": len(names), "skipped_rows": a.skip_rows,
+                                "shards_file": a.shards, "exclude_shards_file": a.exclude_shards},
                       "heldout": _data_stats(held_rows),
                       "tokens_dir": d, "dataset": json.load(open(os.path.join(d, "dataset.json")))}
     V = int(model.config.vocab_size)
@@ -452,6 +540,11 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
+def _more_text(ds: dict) -> str:
+    more = ds.get("more")
+    return f", {more['prompts']} more appended by `--more-prompts`" if more else ""
+
+
 def model_card(r: dict) -> str:
     """MODEL_CARD.md text from a run report (measured numbers only; sizes from the configs)."""
     data = r.get("data", {})
@@ -491,7 +584,8 @@ def model_card(r: dict) -> str:
         "## Data (generated here; no downloads)",
         "",
         f"- prompts: {ds.get('plan_prompts')} first turns (`rheoplan/data/prompts_train.txt` plus prompts built "
-        f"by `rheoplan.train.prompts`), one in {ds.get('followup_every')} continued with a follow-up turn; "
+        f"by `rheoplan.train.prompts`{_more_text(ds)}), one in {ds.get('followup_every')} continued with a "
+        "follow-up turn; "
         "evaluation prompts and their near duplicates excluded",
         f"- answers sampled at T={ds.get('temperature')}, up to {ds.get('tokens_per_prompt')} tokens, batch "
         f"{ds.get('batch_size')}, target in {ds.get('sample_dtype')}; sampling wall time {samp_s / 3600:.2f} h "

@@ -10,7 +10,9 @@ one would have written):
 3. after every ``FOLLOWUP_GROUP`` first-turn shards, one follow-up shard
    ``train_fu_NNNNN``: the rows of those shards chosen by ``prompts.has_follow_up``,
    continued as a conversation (first prompt, the target's own answer, a follow-up user
-   turn from ``prompts.follow_up``) and sampled again.
+   turn from ``prompts.follow_up``) and sampled again;
+4. prompts added to the plan later (``--more-prompts``): the same, in shards named
+   ``train_x_r1_NNNNN`` / ``train_x_fu_NNNNN``, after every shard of the plan.
 
 The rows of several shards are sampled together with continuous refill
 (``tokens.sample_refill``); each row draws from its own stream seeded from
@@ -70,11 +72,18 @@ def chat_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
 
 def plan_jobs(plan: Sequence[pr.PromptSpec], heldout: Sequence[str], tokenizer, directory: str, *,
               batch_size: int, max_new_tokens: int, heldout_tokens: int, temperature: float,
-              heldout_temperature: float, seed: int, heldout_batch_size: int = 40) -> list[Job]:
-    """Every shard of the data set, in the order they are sampled."""
+              heldout_temperature: float, seed: int, heldout_batch_size: int = 40,
+              more: Sequence[pr.PromptSpec] = ()) -> list[Job]:
+    """Every shard of the data set, in the order they are sampled.
+
+    ``more``: prompts appended to the plan later (``--more-prompts``), sampled after every
+    shard of ``plan`` into shards of their own (``train_x_r1_*``, ``train_x_fu_*``), in
+    their own order (not shuffled: the generator's stream is already random), so a longer
+    ``more`` only appends shards and leaves the earlier ones as they are.
+    """
     if batch_size < 1 or heldout_batch_size < 1:
         raise ValueError(f"batch_size={batch_size}, heldout_batch_size={heldout_batch_size}: allowed >= 1")
-    by_id = {p.id: p for p in plan}
+    by_id = {p.id: p for p in [*plan, *more]}
 
     def first_turns(specs):
         return lambda: [(p.id, chat_ids(tokenizer, [{"role": "user", "content": p.text}])) for p in specs]
@@ -105,20 +114,26 @@ def plan_jobs(plan: Sequence[pr.PromptSpec], heldout: Sequence[str], tokenizer, 
         texts = list(heldout[b:b + heldout_batch_size])
         jobs.append(Job(f"heldout_{b // heldout_batch_size:05d}", heldout_temperature, heldout_tokens,
                         held(b, texts), len(texts)))
+    def turns(specs: list[pr.PromptSpec], prefix: str) -> None:
+        # first-turn shards of ``batch_size`` rows, a follow-up shard after every
+        # FOLLOWUP_GROUP of them (and after the last)
+        r1 = [specs[i:i + batch_size] for i in range(0, len(specs), batch_size)]
+        group: list[str] = []
+        n_group = 0
+        for i, batch in enumerate(r1):
+            name = f"{prefix}_r1_{i:05d}"
+            jobs.append(Job(name, temperature, max_new_tokens, first_turns(batch), len(batch)))
+            group.append(name)
+            n_group += len(batch)
+            if len(group) == FOLLOWUP_GROUP or i == len(r1) - 1:
+                jobs.append(Job(f"{prefix}_fu_{i // FOLLOWUP_GROUP:05d}", temperature, max_new_tokens,
+                                follow_ups(list(group)), n_group / pr.FOLLOWUP_EVERY, tuple(group)))
+                group, n_group = [], 0
+
     order = list(plan)
     random.Random(seed).shuffle(order)
-    r1 = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    group: list[str] = []
-    n_group = 0
-    for i, specs in enumerate(r1):
-        name = f"train_r1_{i:05d}"
-        jobs.append(Job(name, temperature, max_new_tokens, first_turns(specs), len(specs)))
-        group.append(name)
-        n_group += len(specs)
-        if len(group) == FOLLOWUP_GROUP or i == len(r1) - 1:
-            jobs.append(Job(f"train_fu_{i // FOLLOWUP_GROUP:05d}", temperature, max_new_tokens,
-                            follow_ups(list(group)), n_group / pr.FOLLOWUP_EVERY, tuple(group)))
-            group, n_group = [], 0
+    turns(order, "train")
+    turns(list(more), "train_x")
     return jobs
 
 
@@ -153,7 +168,7 @@ def run_jobs(model: torch.nn.Module, tokenizer, jobs: Sequence[Job], directory: 
     """
     log = sys.stdout if log is None else log
     todo = [j for j in jobs if not tk.shard_done(directory, j.name)]
-    n_first = sum(1 for j in jobs if j.name.startswith("train_r1_"))
+    n_first = sum(1 for j in jobs if "_r1_" in j.name)
     stats = tk.dataset_stats(directory)
     done_tok = sum(s["sampled_tokens"] for s in stats.values())
     done_rows = sum(s["rows"] for s in stats.values())

@@ -42,7 +42,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -409,18 +409,30 @@ def load_rows(directory: str, names: Sequence[str]) -> list[dict]:
     return rows
 
 
-def check_dataset(directory: str, info: dict) -> None:
+def check_dataset(directory: str, info: dict, grows: Callable[[dict | None], str | None] | None = None) -> None:
     """Record ``info`` in ``directory/dataset.json``, or check it equals the recorded one
-    (shards of another target or other settings must not be mixed)."""
+    (shards of another target or other settings must not be mixed).
+
+    ``info["more"]`` (the prompts appended to the plan, ``--more-prompts``) may differ from
+    the record where ``grows(recorded_more)`` returns None: the extension grew and the
+    recorded one is its prefix, so every shard present stays valid and the record is
+    replaced. Otherwise ``grows`` returns why not, and that is the error.
+    """
     path = os.path.join(directory, "dataset.json")
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
         diff = {k: (old.get(k), info.get(k)) for k in set(old) | set(info) if old.get(k) != info.get(k)}
+        if "more" in diff and grows is not None:
+            why = grows(old.get("more"))
+            if why is not None:
+                raise SystemExit(f"{directory}: {why}")
+            del diff["more"]
         if diff:
             raise SystemExit(f"{directory} holds shards made with other settings {diff} (recorded, now); "
                              "use another --tokens-dir or the recorded settings")
-        return
+        if old.get("more") == info.get("more"):
+            return
     os.makedirs(directory, exist_ok=True)
     _atomic_write_bytes(path, lambda f: f.write(json.dumps(info, indent=2, sort_keys=True).encode()))
 

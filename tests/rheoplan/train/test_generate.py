@@ -83,3 +83,28 @@ def test_a_tokenizer_without_chat_template_is_rejected(tiny_tokenizer):
 
     with pytest.raises(ValueError, match="chat template"):
         gen.chat_ids(NoTemplate(), [{"role": "user", "content": "hi"}])
+
+
+def test_more_prompts_get_shards_of_their_own_after_the_plan_and_only_append(tiny_tokenizer, tmp_path):
+    every = pr.build_plan(seed=0, n_generated=13 + 24, heldout=HELD)  # prefix-stable in n_generated
+    plan, more = every[:13], every[13:]
+    assert plan == pr.build_plan(seed=0, n_generated=13, heldout=HELD)
+
+    def jobs(extra):
+        return gen.plan_jobs(plan, HELD, tiny_tokenizer, str(tmp_path), batch_size=3, max_new_tokens=6,
+                             heldout_tokens=4, temperature=1.0, heldout_temperature=1.0, seed=0,
+                             heldout_batch_size=2, more=extra)
+
+    base = [j.name for j in jobs([])]
+    grown = jobs(more)
+    names = [j.name for j in grown]
+    assert names[:len(base)] == base  # the plan's shards are untouched
+    assert names[len(base):] == ["train_x_r1_00000", "train_x_r1_00001", "train_x_r1_00002", "train_x_r1_00003",
+                                 "train_x_fu_00000", "train_x_r1_00004", "train_x_r1_00005",
+                                 "train_x_r1_00006", "train_x_r1_00007", "train_x_fu_00001"]
+    ids = [pid for j in grown if j.name.startswith("train_x_r1") for pid, _ in j.prompts()]
+    assert ids == [p.id for p in more]  # in the generator's order: a longer extension appends
+    half = [(j.name, [pid for pid, _ in j.prompts()]) for j in jobs(more[:12]) if j.name.startswith("train_x_r1")]
+    full = [(j.name, [pid for pid, _ in j.prompts()]) for j in grown if j.name.startswith("train_x_r1")]
+    assert full[:len(half)] == half
+    assert [j.parents for j in grown if j.name == "train_x_fu_00000"] == [tuple(names[len(base):][:4])]

@@ -1,12 +1,16 @@
-"""The shipped SmolLM2 head loads strictly through the project's loader (no SmolLM2 needed)."""
+"""The shipped SmolLM2 head loads strictly through the project's loader (no SmolLM2 needed), and
+the list of the shards it was trained on agrees with its report."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 
 from rheoplan.models.eagle3 import read_eagle3
+from rheoplan.train import cli
+from rheoplan.train import tokens as tk
 
 ASSET = os.path.join(os.path.dirname(__file__), "..", "..", "..", "rheoplan", "assets", "smollm2-eagle3")
 
@@ -21,3 +25,17 @@ def test_shipped_head_loads_and_is_small():
     assert os.path.getsize(os.path.join(ASSET, "model.safetensors")) <= 30 * 2**20
     for name in ("config.json", "MODEL_CARD.md"):
         assert os.path.exists(os.path.join(ASSET, name))
+
+
+def test_shipped_heads_shard_list_matches_its_report():
+    # train_shards.txt (for --shards / --exclude-shards) names the shards report.json counted
+    names = cli.read_shard_names(os.path.join(ASSET, "train_shards.txt"), "--shards")
+    with open(os.path.join(ASSET, "report.json")) as f:
+        data = json.load(f)["data"]
+    gen = data["generation"]
+    assert len(names) == len(set(names)) == data["train"]["shards"]
+    for split in ("train_fu", "train_r1"):
+        assert sum(n.startswith(split + "_") for n in names) == gen[split]["shards"]
+    tokens = os.path.join(ASSET, "..", "..", "data", "selfdistill_tokens")
+    rows = sum(tk.read_shard(tokens, n)[0]["rows"] for n in names)
+    assert rows == gen["train_fu"]["rows"] + gen["train_r1"]["rows"]

@@ -232,3 +232,27 @@ def test_dataset_record_refuses_other_settings(tmp_path):
     tk.check_dataset(d, {"a": 1, "target": {"name": "x"}})  # same: fine
     with pytest.raises(SystemExit, match="other settings"):
         tk.check_dataset(d, {"a": 2, "target": {"name": "x"}})
+
+
+def test_dataset_record_grows_only_where_the_caller_allows_it(tmp_path):
+    d = str(tmp_path / "tok")
+    base = {"a": 1}
+    tk.check_dataset(d, base)
+    seen = []
+
+    def grows(old):
+        seen.append(old)
+        return None
+
+    tk.check_dataset(d, {**base, "more": {"prompts": 4}}, grows=grows)  # an extension appears
+    assert seen == [None]
+    tk.check_dataset(d, {**base, "more": {"prompts": 8}}, grows=grows)  # and grows: recorded
+    assert seen[-1] == {"prompts": 4}
+    with open(os.path.join(d, "dataset.json")) as f:
+        assert json.load(f)["more"] == {"prompts": 8}
+    with pytest.raises(SystemExit, match="allowed 8 or more"):
+        tk.check_dataset(d, base, grows=lambda old: "allowed 8 or more")
+    with pytest.raises(SystemExit, match="other settings"):  # without a grows rule: a different record
+        tk.check_dataset(d, {**base, "more": {"prompts": 12}})
+    with pytest.raises(SystemExit, match="other settings"):  # growth never excuses another setting
+        tk.check_dataset(d, {"a": 2, "more": {"prompts": 12}}, grows=grows)

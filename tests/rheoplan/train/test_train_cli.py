@@ -38,11 +38,60 @@ def test_help_lists_the_main_flags(capsys):
     (["--skip-rows", "-1"], "--skip-rows"),
     (["--tv-weight", "-1"], "--tv-weight"),
     (["--tv-weight", "nan"], "--tv-weight"),
+    (["--more-prompts", "-128"], "--more-prompts"),
+    (["--more-prompts", "100"], "allowed 0 or a positive multiple of 128"),
+    (["--more-prompts", "64", "--batch-size", "16"], None),
+    (["--shards", "/nonexistent.txt"], "--shards"),
+    (["--exclude-shards", "/nonexistent.json"], "--exclude-shards"),
 ])
 def test_bad_arguments_are_rejected_before_any_work(argv, msg, tmp_path):
     a = cli.build_parser().parse_args(["--work-dir", str(tmp_path)] + argv)
+    if msg is None:  # the edge of the allowed range
+        cli._check_args(a)
+        return
     with pytest.raises(SystemExit, match=msg):
         cli._check_args(a)
+
+
+def test_more_prompts_leave_the_plan_as_it_is_and_extend_each_other(tmp_path):
+    def plans(more):
+        return cli.make_plan(cli.build_parser().parse_args(
+            ["--work-dir", str(tmp_path), "--prompts", "40", "--more-prompts", str(more)]))
+
+    plan0, none = plans(0)
+    plan1, small = plans(128)
+    plan2, large = plans(256)
+    assert none == [] and plan0 == plan1 == plan2 and len(small) == 128 and large[:128] == small
+    assert [p.id for p in small] == list(range(plan0[-1].id + 1, plan0[-1].id + 129))
+    grows = cli.more_grows(large)
+    assert grows(None) is None and grows(cli.more_record(small)) is None
+    assert "allowed 256 or more" in cli.more_grows(small)(cli.more_record(large))
+    assert "not the first" in grows({"prompts": 128, "digest": "0" * 16})
+
+
+def test_shard_selection_reads_lists_and_run_records(tmp_path):
+    listed = tmp_path / "shards.txt"
+    listed.write_text("# the shards a head saw\ntrain_r1_00000\n\ntrain_fu_00000  # follow-ups\n")
+    rec = tmp_path / "train_rows.json"
+    rec.write_text(json.dumps({"shards": ["train_r1_00001"], "max_rows": None, "skip_rows": 0}))
+    assert cli.read_shard_names(str(listed), "--shards") == ["train_r1_00000", "train_fu_00000"]
+    names = ["train_fu_00000", "train_r1_00000", "train_r1_00001", "train_x_r1_00000"]
+
+    def select(*argv):
+        return cli._select_shards(cli.build_parser().parse_args(["--work-dir", str(tmp_path), *argv]), names)
+
+    assert select() == names
+    assert select("--shards", str(listed)) == ["train_fu_00000", "train_r1_00000"]
+    assert select("--exclude-shards", str(listed)) == ["train_r1_00001", "train_x_r1_00000"]
+    assert select("--exclude-shards", str(listed), "--shards", str(rec)) == ["train_r1_00001"]
+    with pytest.raises(SystemExit, match="no training shards left"):
+        select("--shards", str(rec), "--exclude-shards", str(rec))
+    (tmp_path / "bad.txt").write_text("heldout_00000\n")
+    with pytest.raises(SystemExit, match="expected training shard names"):
+        cli.read_shard_names(str(tmp_path / "bad.txt"), "--shards")
+    (tmp_path / "gone.txt").write_text("train_r1_00009\n")
+    with pytest.raises(SystemExit, match="not in"):
+        select("--shards", str(tmp_path / "gone.txt"))
 
 
 def test_model_card_reads_sizes_from_the_report():
