@@ -47,6 +47,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from rheoplan.models.growing_cache import grow_in_place
+
 
 # --------------------------------------------------------------------------------------
 # Batched sampling (tokens only)
@@ -115,7 +117,8 @@ class _Batch:
         self.cache = None
         self.attn = torch.zeros(0, 0, dtype=torch.int64)
         self.last_pos = torch.zeros(0, dtype=torch.int64)
-        self.rows: list[dict] = []  # per slot: request, sampled tokens, wall-time share
+        #: per slot: request, sampled tokens, wall-time share; None: finished, not yet dropped
+        self.rows: list[dict | None] = []
 
     def __len__(self):
         return len(self.rows)
@@ -181,9 +184,12 @@ def sample_refill(model: torch.nn.Module, feed, *, live_rows: int, eos_id: int, 
 
     ``feed(n)`` returns up to ``n`` new :class:`Request` s (fewer or none when nothing is
     ready; the sampler stops when no row is live and ``feed`` returns none). Up to
-    ``live_rows`` rows decode together; when rows finish (EOS or their ``max_new_tokens``)
-    they leave the batch and, once at least ``refill_min`` slots are free (default
-    ``live_rows // 8``), waiting rows are prefilled (left padded among themselves, in
+    ``live_rows`` rows decode together; a row that finishes (EOS or its ``max_new_tokens``)
+    stays in the batch, fed a pad token and its logits unread, until ``refill_min``
+    (default ``live_rows // 8``) rows have finished; then they leave together (one gather
+    of the cache, where one row at a time gathered it after most steps; between gathers
+    the KV cache appends in place, ``growing_cache.GrowingLayer``), and waiting rows are
+    prefilled (left padded among themselves, in
     groups of at most ``prefill_tokens`` padded tokens) and join: the joiners' KV or the
     running cache is left padded to the longer of the two, the padding masked, each row
     with its own position ids, so a row's logits are those of a forward over the row alone
@@ -230,8 +236,15 @@ def sample_refill(model: torch.nn.Module, feed, *, live_rows: int, eos_id: int, 
                      "stopped": r["stopped"], "wall_s": r["wall_s"]}
 
     while True:
-        # Refill: prefill waiting rows in groups and let them join the running batch.
+        # Finished rows stay in the batch (fed a pad token, their logits unread) until
+        # refill_min of them have finished: dropping rows gathers the whole cache, and
+        # between two gathers the cache's appends stay in place.
         done: list[dict] = []
+        alive = [i for i, r in enumerate(batch.rows) if r is not None]
+        if len(alive) < len(batch) and (len(batch) - len(alive) >= refill_min or not alive):
+            batch.select(alive)
+            nxt = [nxt[i] for i in alive]
+        # Refill: prefill waiting rows in groups and let them join the running batch.
         free = live_rows - len(batch)
         if free >= refill_min or len(batch) == 0:
             reqs = list(feed(free))
@@ -253,6 +266,7 @@ def sample_refill(model: torch.nn.Module, feed, *, live_rows: int, eos_id: int, 
                 ids, attn = ids.to(dev), attn.to(dev)
                 pos = (attn.cumsum(-1) - 1).clamp(min=0)
                 cache = DynamicCache(config=model.config)
+                grow_in_place(cache)  # decode steps append in place, not by copying the cache
                 t0 = time.perf_counter()
                 out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **keep_kw,
                             **{ckw: cache})
@@ -268,28 +282,33 @@ def sample_refill(model: torch.nn.Module, feed, *, live_rows: int, eos_id: int, 
                     cache.batch_select_indices(idx)
                     batch.join(cache, attn[idx], pos[idx, -1], [rows[i] for i in keep])
                     nxt += [toks[i] for i in keep]
-        stats.update(live=len(batch), width=int(batch.attn.shape[1]))
+        alive = [i for i, r in enumerate(batch.rows) if r is not None]
+        stats.update(live=len(alive), width=int(batch.attn.shape[1]))
         for r in done:
             yield emit(r)
-        if len(batch) == 0:
+        if not alive:
             if done:
                 continue  # every joiner finished at once: ask the feed again
             return
-        # One decode step for every live row.
+        # One decode step for every row of the batch (finished ones included, see above).
         t0 = time.perf_counter()
         batch.attn = torch.cat([batch.attn, torch.ones(len(batch), 1, dtype=batch.attn.dtype, device=dev)], 1)
         batch.last_pos = batch.last_pos + 1
         out = model(input_ids=torch.tensor(nxt, dtype=torch.int64, device=dev)[:, None], attention_mask=batch.attn,
                     position_ids=batch.last_pos[:, None], use_cache=True, **keep_kw, **{ckw: batch.cache})
-        toks = _draw(out.logits[:, -1], batch.rows)
-        dt = (time.perf_counter() - t0) / len(batch)
-        keep, done = [], []
-        for i, (r, t) in enumerate(zip(batch.rows, toks)):
+        logits = out.logits[:, -1] if len(alive) == len(batch) else out.logits[alive, -1]
+        toks = _draw(logits, [batch.rows[i] for i in alive])
+        dt = (time.perf_counter() - t0) / len(alive)
+        done = []
+        for i, t in zip(alive, toks):
+            r = batch.rows[i]
             r["wall_s"] += dt
-            (done.append(r) if finished(r, t) else keep.append(i))
-        nxt = [toks[i] for i in keep]
-        if done:
-            batch.select(keep)
+            if finished(r, t):
+                done.append(r)
+                batch.rows[i] = None
+                nxt[i] = pad
+            else:
+                nxt[i] = t
         for r in done:
             yield emit(r)
 

@@ -87,7 +87,7 @@ def sharp_target():
                                         initializer_range=0.2)).eval()
 
 
-def _refill(model, live_rows, temperature, eos_id=0, order=None):
+def _refill(model, live_rows, temperature, eos_id=0, order=None, refill_min=1):
     """Every REFILL_PROMPTS row through sample_refill with ``live_rows`` live rows; row r
     draws from a stream seeded with 100 + r. Returns rows by index and the mask widths seen."""
     order = list(range(len(REFILL_PROMPTS))) if order is None else order
@@ -108,7 +108,7 @@ def _refill(model, live_rows, temperature, eos_id=0, order=None):
     model.forward = spy
     try:
         out = {req.key: row for req, row in tk.sample_refill(model, feed, live_rows=live_rows, eos_id=eos_id,
-                                                             refill_min=1)}
+                                                             refill_min=refill_min)}
     finally:
         del model.forward
     for row in out.values():
@@ -129,6 +129,9 @@ def test_refill_rows_equal_each_row_sampled_alone(sharp_target, temperature):
         assert max(w[0] for w in widths) == live
     # another schedule (rows arriving in reverse order) still gives the same rows
     assert _refill(sharp_target, 3, temperature, order=list(range(len(REFILL_PROMPTS)))[::-1])[0] == alone
+    # finished rows kept in the batch (fed pads) until 3 of them can be dropped at once
+    got, widths = _refill(sharp_target, 5, temperature, refill_min=3)
+    assert got == alone
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
