@@ -591,6 +591,8 @@ def model_card(r: dict) -> str:
         f"{ds.get('batch_size')}, target in {ds.get('sample_dtype')}; sampling wall time {samp_s / 3600:.2f} h "
         f"for {sampled} sampled tokens",
         f"- trained on {trd.get('shards')} shards"
+        + (f" (those listed in `{trd['shards_file']}`)" if trd.get("shards_file") else "")
+        + (f" (not those listed in `{trd['exclude_shards_file']}`)" if trd.get("exclude_shards_file") else "")
         + (f" after their first {trd['skipped_rows']} rows (`--skip-rows`)" if trd.get("skipped_rows") else "")
         + f": {trd.get('rows')} rows ({trd.get('follow_up_rows')} follow-ups), "
         f"{trd.get('tokens')} tokens of which {trd.get('sampled_tokens')} sampled by the target",

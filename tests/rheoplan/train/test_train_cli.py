@@ -112,6 +112,11 @@ def test_model_card_reads_sizes_from_the_report():
     assert "total-variation" not in card  # cross-entropy alone
     tv = cli.model_card({"train": {"config": {"tv_weight": 32.0}}})
     assert "plus 32 x the total-variation term" in tv
+    assert "appended by `--more-prompts`" not in card
+    more = cli.model_card({"data": {"dataset": {"plan_prompts": 7804, "more": {"prompts": 8192, "digest": "x"}},
+                                    "train": {"shards": 300, "exclude_shards_file": "old/train_shards.txt"}}})
+    assert "7804 first turns (" in more and "8192 more appended by `--more-prompts`" in more
+    assert "trained on 300 shards (not those listed in `old/train_shards.txt`)" in more
 
 
 def _prompt_files(tmp_path):
