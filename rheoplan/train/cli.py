@@ -323,15 +323,20 @@ def _train_shards(a) -> list[str]:
         if missing:
             raise SystemExit(f"--resume: shards {missing[:3]}... of the checkpointed run are missing from "
                              f"{tokens_dir(a)}")
-        for key in ("max_rows", "skip_rows"):
-            if rec.get(key, 0 if key == "skip_rows" else None) != getattr(a, key):
+        # argument -> (its key in the record, the value of records written before it existed)
+        keys = {"max_rows": ("max_rows", None), "skip_rows": ("skip_rows", 0), "shards": ("shards_file", None),
+                "exclude_shards": ("exclude_shards_file", None)}
+        for key, (rec_key, default) in keys.items():
+            used = rec.get(rec_key, default)
+            if used != getattr(a, key):
                 flag = "--" + key.replace("_", "-")
-                raise SystemExit(f"--resume: the checkpointed run used {flag} {rec.get(key)}, not {getattr(a, key)}")
+                raise SystemExit(f"--resume: the checkpointed run used {flag} {used}, not {getattr(a, key)}")
         return rec["shards"]
     names = _select_shards(a, tk.list_shards(tokens_dir(a), "train"))
     os.makedirs(a.work_dir, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"shards": names, "max_rows": a.max_rows, "skip_rows": a.skip_rows}, f)
+        json.dump({"shards": names, "max_rows": a.max_rows, "skip_rows": a.skip_rows, "shards_file": a.shards,
+                   "exclude_shards_file": a.exclude_shards}, f)
     return names
 
 

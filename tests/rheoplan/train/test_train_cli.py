@@ -144,9 +144,22 @@ def test_the_pipeline_runs_and_resumes_on_a_local_model(tiny_target_dir, tmp_pat
     # a directory of shards refuses other sampling settings
     with pytest.raises(SystemExit, match="other settings"):
         cli.main([x if x != "12" else "13" for x in base] + ["--stages", "generate"])
-    # training stopped after 3 steps, resumed to 5
+    # the plan grown by 32 prompts: shards of their own, the record grows with it, and a
+    # smaller extension is refused before any sampling
+    assert cli.main(base + ["--stages", "generate", "--more-prompts", "32"]) == 0
+    st = tk.dataset_stats(toks)
+    assert st["train_x_r1"]["rows"] == 32 and st["train_x_fu"]["shards"] == 1 and st["train_r1"]["rows"] == 43
+    assert json.load(open(os.path.join(toks, "dataset.json")))["more"]["prompts"] == 32
+    with pytest.raises(SystemExit, match="allowed 32 or more"):
+        cli.main(base + ["--stages", "generate"])
+    # training stopped after 3 steps, resumed to 5 (with the shard selection it began with)
     assert cli.main(base + ["--stages", "train", "--max-steps", "3"]) == 0
     assert torch.load(os.path.join(work, "ckpt.pt"), weights_only=False)["step"] == 3
+    assert "train_x_r1_00000" in json.load(open(os.path.join(work, "train_rows.json")))["shards"]
+    seen = tmp_path / "seen.txt"
+    seen.write_text("train_x_r1_00000\n")
+    with pytest.raises(SystemExit, match="--exclude-shards"):
+        cli.main(base + ["--stages", "train", "--resume", "--exclude-shards", str(seen)])
     assert cli.main(base + ["--stages", "train,export", "--resume", "--max-steps", "5"]) == 0
     rep = json.load(open(os.path.join(work, "export", "report.json")))
     assert rep["train"]["started_at_step"] == 3 and rep["train"]["steps_done"] == 5
