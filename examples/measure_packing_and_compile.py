@@ -2,9 +2,10 @@
 
 1. eager, as transformers loads the model;
 2. eager with the linear weights packed for oneDNN once (``rheoplan.models.packed_linear``,
-   what ``rheoplan`` loaders do where it pays), checked bit-identical to 1 in bfloat16 (in
-   float32 the largest difference of the logits is printed: oneDNN's product against the
-   BLAS's);
+   what ``rheoplan`` loaders do where it pays), compared with 1: whether the logits are
+   identical is printed, with their largest difference (bfloat16: identical on the Intel
+   Xeon dev machine, a last-bit rounding apart on some CPUs; float32: oneDNN's product
+   against the BLAS's);
 3. ``torch.compile`` (inductor, weight freezing) over a static KV cache with the tree
    padded to a fixed size: the static-shape compiled forward the issue on speed asked to
    measure. Its first call per shape (the compile) is timed too.

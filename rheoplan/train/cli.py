@@ -681,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         if dtype_name not in loaded:
             loaded.clear()  # one copy in memory at a time
             model, tok, name = sd.load_target(a.target, DTYPES[dtype_name])
-            # the target only runs inference here: packed weights give the same outputs sooner
+            # the target only runs inference here: packed weights give the same outputs (up to rounding) sooner
             pack_if_it_pays(model, "target")
             loaded[dtype_name] = (model, tok, name)
         return loaded[dtype_name]

@@ -1,5 +1,6 @@
-"""Packed linear weights: the same outputs (bit for bit in bfloat16, up to rounding in float32), a
-model that still behaves as one."""
+"""Packed linear weights: the same outputs up to rounding (oneDNN's packed product against the
+eager one: bit for bit on some CPUs in bfloat16, a last-bit difference on others), a model that
+still behaves as one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,18 @@ import torch
 from rheoplan.models.packed_linear import (PackedLinear, pack_if_it_pays, pack_linears, packing_available,
                                            packing_decision, packing_pays, unpack_linears)
 
+def assert_same_up_to_rounding(got: torch.Tensor, want: torch.Tensor, what=None) -> None:
+    """Equal, or apart by no more than the result's own rounding: in bfloat16 one unit in the
+    last place (2**-7 relative; the CI machine's 64-row products differ so while the Intel
+    Xeon dev machine's are bit-identical), with a small absolute floor for outputs near zero,
+    whose float32 sums differ in order before rounding. A wrong weight, layout or bias misses
+    by orders of magnitude more."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    rtol = 2 ** -7 if want.dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got, want, rtol=rtol, atol=1e-4 if want.dtype == torch.bfloat16 else 1e-5,
+                               msg=lambda m: f"{what}: {m}")
+
+
 needs_packing = pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu"),
                                    reason="this torch build cannot pack bfloat16 linear weights")
 
@@ -16,16 +29,16 @@ needs_packing = pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu"),
 @needs_packing
 @pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536), (8192, 576), (96, 1728)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_outputs_equal_the_plain_product_bit_for_bit(shape, bias):
+def test_packed_outputs_equal_the_plain_product_up_to_rounding(shape, bias):
     torch.manual_seed(0)
     lin = torch.nn.Linear(shape[1], shape[0], bias=bias).to(torch.bfloat16)
     packed = PackedLinear(lin)
     with torch.no_grad():
         for rows in (1, 2, 3, 9, 16, 17, 64, 150):
             x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
-            assert torch.equal(packed(x), lin(x)), rows
+            assert_same_up_to_rounding(packed(x), lin(x), f"{rows} rows")
         x3 = torch.randn(2, 5, shape[1], dtype=torch.bfloat16)  # [batch, tokens, features]
-        assert torch.equal(packed(x3), lin(x3))
+        assert_same_up_to_rounding(packed(x3), lin(x3), "[2, 5] rows")
 
 
 def _tiny_llama(dtype=torch.bfloat16):
@@ -48,14 +61,14 @@ def test_a_packed_model_gives_the_same_logits_and_keeps_its_parameters():
     assert pack_linears(model) == 2 * 7 + 1  # q k v o gate up down per layer, and the lm_head
     with torch.no_grad():
         got = model(ids).logits
-    assert torch.equal(got, want)
+    assert_same_up_to_rounding(got, want, "logits")
     assert [n for n, _ in model.named_parameters()] == names
     assert state.keys() == model.state_dict().keys()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied weights stay tied
     assert unpack_linears(model) == 15 and not any(isinstance(m, PackedLinear) for m in model.modules())
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, want)
+        assert torch.equal(model(ids).logits, want)  # unpacked: the eager product again
 
 
 @needs_packing
@@ -67,7 +80,7 @@ def test_repack_follows_changed_weights_and_training_uses_the_plain_product():
         lin.weight.mul_(2)
     packed.repack()
     with torch.no_grad():
-        assert torch.equal(packed(x), lin(x))
+        assert_same_up_to_rounding(packed(x), lin(x), "repacked")
     packed.train()
     x.requires_grad_(True)
     packed(x).float().sum().backward()  # the packed op has no gradient: training takes the plain path
@@ -84,13 +97,13 @@ def test_packed_float32_outputs_equal_the_plain_product_up_to_rounding(shape):
         for rows in (1, 2, 9, 16, 150):
             x = torch.randn(rows, shape[1])
             # oneDNN's float32 product against the BLAS's: the same precision, another order
-            torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+            assert_same_up_to_rounding(packed(x), lin(x), f"{rows} rows")
     model = _tiny_llama(torch.float32)
     ids = torch.tensor([[1, 5, 9, 33, 7, 2]])
     with torch.no_grad():
         want = model(ids).logits
         assert pack_linears(model) == 15
-        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert_same_up_to_rounding(model(ids).logits, want, "logits")
 
 
 def test_other_dtypes_are_left_alone():
