@@ -10,6 +10,7 @@ import torch
 from rheoplan.models.packed_linear import (PackedLinear, pack_if_it_pays, pack_linears, packing_available,
                                            packing_decision, packing_pays, unpack_linears)
 
+
 def assert_same_up_to_rounding(got: torch.Tensor, want: torch.Tensor, what=None) -> None:
     """Equal, or apart by no more than the result's own rounding: in bfloat16 one unit in the
     last place (2**-7 relative; the CI machine's 64-row products differ so while the Intel
