@@ -3,8 +3,8 @@
 1. eager, as transformers loads the model;
 2. eager with the linear weights packed for oneDNN once (``rheoplan.models.packed_linear``,
    what ``rheoplan`` loaders do where it pays), compared with 1: whether the logits are
-   identical is printed, with their largest difference (bfloat16: identical on the Intel
-   Xeon dev machine, a last-bit rounding apart on some CPUs; float32: oneDNN's product
+   identical is printed, with their largest difference (bfloat16: identical on the AMD
+   EPYC, a last-bit rounding apart on the Intel Xeon at 64 and 150 rows; float32: oneDNN's product
    against the BLAS's);
 3. ``torch.compile`` (inductor, weight freezing) over a static KV cache with the tree
    padded to a fixed size: the static-shape compiled forward the issue on speed asked to

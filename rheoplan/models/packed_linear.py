@@ -7,11 +7,12 @@ SmolLM2-135M's MLP projections take 107-140 us per call eagerly and 33-57 us wit
 weight packed once (the 2-core AMD EPYC, one row). ``pack_linears`` packs every
 ``nn.Linear`` of a model once (``torch.ops.mkldnn._reorder_linear_weight``) and runs it
 through ``torch.ops.mkldnn._linear_pointwise``. In bfloat16 the eager product is oneDNN's
-too, on the same numbers: on the Intel Xeon dev machine the outputs are bit-identical at
-1-150 rows, but oneDNN may block the packed and the eager product differently, and on the
-CI machine (2026-12-03) 64-row products differed in the last bit, one bfloat16 rounding
-(``tests/rheoplan/models/test_packed_linear.py`` checks agreement up to that rounding for
-every shape the models use). Only the time changes, up to that rounding: the law a step
+too, on the same numbers, but oneDNN may block the packed and the eager product
+differently: on the 2-core AMD EPYC where this was written the outputs were bit-identical
+at 1-150 rows; on the 2-core Intel Xeon and the CI machine of 2026-12-03 they are at 1-17
+rows, and products of 64 or 150 rows differ in the last bit of some outputs, one bfloat16
+rounding (``tests/rheoplan/models/test_packed_linear.py`` checks agreement up to that
+rounding for every shape the models use). Only the time changes, up to that rounding: the law a step
 samples is the packed model's, as in bfloat16 a 9-token forward's law is its own and may
 round a near-tie differently from a 1-token one.
 
