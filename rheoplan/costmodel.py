@@ -207,10 +207,17 @@ class Timings:
 
     def verify(self, n: int, ctx: int) -> float:
         """``c_v(n, ctx)``: one verify forward of ``n`` tokens over ``ctx`` cached tokens (ms)."""
-        lo = interp(self.sizes, self.verify_lo, n)
-        hi = interp(self.sizes, self.verify_hi, n)
-        v = lo + (hi - lo) * (ctx - self.ctx_lo) / (self.ctx_hi - self.ctx_lo)
-        return max(v, 1e-3)
+        return max(self.at_ctx(*self.verify_ends(n), ctx), 1e-3)
+
+    def verify_ends(self, n: int) -> tuple[float, float]:
+        """``c_v(n)`` at ``ctx_lo`` and at ``ctx_hi`` cached tokens (ms), before ``at_ctx``."""
+        return interp(self.sizes, self.verify_lo, n), interp(self.sizes, self.verify_hi, n)
+
+    def at_ctx(self, lo, hi, ctx: int):
+        """The verify latency at ``ctx`` cached tokens from its values at ``ctx_lo`` and
+        ``ctx_hi`` (linear in the context; floats, or numpy arrays elementwise with the same
+        bits: ``rheoplan.kernels.plan.cpu_pass`` prices a whole curve at once)."""
+        return lo + (hi - lo) * (ctx - self.ctx_lo) / (self.ctx_hi - self.ctx_lo)
 
     def draft(self, w: int) -> float:
         """``c_d(w)``: one draft call over ``w`` frontier rows (ms)."""

@@ -34,15 +34,29 @@ def linearize(tree: DraftTree, ctx: PassContext) -> DraftTree:
 #: the verify latencies of the last (timings, rows, context) ``decide`` priced: one step's
 #: gates and prune price the same, and each ``Timings.verify_batch`` is a few interpolations
 _VERIFY_TABLE: dict[int, tuple[Timings, int, int, np.ndarray]] = {}
+#: one row: ``Timings.verify_ends`` of 1..k tokens, which do not change with the context, so
+#: a step prices its curve with three numpy ops instead of k interpolations
+_VERIFY_ENDS: dict[int, tuple[Timings, np.ndarray, np.ndarray]] = {}
 
 
 def _verify_table(tm: Timings, batch: int, ctx: int, upto: int) -> np.ndarray:
     """``[Timings.verify_batch(batch, k, ctx) for k in 0..upto]`` (entry 0 unused), kept
-    for the next call."""
+    for the next call; the same bits (``Timings.at_ctx`` on arrays does the float64 ops of
+    ``Timings.verify`` in the same order)."""
     hit = _VERIFY_TABLE.get(id(tm))
     if hit is not None and hit[0] is tm and hit[1:3] == (batch, ctx) and hit[3].shape[0] > upto:
         return hit[3]
-    table = np.array([0.0] + [tm.verify_batch(batch, k, ctx) for k in range(1, upto + 1)])
+    if batch == 1:
+        ends = _VERIFY_ENDS.get(id(tm))
+        if ends is None or ends[0] is not tm or ends[1].shape[0] <= upto:
+            lo_hi = [tm.verify_ends(k) for k in range(1, upto + 1)]
+            ends = (tm, np.array([0.0] + [a for a, _ in lo_hi]), np.array([0.0] + [b for _, b in lo_hi]))
+            _VERIFY_ENDS.clear()
+            _VERIFY_ENDS[id(tm)] = ends
+        table = np.maximum(tm.at_ctx(ends[1][:upto + 1], ends[2][:upto + 1], ctx), 1e-3)
+        table[0] = 0.0
+    else:
+        table = np.array([0.0] + [tm.verify_batch(batch, k, ctx) for k in range(1, upto + 1)])
     _VERIFY_TABLE.clear()
     _VERIFY_TABLE[id(tm)] = (tm, batch, ctx, table)
     return table

@@ -156,3 +156,23 @@ def test_cost_pipeline_takes_the_numba_frontiers():
     fast, ref = _cost_tree(plan, 3, frontiers=counted), _cost_tree(plan, 3)
     assert calls == [2] * len(calls) and calls
     assert torch.equal(fast.kept, ref.kept) and torch.equal(fast.linear.token, ref.linear.token)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_verify_table_equals_verify_batch_bit_for_bit(seed):
+    """``decide``'s one-row verify curve (``Timings.verify_ends`` once per timings, then
+    ``Timings.at_ctx`` on arrays per context) gives ``Timings.verify_batch`` to the bit at
+    every tree size, for contexts below, inside and past the measured range (where the
+    extrapolated latency is floored at 1e-3 ms), reusing the ends across contexts."""
+    from rheoplan.kernels.plan.cpu_pass import _verify_table
+
+    rnd = random.Random(seed)
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    lo = tuple(rnd.uniform(5, 40) + 1.7 * n for n in sizes)
+    hi = tuple(v + rnd.uniform(-3, 30) for v in lo)  # may fall with the context: floored at 1e-3
+    tm = Timings(sizes, lo, hi, rnd.randint(0, 100), rnd.randint(200, 900), (1, 3), (4.3, 4.6), 5.4, 3.0)
+    for ctx in [0, 1, tm.ctx_lo, 157, tm.ctx_hi, 2000, 40000] + [rnd.randint(0, 3000) for _ in range(20)]:
+        for upto in (1, 9, 33, 80):
+            table = _verify_table(tm, 1, ctx, upto)
+            assert table.shape[0] > upto and table[0] == 0.0
+            assert table[1:upto + 1].tolist() == [tm.verify_batch(1, k, ctx) for k in range(1, upto + 1)], (ctx, upto)
