@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunk-tokens", type=int, default=1024, help="pairs per optimiser step (packed rows)")
     g.add_argument("--ttt-steps", type=int, default=2, help="training-time-test steps (>= 2: step k feeds "
                    "the head's own step k-1 output)")
+    g.add_argument("--step-decay", type=float, default=tr.TrainConfig.step_decay,
+                   help="loss weight of training-time-test step k is STEP_DECAY^(k-1); lower keeps the "
+                   "first draft depths (most of what a sampled tree accepts) in front of the deep ones")
     g.add_argument("--eval-depths", type=int, default=3, help="draft depths evaluated (top-1/top-3/acceptance)")
     g.add_argument("--topk", type=int, default=32, help="target top-k kept as the soft target (training)")
     g.add_argument("--heldout-topk", type=int, default=256,
@@ -174,6 +177,8 @@ def _check_args(a: argparse.Namespace) -> list[str]:
         raise SystemExit(f"--feature-cache-gb={a.feature_cache_gb}: allowed >= 0 (0 = no cache)")
     if a.ttt_steps < 1:
         raise SystemExit(f"--ttt-steps={a.ttt_steps}: allowed >= 1 (2 or more recommended)")
+    if not 0 < a.step_decay <= 1:
+        raise SystemExit(f"--step-decay={a.step_decay}: allowed in (0, 1]")
     for name in ("temperature", "heldout_temperature"):
         if not getattr(a, name) >= 0:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(a, name)}: allowed >= 0")
@@ -455,7 +460,8 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     held_src, sub_src = _eval_sets(a, model, held_rows, train_rows, shared)
     t2d_index = tr.target_to_draft_index(draft_ids, V)
     tcfg = tr.TrainConfig(epochs=a.epochs, lr=a.lr, chunk_tokens=a.chunk_tokens, ttt_steps=a.ttt_steps,
-                          prompt_weight=a.prompt_weight, tv_weight=a.tv_weight, autocast_bf16=not a.no_bf16,
+                          step_decay=a.step_decay, prompt_weight=a.prompt_weight, tv_weight=a.tv_weight,
+                          autocast_bf16=not a.no_bf16,
                           seed=a.seed, ckpt_every=a.ckpt_every)
     depths = max(a.eval_depths, a.ttt_steps)
     if init is not None and held_rows and not (a.resume and os.path.exists(os.path.join(a.work_dir, "ckpt.pt"))):
