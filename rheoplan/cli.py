@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from rheoplan import dump, ir_text
 from rheoplan.bench import batch as bench_batch
 from rheoplan.bench import cost as bench_cost
@@ -142,6 +144,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "target's first L layers, no training) (default auto)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     add_dtype(g)
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads, as the benchmarks take it; the cost model's measured "
+                        "latencies are cached per thread count (default: torch's, one per core)")
     g.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="what plans and verifies: 'auto' (Triton when the model is on a CUDA device, "
                         "numba on the CPU), 'reference' (readable torch passes), 'numba', 'triton' "
@@ -500,6 +505,15 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    threads = getattr(args, "threads", None)
+    if args.command != "bench" and threads is not None:  # the benchmarks check and set their own
+        if threads < 1:
+            sub = subs[args.command]
+            sub.print_usage(sys.stderr)
+            print(f"rheoplan {args.command}: error: --threads={threads} is out of range: allowed >= 1",
+                  file=sys.stderr)
+            return 2
+        torch.set_num_threads(threads)
     handler = {"generate": cmd_generate, "dump": cmd_dump, "bench": cmd_bench, "calibrate": cmd_calibrate,
                "train-draft": cmd_train_draft}[args.command]
     try:

@@ -36,6 +36,9 @@ def no_model_loading(monkeypatch):
     (["generate", "--draft", "foo"], "--draft='foo' is not understood"),
     (["generate", "--draft", "eagle3:/no/such/dir"], "is not a directory"),
     (["dump", "--method", "autoregressive"], "has no draft tree to dump"),
+    (["generate", "--threads", "0"], "--threads=0 is out of range: allowed >= 1"),
+    (["dump", "--threads", "-2"], "--threads=-2 is out of range: allowed >= 1"),
+    (["calibrate", "--threads", "0"], "--threads=0 is out of range: allowed >= 1"),
     (["calibrate", "--prompts", "0"], "--prompts=0 is out of range: allowed >= 1"),
     (["calibrate", "--tokens", "0"], "--tokens=0 is out of range: allowed >= 1"),
     (["calibrate", "--temperatures", "1", "-1"], "--temperatures=[1.0, -1.0]: allowed numbers >= 0"),
@@ -48,6 +51,13 @@ def no_model_loading(monkeypatch):
 def test_bad_values_fail_before_loading(argv, needle, capsys):
     rc, err = run(argv, capsys)
     assert rc == 2 and needle in err
+
+
+def test_threads_are_set_before_the_command_runs(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(cli.torch, "set_num_threads", seen.append)
+    rc, err = run(["generate", "--threads", "3", "--temperature", "-1"], capsys)
+    assert rc == 2 and seen == [3]  # set first, then the command's own checks refuse the temperature
 
 
 @pytest.mark.parametrize("flag, value, choices", [
