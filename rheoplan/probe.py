@@ -586,6 +586,10 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                 tm = Timings.from_dict(rec)
             except (ValueError, TypeError):
                 tm = None  # a stale record: measure again
+            if tm is not None and any(jumps(tm.sizes, curve) for curve in (tm.verify_lo, tm.verify_hi)):
+                print("cost model: the cached verify latencies jump after one token (timed across two "
+                      "speeds of the machine): measuring them again", file=log)
+                tm = None
             if tm is not None:
                 print(f"cost model: cached latencies ({_describe(tm)})", file=log)
                 note = stale_speed_note(model, tm, timer=timer)
@@ -604,8 +608,11 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     lo_hi = []
     for c in ctx:
         ms = chain_verify_ms(model, c, sizes, reps=reps, timer=timer)
-        if dips(sizes, ms):  # a busy spell: once more, and each size keeps its faster median
-            ms = retimed(ms, chain_verify_ms(model, c, sizes, reps=reps, timer=timer))
+        if dips(sizes, ms) or jumps(sizes, ms):  # a busy spell: once more
+            again = chain_verify_ms(model, c, sizes, reps=reps, timer=timer)
+            # each size keeps its faster median, unless that keeps a jump the retake lacks:
+            # then the retake, timed in one spell, is the consistent curve
+            ms = again if jumps(sizes, retimed(ms, again)) and not jumps(sizes, again) else retimed(ms, again)
         lo_hi.append(_curve(sizes, ms, f"the verify latency at {c} cached tokens", log))
         bar.update()
     grid = (measure_batch_verify(model, batch_sizes=batch_sizes, row_sizes=batch_row_sizes, ctx=ctx[0],
@@ -790,6 +797,37 @@ def dips(sizes: Sequence[int], ms: Sequence[float], tolerance: float = DIP_TOLER
     return out
 
 
+#: the first size step of a verify curve costing more than this share of all the later
+#: steps together is taken for a curve timed across two speeds of the machine (``jumps``)
+JUMP_SHARE = 0.5
+#: ... where the later steps add at least this many tokens
+JUMP_SPAN = 16
+
+
+def jumps(sizes: Sequence[int], ms: Sequence[float], tolerance: float = DIP_TOLERANCE,
+          share: float = JUMP_SHARE) -> bool:
+    """True where the first size step of a verify curve (``sizes[0]`` -> ``sizes[1]`` tokens)
+    costs more than ``tolerance`` of the smallest forward and more than ``share`` of every
+    later step together (``sizes[1]`` -> ``sizes[-1]``, at least ``JUMP_SPAN`` tokens more).
+    A forward streams the same weights whatever its size and adds a little compute per
+    token, so one token more cannot cost half of what the next sixty-two cost: such a curve had its smallest size timed in a
+    faster spell than the rest, which ``dips`` (a larger size measured faster) does not
+    see. Priced from it, plain one-token steps look far cheaper than any tree. On the
+    2-core Intel Xeon the cache once kept [1: 52.4, 2: 80.1, 4-16: 80.1, 32: 80.9, 64: 105.1]
+    ms at 64 cached tokens (a retake read [1: 72.7, 2: 75.7, ... 64: 118.0]).
+
+    Example:
+        >>> jumps((1, 2, 4, 64), (52.4, 80.1, 80.1, 105.1)), jumps((1, 2, 4, 64), (72.7, 75.7, 77.2, 118.0))
+        (True, False)
+    """
+    if len(sizes) != len(ms):
+        raise ValueError(f"jumps: {len(sizes)} sizes and {len(ms)} latencies: allowed one latency per size")
+    if len(ms) < 3 or sizes[-1] - sizes[1] < JUMP_SPAN:  # too short a span to show the compute per token
+        return False
+    first, rest = float(ms[1]) - float(ms[0]), float(ms[-1]) - float(ms[1])
+    return first > tolerance * float(ms[0]) and first > share * rest
+
+
 def retimed(first: Sequence[float], again: Sequence[float]) -> list[float]:
     """Each size's faster median of two measurements of one curve: load on the machine only
     ever slows a forward, so where the first measurement dips (``dips``: a busy spell timed
@@ -830,6 +868,13 @@ def _curve(sizes: Sequence[int], ms: Sequence[float], what: str, log) -> tuple[f
         print(f"cost model: warning: {what} dropped with more tokens ({pairs}): the machine was "
               "probably busy while it was measured, and the cost model may plan trees too "
               "large; measure again on a quiet machine with RHEOPLAN_REMEASURE=1", file=log)
+    if jumps(sizes, ms) and log is not None:
+        print(f"cost model: warning: {what} jumped from {ms[0]:.1f} ms at {sizes[0]} token"
+              f"{'' if sizes[0] == 1 else 's'} to "
+              f"{ms[1]:.1f} ms at {sizes[1]}, more than from there to {sizes[-1]} tokens "
+              f"({ms[-1]:.1f} ms): the machine's speed probably changed while it was measured, "
+              "and the cost model may plan trees too small; measure again on a quiet machine with "
+              "RHEOPLAN_REMEASURE=1", file=log)
     return monotone(ms)
 
 

@@ -302,6 +302,56 @@ def test_a_dipping_verify_curve_is_timed_again_and_each_size_keeps_its_faster_me
         probe.retimed([1.0, 2.0], [1.0])
 
 
+def test_a_verify_curve_that_jumps_after_one_token_is_timed_again_and_the_retake_kept(cache, monkeypatch):
+    """A curve whose first size step costs more than the later ones together (its one-token
+    forward timed in a faster spell) is measured once more; the retake, timed in one spell,
+    replaces it where each size's faster median would keep the jump; a jump that survives
+    the retake warns."""
+    model, draft = tiny_llama(seed=1, vocab=16), tiny_llama(seed=2, vocab=16)
+    tree = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8)
+    curves = {4: [[10.0, 30.0, 32.0], [20.0, 21.0, 30.0]],  # jumps, then a consistent retake
+              12: [[30.0, 31.0, 40.0]]}
+    calls = []
+
+    def fake(model, ctx, sizes, **kw):
+        if tuple(sizes) == (1,):  # the cached record's check of the machine's speed (stale_speed_note)
+            return [20.0]
+        calls.append(ctx)
+        return curves[ctx].pop(0)
+
+    monkeypatch.setattr(probe, "chain_verify_ms", fake)
+    log = io.StringIO()
+    kw = dict(tree=tree, ctx=(4, 12), sizes=(1, 2, 32), reps=1, steps=4, model_id="tiny", batch_sizes=(), log=log)
+    tm = probe.measure_timings(model, draft, [1, 2, 3], **kw)
+    assert calls == [4, 4, 12]
+    assert tm.verify_lo == (20.0, 21.0, 30.0)  # the retake, not the faster medians (10, 21, 30)
+    assert "warning" not in log.getvalue()
+    curves.update({4: [[10.0, 30.0, 32.0], [12.0, 29.0, 31.0]], 12: [[30.0, 31.0, 40.0]]})  # it stays
+    monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")
+    tm = probe.measure_timings(model, draft, [1, 2, 3], **kw)
+    assert tm.verify_lo == (10.0, 29.0, 31.0)
+    assert "warning: the verify latency at 4 cached tokens jumped from 10.0 ms at 1 token to 29.0 ms at 2, more than from there to 32" in log.getvalue()
+    monkeypatch.delenv("RHEOPLAN_REMEASURE")  # the cached record that jumps is not used: measured again
+    curves.update({4: [[20.0, 21.0, 30.0]], 12: [[30.0, 31.0, 40.0]]})
+    del calls[:]
+    tm = probe.measure_timings(model, draft, [1, 2, 3], **kw)
+    assert calls == [4, 12] and tm.verify_lo == (20.0, 21.0, 30.0)
+    assert "cached verify latencies jump after one token" in log.getvalue()
+    assert probe.measure_timings(model, draft, [1, 2, 3], **kw) == tm and calls == [4, 12]  # now it is used
+
+
+def test_jumps_need_a_first_step_dearer_than_half_the_rest_and_than_the_noise():
+    assert probe.jumps((1, 2, 4, 8, 16, 32, 64), (52.4, 80.1, 80.1, 80.1, 80.1, 80.9, 105.1))  # the Intel Xeon's
+    assert not probe.jumps((1, 2, 4, 8, 16, 32, 64), (38.9, 38.9, 40.8, 46.7, 61.1, 93.4, 142.7))  # a clean curve
+    assert not probe.jumps((1, 2, 64), (10.0, 10.3, 10.7))  # flat (a GPU): 0.3 ms is within 10% of 10 ms
+    assert probe.jumps((1, 2, 64), (10.0, 12.0, 13.0))  # beyond 10%, and more than half of the rest
+    assert not probe.jumps((1, 2, 64), (10.0, 12.0, 16.0))  # exactly half of the rest
+    assert not probe.jumps((1, 2), (10.0, 30.0))  # no later step to compare with
+    assert not probe.jumps((1, 2, 4), (10.0, 12.0, 13.0))  # two tokens more show no compute per token
+    with pytest.raises(ValueError, match="one latency per size"):
+        probe.jumps((1, 2, 4), (1.0, 2.0))
+
+
 def test_verify_latencies_never_drop_with_more_tokens():
     assert probe.monotone([40.0, 38.0, 55.0, 50.0]) == (40.0, 40.0, 55.0, 55.0)
     assert probe.monotone([1.0]) == (1.0,)
