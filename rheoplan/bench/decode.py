@@ -14,6 +14,7 @@ mid-benchmark slows every method alike:
 * ``default``: what ``rheoplan generate`` does by default: RheoSampling (m = 1, ``ot``)
   with the cost model planning every tree (``--depth auto --budget auto``); its rows
   also show the cost model's predicted tokens per step next to the measured ones
+* ``default-rheo``: the same with the ``rheo`` verifier (``--verifier rheo``)
 * ``ar-hf-static``: ``generate`` on its own fast path: a static cache and a
   ``torch.compile``d forward (compiled once per dtype before the clock starts; the compile
   time is recorded; if compiling fails on this machine the run records why instead); on
@@ -77,6 +78,7 @@ def methods_for(depth: int, frontier: int, slots: int, budget: int) -> dict[str,
     auto = auto_tree(TreeConfig(frontier=frontier, slots=slots, rheostat=1, verifier="ot"), "auto", "auto")
     out = {
         "default": Method("default", auto, cost=True),
+        "default-rheo": Method("default-rheo", auto.with_(verifier="rheo"), cost=True),
         "ar-hf": Method("ar-hf", None, "generate"),
         "ar-hf-static": Method("ar-hf-static", None, "generate-static"),
         "ar-hf-unpacked": Method("ar-hf-unpacked", None, "generate-unpacked"),
