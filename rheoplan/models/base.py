@@ -464,6 +464,17 @@ def check_emitted(tree: DraftTree, path_nodes: list[int], emitted: list[int], b:
     return path_nodes
 
 
+def check_device_path(path_nodes: list[int], emitted: list[int]) -> list[int]:
+    """``check_emitted`` for a step planned on the device: what the host knows without
+    reading the tree back (the path and tokens are the walk's own, transferred once by the
+    decode loop): the path starts at the root and holds one node per emitted token."""
+    path_nodes = [int(v) for v in path_nodes]
+    if not path_nodes or path_nodes[0] != 0 or len(emitted) != len(path_nodes):
+        raise ValueError(f"path_nodes={path_nodes} must start with the root (node 0) and match "
+                         f"emitted ({len(emitted)} tokens: accepted drafted tokens, then the bonus)")
+    return path_nodes
+
+
 # -- what an adapter reads of a tree on the host: one transfer each -------------------------
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from rheoplan.ir import DraftTree
-from rheoplan.models.base import (DraftModel, HostDraft, check_draft_call, check_emitted, check_prompt_ids,
-                                  draft_on_host, drafts_on_host)
+from rheoplan.models.base import (DraftModel, HostDraft, check_device_path, check_draft_call, check_emitted,
+                                  check_prompt_ids, draft_on_host, drafts_on_host)
 from rheoplan.models._hf_common import (
     base_model, cache_length, new_cache, output_head, run_base, commit_cache, forward_memory,
 )
@@ -379,12 +379,7 @@ class HFDraft(DraftModel):
         if self.cache is None:
             raise RuntimeError("commit() called before start()")
         if self._device_step:
-            # a step planned on the device: check what the host knows, and read nothing back
-            # (the path and tokens are the walk's own, transferred once by the decode loop)
-            path_nodes = [int(v) for v in path_nodes]
-            if not path_nodes or path_nodes[0] != 0 or len(emitted) != len(path_nodes):
-                raise ValueError(f"path_nodes={path_nodes} must start with the root (node 0) and match "
-                                 f"emitted ({len(emitted)} tokens: accepted drafted tokens, then the bonus)")
+            path_nodes = check_device_path(path_nodes, emitted)  # reads nothing back
             done = path_nodes[:max(1, len(path_nodes) - 1)]
             cols = self._col[torch.tensor(done, dtype=torch.int64, device=self.device)]
         else:

@@ -36,8 +36,8 @@ from torch import nn
 from rheoplan.distributions import SubsetLogits
 from rheoplan.ir import DraftTree
 from rheoplan.models._hf_common import base_model
-from rheoplan.models.base import (DraftModel, TargetModel, check_draft_call, check_emitted, check_prompt_ids,
-                                  drafts_on_host)
+from rheoplan.models.base import (DraftModel, TargetModel, check_device_path, check_draft_call, check_emitted,
+                                  check_prompt_ids, drafts_on_host)
 from rheoplan.models.eagle3.checkpoint import read_eagle3
 from rheoplan.models.eagle3.head import Eagle3Head, Eagle3LoadError, check_vocab_map
 from rheoplan.models.hf_target import HFTarget, eagle3_layers
@@ -403,12 +403,7 @@ class Eagle3Draft(DraftModel):
         if self.root is None:
             raise RuntimeError("commit() called before start()")
         if self._device_step:
-            # a step planned on the device: check what the host knows, and read nothing back
-            # (the path and tokens are the walk's own, transferred once by the decode loop)
-            path_nodes = [int(v) for v in path_nodes]
-            if not path_nodes or path_nodes[0] != 0 or len(emitted) != len(path_nodes):
-                raise ValueError(f"path_nodes={path_nodes} must start with the root (node 0) and match "
-                                 f"emitted ({len(emitted)} tokens: accepted drafted tokens, then the bonus)")
+            path_nodes = check_device_path(path_nodes, emitted)  # reads nothing back
         else:
             path_nodes = check_emitted(tree, path_nodes, emitted)
         if len(features) != len(path_nodes) or any(f is None for f in features):

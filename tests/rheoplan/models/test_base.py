@@ -141,3 +141,12 @@ def test_batched_host_reads_equal_the_per_row_reads():
     drafts = drafts_on_host(tree)
     assert drafts == [draft_on_host(tree, [], b) for b in range(tree.batch)]
     assert [len(d.parent) for d in drafts] == [11, 1, 7]
+
+
+def test_a_device_step_path_is_checked_without_reading_the_tree():
+    from rheoplan.models.base import check_device_path
+
+    assert check_device_path([0, 3, 5], [11, 12, 13]) == [0, 3, 5]
+    for path, emitted in (([], [1]), ([2, 3], [1, 2]), ([0, 1], [7])):
+        with pytest.raises(ValueError, match="must start with the root"):
+            check_device_path(path, emitted)
