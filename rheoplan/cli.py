@@ -74,7 +74,7 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
                         f"where no tree pays is autoregressive) (default auto)")
     g.add_argument("--rheostat", type=int, help="deterministic slots m, 0..K (default 1)")
     g.add_argument("--support", type=int, help="sparse draft support S (default 128)")
-    g.add_argument("--verifier", choices=VERIFIERS, help="coupling (default ot)")
+    g.add_argument("--verifier", choices=VERIFIERS, help=f"coupling (default {DEFAULTS['verifier']})")
     g.add_argument("--proxy", choices=PROXIES, help="sampled-slot score (default: default)")
     g.add_argument("--calibration", metavar="FILE",
                    help="with auto depth/budget: start the online acceptance calibration from FILE "

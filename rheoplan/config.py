@@ -198,7 +198,7 @@ class TreeConfig:
 
     Example:
         >>> TreeConfig(depth=6, frontier=8, slots=8, budget=48, rheostat=1)  # doctest: +ELLIPSIS
-        TreeConfig(depth=6, frontier=8, slots=8, budget=48, rheostat=1, support=128, verifier='ot', proxy='default')
+        TreeConfig(depth=6, frontier=8, slots=8, budget=48, rheostat=1, support=128, verifier='rheo', proxy='default')
     """
 
     depth: int = 6
@@ -207,7 +207,7 @@ class TreeConfig:
     budget: int = 48
     rheostat: int = 1
     support: int = 128
-    verifier: str = "ot"
+    verifier: str = "rheo"
     proxy: str = "default"
 
     def __post_init__(self) -> None:

@@ -44,7 +44,7 @@ DEFAULTS = {
     "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
     "repetition_penalty": 1.0, "seed": 0,
     "method": "rheo", "depth": "auto", "frontier": 3, "slots": 3, "budget": "auto", "rheostat": 1,
-    "support": 128, "verifier": "ot", "proxy": "default",
+    "support": 128, "verifier": "rheo", "proxy": "default",
 }
 #: the fixed tree the benchmarks compare the fixed-shape methods at (depth 4, frontier 3,
 #: slots 3, 8 kept nodes: the shape measured fastest before the cost model; docs/results.md)

@@ -58,7 +58,7 @@ HELDOUT_PROMPTS = 40
 #: the plot's default path (small PNG, linked from docs/results.md)
 PLOT_PATH = Path("docs/img/bench_batch_throughput.png")
 #: the rheoplan methods' largest tree: what ``rheoplan generate`` plans within by default
-DEFAULT_TREE = auto_tree(TreeConfig(frontier=3, slots=3, rheostat=1, verifier="ot"), "auto", "auto")
+DEFAULT_TREE = auto_tree(TreeConfig(frontier=3, slots=3, rheostat=1, verifier="rheo"), "auto", "auto")
 
 
 class BatchedDecodeUnavailable(ValueError):

@@ -11,10 +11,10 @@ mid-benchmark slows every method alike:
   pays (``rheoplan.models.packed_linear``): ``generate`` gets that speed too
 * ``ar-hf-unpacked``: the same ``generate`` with the linear weights as transformers loads
   them (unpacked for its run, packed again after): what a user has without rheoplan
-* ``default``: what ``rheoplan generate`` does by default: RheoSampling (m = 1, ``ot``)
+* ``default``: what ``rheoplan generate`` does by default: RheoSampling (m = 1, ``rheo``)
   with the cost model planning every tree (``--depth auto --budget auto``); its rows
   also show the cost model's predicted tokens per step next to the measured ones
-* ``default-rheo``: the same with the ``rheo`` verifier (``--verifier rheo``)
+* ``default-ot``: the same with the ``ot`` verifier (``--verifier ot``)
 * ``ar-hf-static``: ``generate`` on its own fast path: a static cache and a
   ``torch.compile``d forward (compiled once per dtype before the clock starts; the compile
   time is recorded; if compiling fails on this machine the run records why instead); on
@@ -75,10 +75,10 @@ GENERATE_KINDS = ("generate", "generate-unpacked", "generate-static")
 def methods_for(depth: int, frontier: int, slots: int, budget: int) -> dict[str, Method]:
     """All benchmarked methods at one node budget."""
     base = TreeConfig(depth=depth, frontier=frontier, slots=slots, budget=budget)
-    auto = auto_tree(TreeConfig(frontier=frontier, slots=slots, rheostat=1, verifier="ot"), "auto", "auto")
+    auto = auto_tree(TreeConfig(frontier=frontier, slots=slots, rheostat=1, verifier="rheo"), "auto", "auto")
     out = {
         "default": Method("default", auto, cost=True),
-        "default-rheo": Method("default-rheo", auto.with_(verifier="rheo"), cost=True),
+        "default-ot": Method("default-ot", auto.with_(verifier="ot"), cost=True),
         "ar-hf": Method("ar-hf", None, "generate"),
         "ar-hf-static": Method("ar-hf-static", None, "generate-static"),
         "ar-hf-unpacked": Method("ar-hf-unpacked", None, "generate-unpacked"),

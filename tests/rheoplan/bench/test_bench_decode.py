@@ -152,10 +152,10 @@ def test_default_method_runs_the_cost_model_and_records_its_prediction():
                         temperature=1.0, seed=0, tokens=6, cost_model=cost)
     assert rec["tokens"] == 12 and rec["predicted_tokens_per_step"] >= 1.0
     assert rec["autoregressive_steps"] is not None
-    other = bench.methods_for(3, 2, 2, 5)["default-rheo"]  # the same planning, the rheo verifier
-    assert other.cost and other.tree == method.tree.with_(verifier="rheo") and method.tree.verifier == "ot"
+    other = bench.methods_for(3, 2, 2, 5)["default-ot"]  # the same planning, the ot verifier
+    assert other.cost and other.tree == method.tree.with_(verifier="ot") and method.tree.verifier == "rheo"
     rec = bench.run_one(target, CharTokenizer(), draft, other, [("chat", "hello")], 1.0, 0, 6, cost_model=cost)
-    assert rec["method"] == "default-rheo" and rec["tokens"] == 6
+    assert rec["method"] == "default-ot" and rec["tokens"] == 6
 
 
 def test_run_group_interleaves_prompt_by_prompt_and_rotates(monkeypatch):
