@@ -810,9 +810,9 @@ def jumps(sizes: Sequence[int], ms: Sequence[float], tolerance: float = DIP_TOLE
     costs more than ``tolerance`` of the smallest forward and more than ``share`` of every
     later step together (``sizes[1]`` -> ``sizes[-1]``, at least ``JUMP_SPAN`` tokens more).
     A forward streams the same weights whatever its size and adds a little compute per
-    token, so one token more cannot cost half of what the next sixty-two cost: such a curve had its smallest size timed in a
-    faster spell than the rest, which ``dips`` (a larger size measured faster) does not
-    see. Priced from it, plain one-token steps look far cheaper than any tree. On the
+    token, so one token more cannot cost half of what the next sixty-two cost: such a
+    curve had its smallest size timed in a faster spell than the rest, which ``dips`` (a
+    larger size measured faster) does not see. Priced from it, plain one-token steps look far cheaper than any tree. On the
     2-core Intel Xeon the cache once kept [1: 52.4, 2: 80.1, 4-16: 80.1, 32: 80.9, 64: 105.1]
     ms at 64 cached tokens (a retake read [1: 72.7, 2: 75.7, ... 64: 118.0]).
 
