@@ -612,7 +612,8 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
             again = chain_verify_ms(model, c, sizes, reps=reps, timer=timer)
             # each size keeps its faster median, unless that keeps a jump the retake lacks:
             # then the retake, timed in one spell, is the consistent curve
-            ms = again if jumps(sizes, retimed(ms, again)) and not jumps(sizes, again) else retimed(ms, again)
+            faster = retimed(ms, again)
+            ms = again if jumps(sizes, faster) and not jumps(sizes, again) else faster
         lo_hi.append(_curve(sizes, ms, f"the verify latency at {c} cached tokens", log))
         bar.update()
     grid = (measure_batch_verify(model, batch_sizes=batch_sizes, row_sizes=batch_row_sizes, ctx=ctx[0],
