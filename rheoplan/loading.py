@@ -69,8 +69,9 @@ def add_dtype(p) -> None:
     head's) flags to an argparse parser or group."""
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="target weights and activations: 'auto' = the dtype measured fastest on this "
-                        "machine (1-token and verify-tree forwards timed once at load, cached under "
-                        "~/.cache/rheoplan/) (default auto)")
+                        "machine for the forward each step runs (1-token and 9-token verify-tree forwards "
+                        "timed once at load, cached under ~/.cache/rheoplan/; the tree decides when a draft "
+                        "is used, the 1-token forward for --method autoregressive) (default auto)")
     p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
                    help="the EAGLE-3 draft head's dtype: 'auto' = float32 unless another dtype runs the "
                         "head's matmuls at least 1.2x faster on this machine (timed once at load, cached) "
@@ -117,7 +118,9 @@ def load_default(*, method: str = "rheo", draft: str = "auto", dtype: str = "aut
     print(f"loading SmolLM2-135M-Instruct ({dtype}) ...", file=sys.stderr, flush=True)
     model, tok = load_smollm2(dtype=torch_dtype or torch.float32)
     if torch_dtype is None:  # 'auto': measure which dtype is fastest here (cached)
-        torch_dtype, _ = choose_dtype(model, model_id=SMOLLM2_ID)
+        # the forward that decides is the one each step of this method runs
+        torch_dtype, _ = choose_dtype(model, model_id=SMOLLM2_ID,
+                                      pick_by="one" if method == "autoregressive" else "tree")
         if torch_dtype != torch.float32:
             model = model.to(torch_dtype)
     pack_if_it_pays(model, "target")

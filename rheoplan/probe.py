@@ -162,18 +162,17 @@ def model_identity(model) -> str:
     return f"{name} ({getattr(cfg, 'model_type', '?')}, {n} params)"
 
 
-def _forwards(model, prompt_len: int, tree_tokens: int) -> Callable[[], None]:
-    """One 1-token step and one ``tree_tokens``-token verify forward after a cached prompt."""
+def _forward(model, prompt_len: int, tokens: int) -> Callable[[], None]:
+    """One ``tokens``-token verify forward (a chain; 1 = a plain decoding step) after a
+    cached prompt of ``prompt_len`` tokens."""
     dev = next(model.parameters()).device
     tgt = HFTarget(model)
     prompt = [(7 * i + 3) % int(model.config.vocab_size) for i in range(prompt_len + 1)]
     tgt.start(prompt)
-    one = chain_linear(prompt[-1], prompt_len, 1)
-    tree = chain_linear(prompt[-1], prompt_len, tree_tokens)
+    lin = chain_linear(prompt[-1], prompt_len, tokens)
 
     def run() -> None:
-        tgt.forward_tree(one).prefetch([0])
-        tgt.forward_tree(tree).prefetch([0])
+        tgt.forward_tree(lin).prefetch([0])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
@@ -194,25 +193,65 @@ def chain_linear(root: int, prefix_len: int, n: int):
     return t.linear
 
 
-def choose_dtype(model, *, model_id: str | None = None, reps: int = 5, prompt_len: int = 64,
-                 timer: Timer = time.perf_counter, use_cache: bool = True,
-                 log=sys.stderr) -> tuple[torch.dtype, dict[str, float]]:
+#: what ``choose_dtype`` picks by: the forward each decoding step runs
+PICK_BY = {"tree": f"the {PROBE_TREE}-token verify forward a drafted step runs",
+           "one": "the 1-token forward an autoregressive step runs"}
+
+
+def choose_dtype(model, *, model_id: str | None = None, pick_by: str = "tree", reps: int = 5,
+                 prompt_len: int = 64, timer: Timer = time.perf_counter, use_cache: bool = True,
+                 log=sys.stderr) -> tuple[torch.dtype, dict[str, list[float]]]:
     """The fastest dtype for ``model`` on its device, by timing a 1-token forward and a
     ``PROBE_TREE``-token verify forward in each supported dtype (about a second or two).
 
+    ``pick_by`` names the forward that decides (``PICK_BY``): ``'tree'`` (speculative
+    decoding: each step verifies a tree) or ``'one'`` (autoregressive decoding). They can
+    disagree: on an Intel Xeon that exposes AMX, float32 ran the 1-token forward faster
+    (51 against 61 ms) while bfloat16 ran 16 tokens in barely more time than one (67 ms,
+    float32 101 ms), and rheoplan decoded 1.28x faster in bfloat16 (docs/results.md).
+
     ``model`` is loaded once (any dtype); the others are cast copies, freed afterwards.
-    Returns ``(dtype, {dtype name: median ms of the pair})``; cached per machine + model.
+    Returns ``(dtype, {dtype name: [median ms of the 1-token, of the PROBE_TREE-token
+    forward]})``; the times are cached per machine + model, and a later load (with either
+    ``pick_by``) picks from them.
     """
+    if pick_by not in PICK_BY:
+        raise ValueError(f"pick_by={pick_by!r} is not understood: allowed one of {sorted(PICK_BY)}")
     dev = next(model.parameters()).device
     mid = model_id or model_identity(model)
     # every dtype is timed with packed linear weights where that pays (the loader packs them
-    # then); the key names it, so choices made before packing (or before float32 was packed
-    # too) are measured again
-    key = cache_key("dtype", f"{mid} (packed when it pays, float32 too)", dev)
-    hit = _cached_dtype(DTYPE_CACHE, key, use_cache, f"dtype auto: %s (cached; measured ms per 1-token + "
-                        f"{PROBE_TREE}-token forward: %s)", log)
-    if hit is not None:
-        return hit
+    # then); the key names it and that the two forwards are timed apart, so records made
+    # before (one time for the pair) are measured again
+    key = cache_key("dtype", f"{mid} (packed when it pays, float32 too; 1 and {PROBE_TREE} tokens apart)", dev)
+    ms = _cached_forward_ms(key) if use_cache and _read_cache() else None
+    where = " (cached)"
+    if ms is None:
+        ms = _time_dtypes(model, dev, prompt_len, reps, timer)
+        where = f"; cached in {cache_write(DTYPE_CACHE, key, {'ms': ms})}" if use_cache else ""
+    col = 1 if pick_by == "tree" else 0
+    names = list(ms)
+    best = min(names, key=lambda n: (ms[n][col], names.index(n)))
+    times = ", ".join(f"{n} {one:.1f} / {tree:.1f}" for n, (one, tree) in ms.items())
+    print(f"dtype auto: {best}, by {PICK_BY[pick_by]} (ms per 1-token / {PROBE_TREE}-token forward: "
+          f"{times}{where})", file=log)
+    return getattr(torch, best), ms
+
+
+def _cached_forward_ms(key: str) -> dict[str, list[float]] | None:
+    """The per-dtype ``[1-token, PROBE_TREE-token]`` times stored under ``key``, or None
+    when there are none (or the record is not of that shape)."""
+    rec = cache_read(DTYPE_CACHE, key)
+    ms = rec.get("ms") if isinstance(rec, dict) else None
+    if not (isinstance(ms, dict) and ms and all(
+            hasattr(torch, n) and isinstance(v, list) and len(v) == 2 for n, v in ms.items())):
+        return None
+    return {n: [float(x) for x in v] for n, v in ms.items()}
+
+
+def _time_dtypes(model, dev, prompt_len: int, reps: int, timer: Timer) -> dict[str, list[float]]:
+    """``{dtype name: [ms of a 1-token, of a PROBE_TREE-token forward]}`` for every supported
+    dtype, all forwards timed round-robin (``fastest``) on cast copies, packed as the loader
+    packs them; the caller's ``model`` comes back as it came."""
     own = next(model.parameters()).dtype
     cands = {}
     copies = []
@@ -223,22 +262,21 @@ def choose_dtype(model, *, model_id: str | None = None, reps: int = 5, prompt_le
             n = pack_linears(m)
             own_packed = own_packed or (m is model and n > 0)
         copies.append(m)
-        cands[str(dt).removeprefix("torch.")] = _forwards(m, prompt_len, PROBE_TREE)
+        name = str(dt).removeprefix("torch.")
+        for n in (1, PROBE_TREE):
+            cands[f"{name} {n}"] = _forward(m, prompt_len, n)
     try:
         with torch.no_grad():
-            best, ms = fastest(cands, reps=reps, timer=timer)
+            _, flat = fastest(cands, reps=reps, timer=timer)
     finally:
         if own_packed:  # the caller's model comes back as it came (the loader packs it after)
             unpack_linears(model)
     del copies, cands
-    if use_cache:
-        path = cache_write(DTYPE_CACHE, key, {"dtype": best, "ms": ms})
-        where = f"; cached in {path}"
-    else:
-        where = ""
-    print(f"dtype auto: {best} (measured ms per 1-token + {PROBE_TREE}-token forward: {_fmt(ms)}{where})",
-          file=log)
-    return getattr(torch, best), ms
+    out: dict[str, list[float]] = {}
+    for cand, t in flat.items():
+        name, n = cand.split()
+        out.setdefault(name, [0.0, 0.0])[0 if n == "1" else 1] = t
+    return out
 
 
 def _head_matmuls(head: torch.nn.Module, rows: int) -> Callable[[], object]:

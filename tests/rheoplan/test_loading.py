@@ -47,6 +47,22 @@ def test_load_head_refuses_an_unknown_dtype(tiny):
         loading.load_head(tiny[1], tiny[0], "fp16")
 
 
+@pytest.mark.parametrize("method, pick_by", [("autoregressive", "one"), ("rheo", "tree")])
+def test_auto_dtype_is_picked_by_the_forward_the_method_runs(tiny, monkeypatch, method, pick_by):
+    model, ckpt = tiny
+    seen = []
+
+    def choose(m, model_id, pick_by):
+        seen.append(pick_by)
+        return torch.float32, {}
+
+    monkeypatch.setattr(loading, "load_smollm2", lambda dtype: (model, None))
+    monkeypatch.setattr(loading, "choose_dtype", choose)
+    monkeypatch.setattr(loading, "pack_if_it_pays", lambda m, what: None)
+    got, _, draft = loading.load_default(method=method, draft=f"eagle3:{ckpt}", dtype="auto", draft_dtype="float32")
+    assert got is model and seen == [pick_by] and (draft is None) == (method == "autoregressive")
+
+
 def test_one_row_cost_model_reads_one_rows_record_then_a_batched_one_then_measures_one_row(monkeypatch):
     """``batched=False`` (``rheoplan generate`` with one prompt): a cached one-row record
     serves first, then a cached batched one; without either only one row's prices are

@@ -106,12 +106,15 @@ def cache(tmp_path, monkeypatch):
 
 
 def _fake_forwards(clock, cost_by_dtype, seen, packed=None):
-    def fake(model, prompt_len, tree_tokens):
+    """``probe._forward`` on a fake clock: ``cost_by_dtype[dtype]`` is one cost for every
+    forward or ``{tokens: cost}``."""
+    def fake(model, prompt_len, tokens):
         dt = next(model.parameters()).dtype
         seen.append(dt)
         if packed is not None:
             packed[dt] = any(isinstance(m, PackedLinear) for m in model.modules())
-        return clock.spend(cost_by_dtype[dt])
+        cost = cost_by_dtype[dt]
+        return clock.spend(cost[tokens] if isinstance(cost, dict) else cost)
     return fake
 
 
@@ -122,16 +125,17 @@ def _fake_forwards(clock, cost_by_dtype, seen, packed=None):
 def test_choose_dtype_measures_caches_and_reads_back(cache, monkeypatch, costs, want):
     model = tiny_llama()
     clock, seen = Clock(), []
-    monkeypatch.setattr(probe, "_forwards", _fake_forwards(clock, costs, seen))
+    monkeypatch.setattr(probe, "_forward", _fake_forwards(clock, costs, seen))
     log = io.StringIO()
     dt, ms = probe.choose_dtype(model, model_id="tiny", timer=clock, log=log)
     assert dt is want and set(seen) == {torch.float32, torch.bfloat16}
+    assert ms == {str(d).removeprefix("torch."): [pytest.approx(c), pytest.approx(c)] for d, c in costs.items()}
     assert f"dtype auto: {str(want).removeprefix('torch.')}" in log.getvalue()
     assert next(model.parameters()).dtype is torch.float32  # the caller's model is not cast
     assert not any(isinstance(m, PackedLinear) for m in model.modules())  # nor left packed
     rec = json.loads((cache / probe.DTYPE_CACHE).read_text())
     (key, val), = rec.items()
-    assert "tiny" in key and "torch " in key and val["dtype"] == str(want).removeprefix("torch.")
+    assert "tiny" in key and "torch " in key and set(val["ms"]) == {"float32", "bfloat16"}
     seen.clear()
     dt2, _ = probe.choose_dtype(model, model_id="tiny", timer=clock, log=log)
     assert dt2 is want and seen == []  # cached: nothing measured again
@@ -145,12 +149,55 @@ def test_choose_dtype_measures_caches_and_reads_back(cache, monkeypatch, costs, 
     assert seen  # asked to measure again
 
 
+def test_choose_dtype_picks_by_the_forward_the_decoding_runs(cache, monkeypatch):
+    # this machine's shape (an AMX-exposing Xeon): float32 is faster for one token,
+    # bfloat16 for a verify tree
+    model = tiny_llama()
+    clock, seen = Clock(), []
+    costs = {torch.float32: {1: 51.0, probe.PROBE_TREE: 78.0}, torch.bfloat16: {1: 61.0, probe.PROBE_TREE: 63.0}}
+    monkeypatch.setattr(probe, "_forward", _fake_forwards(clock, costs, seen))
+    log = io.StringIO()
+    dt, ms = probe.choose_dtype(model, model_id="tiny", pick_by="tree", timer=clock, log=log)
+    assert dt is torch.bfloat16
+    assert ms["float32"] == [pytest.approx(51.0), pytest.approx(78.0)]
+    assert ms["bfloat16"] == [pytest.approx(61.0), pytest.approx(63.0)]
+    assert "by the 9-token verify forward" in log.getvalue()
+    seen.clear()
+    dt, _ = probe.choose_dtype(model, model_id="tiny", pick_by="one", timer=clock, log=log)
+    assert dt is torch.float32 and seen == []  # the same cached times, the other forward decides
+    assert "by the 1-token forward" in log.getvalue()
+    with pytest.raises(ValueError, match="pick_by='both'.*allowed"):
+        probe.choose_dtype(model, model_id="tiny", pick_by="both", timer=clock, log=log)
+
+
+def test_choose_dtype_measures_again_over_a_record_without_both_forwards(cache, monkeypatch):
+    model = tiny_llama()
+    clock, seen = Clock(), []
+    monkeypatch.setattr(probe, "_forward", _fake_forwards(clock, {torch.float32: 5.0, torch.bfloat16: 3.0}, seen))
+    probe.choose_dtype(model, model_id="tiny", timer=clock, log=io.StringIO())
+    path = cache / probe.DTYPE_CACHE
+    rec = json.loads(path.read_text())
+    (key, _), = rec.items()
+    path.write_text(json.dumps({key: {"dtype": "float32", "ms": {"float32": 8.0, "bfloat16": 6.0}}}))
+    seen.clear()
+    dt, ms = probe.choose_dtype(model, model_id="tiny", timer=clock, log=io.StringIO())
+    assert seen and dt is torch.bfloat16 and ms["float32"] == [pytest.approx(5.0)] * 2
+
+
+def test_choose_dtype_times_real_forwards_of_both_sizes(cache):
+    model = tiny_llama()
+    dt, ms = probe.choose_dtype(model, model_id="tiny", reps=2, prompt_len=8, use_cache=False, log=io.StringIO())
+    assert dt in (torch.float32, torch.bfloat16) and set(ms) == {"float32", "bfloat16"}
+    assert all(len(v) == 2 and min(v) > 0 for v in ms.values())
+    assert not (cache / probe.DTYPE_CACHE).exists()  # use_cache=False writes nothing
+
+
 @pytest.mark.parametrize("pays", [True, False])
 def test_choose_dtype_times_every_dtype_packed_where_packing_pays(cache, monkeypatch, pays):
     model = tiny_llama()
     clock, seen, packed = Clock(), [], {}
-    monkeypatch.setattr(probe, "_forwards", _fake_forwards(clock, {torch.float32: 5.0, torch.bfloat16: 3.0},
-                                                           seen, packed))
+    monkeypatch.setattr(probe, "_forward", _fake_forwards(clock, {torch.float32: 5.0, torch.bfloat16: 3.0},
+                                                          seen, packed))
     monkeypatch.setattr(probe, "packing_pays", lambda m: pays)
     probe.choose_dtype(model, model_id="tiny", timer=clock, log=io.StringIO())
     assert packed == {torch.float32: pays, torch.bfloat16: pays}  # the loader runs them so
