@@ -11,6 +11,9 @@ mid-benchmark slows every method alike:
   pays (``rheoplan.models.packed_linear``): ``generate`` gets that speed too
 * ``ar-hf-unpacked``: the same ``generate`` with the linear weights as transformers loads
   them (unpacked for its run, packed again after): what a user has without rheoplan
+* ``ar-hf-f32``: ``ar-hf`` on a float32 copy of the model (``float32_model``; the model
+  itself when it is float32): in a bfloat16 run, the float32 ``generate`` a user may have
+  instead, timed interleaved with the rest
 * ``default``: what ``rheoplan generate`` does by default: RheoSampling (m = 1, ``rheo``)
   with the cost model planning every tree (``--depth auto --budget auto``); its rows
   also show the cost model's predicted tokens per step next to the measured ones
@@ -28,7 +31,9 @@ Each (method, temperature, seed) run is written to ``OUT/runs/*.json`` as soon a
 (temperature, seed) group finishes, so an interrupted benchmark resumes at the first
 unfinished group (``--resume``, the default). ``--report`` turns whatever runs exist into ``docs/results.md``-style
 markdown and PNG plots. Every method's speed-up is against the FASTEST ``generate``
-variant of the same dtype and temperature, and the report names the CPU and its flags.
+variant of the same dtype and temperature, and, in a second column, against the fastest
+``generate`` of any dtype at that temperature (``ar-hf-f32`` and runs of other dtypes
+included); the report names the CPU and its flags.
 
     rheoplan bench decode --prompts 40 --tokens 48 --seeds 0 1 2 --temperatures 0 0.6 1.0
 """
@@ -56,7 +61,7 @@ from rheoplan.costmodel import machine_name
 from rheoplan.decode import plan_and_decode
 from rheoplan.loading import (DRAFT_DTYPES, FIXED_TREE, auto_tree, encode_prompt, load_cost_model, load_default,
                               model_dtype)
-from rheoplan.models.packed_linear import PackedLinear, unpacked
+from rheoplan.models.packed_linear import PackedLinear, pack_linears, packing_pays, unpacked
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 
@@ -65,11 +70,11 @@ HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 class Method:
     name: str
     tree: TreeConfig | None  #: None = transformers generate
-    kind: str = "rheoplan"  #: 'rheoplan', 'generate', 'generate-unpacked' or 'generate-static'
+    kind: str = "rheoplan"  #: 'rheoplan' or one of GENERATE_KINDS
     cost: bool = False  #: plan by the cost model (``tree`` is the largest shape)
 
 
-GENERATE_KINDS = ("generate", "generate-unpacked", "generate-static")
+GENERATE_KINDS = ("generate", "generate-unpacked", "generate-static", "generate-float32")
 
 
 def methods_for(depth: int, frontier: int, slots: int, budget: int) -> dict[str, Method]:
@@ -82,6 +87,7 @@ def methods_for(depth: int, frontier: int, slots: int, budget: int) -> dict[str,
         "ar-hf": Method("ar-hf", None, "generate"),
         "ar-hf-static": Method("ar-hf-static", None, "generate-static"),
         "ar-hf-unpacked": Method("ar-hf-unpacked", None, "generate-unpacked"),
+        "ar-hf-f32": Method("ar-hf-f32", None, "generate-float32"),
         "chain": Method("chain", TreeConfig.chain(depth=depth)),
         "eagle": Method("eagle", TreeConfig.eagle(depth=depth, frontier=frontier, slots=slots, budget=budget)),
     }
@@ -149,8 +155,18 @@ def static_generate_kwargs(model, needed: int) -> dict:
             "compile_config": cc}
 
 
-#: id(model) -> (model, its unpacked copy) for ``ar-hf-static`` (``static_model``)
-_STATIC_TWINS: dict[int, tuple] = {}
+#: (id(model), what) -> (model, its copy) for the ``generate`` variants that run on a copy
+#: of the loaded model (``static_model``, ``float32_model``)
+_TWINS: dict[tuple[int, str], tuple] = {}
+
+
+def _twin(model, what: str, make):
+    """The copy of ``model`` made by ``make()`` for ``what``, made once per process (a
+    ``model`` freed and another allocated at its address gets a fresh copy)."""
+    held = _TWINS.get((id(model), what))
+    if held is None or held[0] is not model:
+        held = _TWINS[id(model), what] = (model, make())
+    return held[1]
 
 
 def static_model(model):
@@ -161,11 +177,29 @@ def static_model(model):
     every prompt."""
     if not any(isinstance(m, PackedLinear) for m in model.modules()):
         return model
-    held = _STATIC_TWINS.get(id(model))
-    if held is None or held[0] is not model:
+
+    def make():
         with unpacked(model):
-            held = _STATIC_TWINS[id(model)] = (model, copy.deepcopy(model))
-    return held[1]
+            return copy.deepcopy(model)
+    return _twin(model, "static", make)
+
+
+def float32_model(model):
+    """The model ``ar-hf-f32`` runs: ``model`` itself when it is float32, else a float32
+    copy made once per process, its linear weights packed where that pays (as the loader
+    runs float32). The copy's weights are ``model``'s widened (a bfloat16 model's rounding
+    kept), so its tokens are not the float32 load's; its speed is float32's, which is what
+    it is for."""
+    if model_dtype(model) == "float32":
+        return model
+
+    def make():
+        with unpacked(model):  # a packed weight cannot be deep-copied
+            twin = copy.deepcopy(model).to(torch.float32)
+        if packing_pays(twin):
+            pack_linears(twin)
+        return twin
+    return _twin(model, "float32", make)
 
 
 def warm_static_generate(model, tok) -> tuple[float, str | None]:
@@ -218,6 +252,8 @@ def decode_prompt(model, tok, draft, method: Method, ids: list[int], temperature
         if method.kind == "generate-static":
             gen = static_model(model)
             kw.update(static_generate_kwargs(gen, len(ids) + tokens))
+        elif method.kind == "generate-float32":
+            gen = float32_model(model)
         with unpacked(model) if method.kind == "generate-unpacked" else nullcontext():
             t0 = time.perf_counter()
             with torch.no_grad():
@@ -270,6 +306,9 @@ class _Tally:
                 "autoregressive_steps": self.ar_steps if m.cost else None,
                 "tree": None if m.tree is None else m.tree.as_dict(),
                 "dtype": model_dtype(model), "threads": torch.get_num_threads(),
+                # the dtype generate ran in (``ar-hf-f32``: float32 in any run); None for rheoplan
+                "generate_dtype": (("float32" if m.kind == "generate-float32" else model_dtype(model))
+                                   if m.kind in GENERATE_KINDS else None),
                 "draft_dtype": model_dtype(d.head) if hasattr(d, "head") and m.tree is not None else None}
 
 
@@ -306,11 +345,16 @@ def summarise(records: list[dict]) -> list[dict]:
     for r in records:
         # records from before the dtype field were all float32
         groups.setdefault((r["method"], r["temperature"], r.get("dtype", "float32")), []).append(r)
-    # the baseline: the FASTEST generate variant of the same temperature and dtype
+    # the baselines: the FASTEST generate variant of the same temperature and dtype, and
+    # the fastest of any dtype at that temperature (what a user without rheoplan could pick)
     ar: dict[tuple, float] = {}
+    ar_any: dict[float, float] = {}
     for (m, t, d), rs in groups.items():
         if m.startswith("ar-hf") and not any(x.get("error") for x in rs):
-            ar[t, d] = max(ar.get((t, d), 0.0), statistics.median(x["tokens_per_second"] for x in rs))
+            med = statistics.median(x["tokens_per_second"] for x in rs)
+            if (rs[0].get("generate_dtype") or d) == d:
+                ar[t, d] = max(ar.get((t, d), 0.0), med)
+            ar_any[t] = max(ar_any.get(t, 0.0), med)
     rows = []
     for (m, t, d), rs in sorted(groups.items(), key=lambda kv: (kv[0][2] != "float32", kv[0][2], kv[0][1], kv[0][0])):
         def stat(key):
@@ -324,6 +368,7 @@ def summarise(records: list[dict]) -> list[dict]:
         pred = [x["predicted_tokens_per_step"] for x in rs if x.get("predicted_tokens_per_step") is not None]
         rows.append({"method": m, "temperature": t, "dtype": d, "seeds": len(rs), "tau": tau, "acceptance": acc,
                      "tps": tps, "speedup": tps[0] / ar[t, d] if (t, d) in ar else float("nan"),
+                     "speedup_any": tps[0] / ar_any[t] if t in ar_any else float("nan"),
                      "predicted_tau": statistics.median(pred) if pred else float("nan"),
                      "compile_seconds": max((x.get("compile_seconds") or 0.0) for x in rs)})
     return rows
@@ -351,18 +396,18 @@ def report(records: list[dict], out_md: Path, plot_dir: Path) -> str:
     if lines:
         lines.append("")
     lines += ["| dtype | T | method | seeds | mean accepted length (predicted) | per-token acceptance | tokens/s | "
-              "speed-up vs fastest generate |",
-              "|---|---|---|---|---|---|---|---|"]
+              "speed-up vs fastest generate | vs fastest generate, any dtype |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
             lines.append(f"| {r['dtype']} | {r['temperature']} | {r['method']} | {r['seeds']} | failed: "
-                         f"{r['error']} | – | – | – |")
+                         f"{r['error']} | – | – | – | – |")
             continue
         pred = "" if r["predicted_tau"] != r["predicted_tau"] else f" ({r['predicted_tau']:.2f})"
         lines.append(f"| {r['dtype']} | {r['temperature']} | {r['method']} | {r['seeds']} | "
                      f"{_fmt(r['tau'][0], r['tau'][1:])}{pred} | "
                      f"{_fmt(r['acceptance'][0], r['acceptance'][1:], pct=True)} | {_fmt(r['tps'][0], r['tps'][1:])} | "
-                     f"{_fmt(r['speedup'])}x |")
+                     f"{_fmt(r['speedup'])}x | {_fmt(r['speedup_any'])}x |")
     table = "\n".join(lines)
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text(table + "\n")

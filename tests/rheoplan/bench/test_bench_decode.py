@@ -50,8 +50,9 @@ def test_report_table_and_plots(tmp_path):
     recs = [_rec("ar-hf", 0.6, 0, 1.0, float("nan"), 10.0), _rec("eagle", 0.6, 0, 1.5, 0.25, 8.0),
             _rec("eagle", 0.6, 1, 1.7, 0.35, 9.0)]
     table = bench.report(recs, tmp_path / "t.md", tmp_path)
-    assert "| float32 | 0.6 | eagle | 2 | 1.60 (1.50–1.70) | 30.0% (25.0%–35.0%) | 8.50 (8.00–9.00) | 0.85x |" in table
-    assert "| float32 | 0.6 | ar-hf | 1 | 1.00 | – | 10.00 | 1.00x |" in table
+    assert ("| float32 | 0.6 | eagle | 2 | 1.60 (1.50–1.70) | 30.0% (25.0%–35.0%) | 8.50 (8.00–9.00) | 0.85x | "
+            "0.85x |") in table
+    assert "| float32 | 0.6 | ar-hf | 1 | 1.00 | – | 10.00 | 1.00x | 1.00x |" in table
     assert (tmp_path / "t.md").read_text().strip() == table
     assert (tmp_path / "accepted_length.png").stat().st_size > 0
 
@@ -67,6 +68,42 @@ def test_dtypes_are_summarised_and_plotted_apart(tmp_path):
     assert rows["eagle", "bfloat16"]["speedup"] == pytest.approx(1.5)
     bench.report(recs, tmp_path / "t.md", tmp_path)
     assert (tmp_path / "speedup.png").exists() and (tmp_path / "speedup_bfloat16.png").exists()
+
+
+def test_second_speedup_is_against_the_fastest_generate_of_any_dtype(tmp_path):
+    """A bfloat16 run's own column compares with bfloat16 ``generate``; the second with the
+    fastest ``generate`` at that temperature in any dtype: ``ar-hf-f32`` run beside it, or a
+    float32 run's. ``ar-hf-f32`` is no same-dtype baseline of a bfloat16 run."""
+    bf = dict(dtype="bfloat16")
+    recs = [dict(_rec("ar-hf", 1.0, 0, 1.0, float("nan"), 10.0), **bf, generate_dtype="bfloat16"),
+            dict(_rec("ar-hf-f32", 1.0, 0, 1.0, float("nan"), 14.0), **bf, generate_dtype="float32"),
+            dict(_rec("default", 1.0, 0, 2.0, 0.5, 21.0), **bf),
+            _rec("ar-hf", 0.0, 0, 1.0, float("nan"), 12.0),
+            dict(_rec("ar-hf", 0.0, 0, 1.0, float("nan"), 11.0), **bf), dict(_rec("default", 0.0, 0, 2.0, 0.5, 18.0), **bf)]
+    rows = {(r["method"], r["temperature"]): r for r in bench.summarise(recs)}
+    assert rows["default", 1.0]["speedup"] == pytest.approx(21.0 / 10.0)
+    assert rows["default", 1.0]["speedup_any"] == pytest.approx(21.0 / 14.0)
+    assert rows["default", 0.0]["speedup"] == pytest.approx(18.0 / 11.0)
+    assert rows["default", 0.0]["speedup_any"] == pytest.approx(18.0 / 12.0)  # the float32 run's generate
+    table = bench.report(recs, tmp_path / "t.md", tmp_path)
+    assert "| bfloat16 | 1.0 | default | 1 | 2.00 | 50.0% | 21.00 | 2.10x | 1.50x |" in table
+
+
+def test_ar_hf_f32_generates_on_one_float32_copy_of_a_bfloat16_model(monkeypatch):
+    plain = tiny_llama(0)
+    assert bench.float32_model(plain) is plain  # float32 already: the model itself
+    target = tiny_llama(0).to(torch.bfloat16)
+    n = pack_linears(target) if packing_available(torch.bfloat16, "cpu") else 0
+    twin = bench.float32_model(target)
+    assert twin is not target and bench.float32_model(target) is twin  # made once
+    assert next(twin.parameters()).dtype is torch.float32
+    assert sum(isinstance(m, PackedLinear) for m in target.modules()) == n  # the model stays as it was
+    ran, real = [], twin.generate
+    monkeypatch.setattr(twin, "generate", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    rec = bench.run_one(target, CharTokenizer(), None, bench.methods_for(3, 2, 2, 5)["ar-hf-f32"],
+                        [("chat", "hello")], temperature=1.0, seed=0, tokens=4)
+    assert ran == [1] and rec["tokens"] == 4  # the copy generated
+    assert rec["dtype"] == "bfloat16" and rec["generate_dtype"] == "float32"
 
 
 @pytest.mark.parametrize("name", ["ar-hf", "eagle", "rheo-m1-ot"])
