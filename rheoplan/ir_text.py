@@ -188,7 +188,7 @@ def from_text(s: str) -> DraftTree:
         x[:, 0] = -1
     t.q[:, 0] = t.weight[:, 0] = 0.0
     t.kept[:, 0] = False
-    b, r, i = 0, -1, 0
+    b, r = 0, -1
     lin_lines: list[str] = []
     in_linear = False
     for lineno, ln in enumerate(lines[1:], start=2):

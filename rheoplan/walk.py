@@ -122,12 +122,11 @@ def verify_roots(tree: DraftTree, fws: Sequence, rows: Sequence[int], sampling: 
         if n != 1:
             raise ValueError(f"verify_roots: tree {b} has {n} linear nodes: allowed 1 (the root)")
     logits = torch.stack([fw.logits(0).cpu() for fw in fws])
-    uniforms = None
-    if backend != "reference":
-        def uniforms(V: int) -> torch.Tensor:
-            return numba_uniform(streams.seed, torch.tensor(steps), torch.tensor(keys), torch.tensor(nodes),
-                                 streams.purpose_key(Purpose.VERIFY_RESIDUAL), V)
-    tokens = walk_roots(logits, sampling, streams, steps, keys, nodes, uniforms)
+    def kernel_uniforms(V: int) -> torch.Tensor:
+        return numba_uniform(streams.seed, torch.tensor(steps), torch.tensor(keys), torch.tensor(nodes),
+                             streams.purpose_key(Purpose.VERIFY_RESIDUAL), V)
+    tokens = walk_roots(logits, sampling, streams, steps, keys, nodes,
+                        None if backend == "reference" else kernel_uniforms)
     return [StepWalk([0], [v], [x], 1, 0, 0) for v, x in zip(nodes, tokens)]
 
 

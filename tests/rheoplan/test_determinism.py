@@ -6,7 +6,6 @@ passes. ``test_backends.py`` adds the Triton backend."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from _decode_models import tiny_llama
 from rheoplan import SamplingConfig, TreeConfig

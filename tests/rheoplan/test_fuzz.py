@@ -14,7 +14,6 @@ that fixed draw, like the fixed seeds of test_decode.py).
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

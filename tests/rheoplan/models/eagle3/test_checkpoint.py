@@ -15,7 +15,7 @@ from _adapter_models import tiny_llama
 from rheoplan import SamplingConfig, TreeConfig
 from rheoplan.decode import plan_and_decode
 from rheoplan.models.eagle3 import (Eagle3Config, Eagle3Draft, Eagle3Head, Eagle3LoadError,
-                                    load_eagle3_checkpoint, read_eagle3, save_eagle3)
+                                    load_eagle3_checkpoint, read_eagle3)
 
 V, H = 101, 64
 ATOL = 1e-5
