@@ -202,13 +202,15 @@ def choose_dtype(model, *, model_id: str | None = None, pick_by: str = "tree", r
                  prompt_len: int = 64, timer: Timer = time.perf_counter, use_cache: bool = True,
                  log=sys.stderr) -> tuple[torch.dtype, dict[str, list[float]]]:
     """The fastest dtype for ``model`` on its device, by timing a 1-token forward and a
-    ``PROBE_TREE``-token verify forward in each supported dtype (about a second or two).
+    ``PROBE_TREE``-token verify forward in each supported dtype, round-robin (a few
+    seconds on a slow 2-core CPU, once: the times are cached).
 
     ``pick_by`` names the forward that decides (``PICK_BY``): ``'tree'`` (speculative
     decoding: each step verifies a tree) or ``'one'`` (autoregressive decoding). They can
     disagree: on an Intel Xeon that exposes AMX, float32 ran the 1-token forward faster
     (51 against 61 ms) while bfloat16 ran 16 tokens in barely more time than one (67 ms,
-    float32 101 ms), and rheoplan decoded 1.28x faster in bfloat16 (docs/results.md).
+    float32 101 ms), and rheoplan decoded 1.17x-1.28x faster in bfloat16 (two interleaved
+    runs; docs/results.md, "dtype auto by the verify tree").
 
     ``model`` is loaded once (any dtype); the others are cast copies, freed afterwards.
     Returns ``(dtype, {dtype name: [median ms of the 1-token, of the PROBE_TREE-token
