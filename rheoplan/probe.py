@@ -298,10 +298,10 @@ def _head_matmuls(head: torch.nn.Module, rows: int) -> Callable[[], object]:
     return call
 
 
-def _packed_copy(head: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A ``dtype`` copy of ``head`` with its linear weights packed where that pays, as the
-    loader runs it."""
-    m = copy.deepcopy(head).to(dtype)
+def packed_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A ``dtype`` copy of ``model`` (a head or a target whose weights are not packed) with
+    its linear weights packed where that pays, as the loader runs it."""
+    m = copy.deepcopy(model).to(dtype)
     if packing_pays(m):
         pack_linears(m)
     return m
@@ -330,7 +330,7 @@ def choose_head_dtype(head: torch.nn.Module, *, head_id: str, rows: int = 3, rep
                         "draft dtype auto: %s (cached; measured ms per head call: %s)", log)
     if hit is not None:
         return hit
-    cands = {str(dt).removeprefix("torch."): _head_matmuls(_packed_copy(head, dt), rows)
+    cands = {str(dt).removeprefix("torch."): _head_matmuls(packed_copy(head, dt), rows)
              for dt in supported_dtypes(dev)}
     _, ms = fastest(cands, reps=reps, timer=timer)
     best = "float32"
@@ -853,8 +853,8 @@ def jumps(sizes: Sequence[int], ms: Sequence[float], tolerance: float = DIP_TOLE
     A forward streams the same weights whatever its size and adds a little compute per
     token, so one token more cannot cost half of what the next sixty-two cost: such a
     curve had its smallest size timed in a faster spell than the rest, which ``dips`` (a
-    larger size measured faster) does not see. Priced from it, plain one-token steps look far cheaper than any tree. On the
-    2-core Intel Xeon the cache once kept [1: 52.4, 2: 80.1, 4-16: 80.1, 32: 80.9, 64: 105.1]
+    larger size measured faster) does not see. Priced from it, plain one-token steps look
+    far cheaper than any tree. On the 2-core Intel Xeon the cache once kept [1: 52.4, 2: 80.1, 4-16: 80.1, 32: 80.9, 64: 105.1]
     ms at 64 cached tokens (a retake read [1: 72.7, 2: 75.7, ... 64: 118.0]).
 
     Example:

@@ -61,7 +61,8 @@ from rheoplan.costmodel import machine_name
 from rheoplan.decode import plan_and_decode
 from rheoplan.loading import (DRAFT_DTYPES, FIXED_TREE, auto_tree, encode_prompt, load_cost_model, load_default,
                               model_dtype)
-from rheoplan.models.packed_linear import PackedLinear, pack_linears, packing_pays, unpacked
+from rheoplan.models.packed_linear import PackedLinear, unpacked
+from rheoplan.probe import packed_copy
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "prompts_heldout.txt"
 
@@ -195,10 +196,7 @@ def float32_model(model):
 
     def make():
         with unpacked(model):  # a packed weight cannot be deep-copied
-            twin = copy.deepcopy(model).to(torch.float32)
-        if packing_pays(twin):
-            pack_linears(twin)
-        return twin
+            return packed_copy(model, torch.float32)
     return _twin(model, "float32", make)
 
 
