@@ -854,8 +854,9 @@ def jumps(sizes: Sequence[int], ms: Sequence[float], tolerance: float = DIP_TOLE
     token, so one token more cannot cost half of what the next sixty-two cost: such a
     curve had its smallest size timed in a faster spell than the rest, which ``dips`` (a
     larger size measured faster) does not see. Priced from it, plain one-token steps look
-    far cheaper than any tree. On the 2-core Intel Xeon the cache once kept [1: 52.4, 2: 80.1, 4-16: 80.1, 32: 80.9, 64: 105.1]
-    ms at 64 cached tokens (a retake read [1: 72.7, 2: 75.7, ... 64: 118.0]).
+    far cheaper than any tree. On the 2-core Intel Xeon the cache once kept [1: 52.4, 2:
+    80.1, 4-16: 80.1, 32: 80.9, 64: 105.1] ms at 64 cached tokens (a retake read [1:
+    72.7, 2: 75.7, ... 64: 118.0]).
 
     Example:
         >>> jumps((1, 2, 4, 64), (52.4, 80.1, 80.1, 105.1)), jumps((1, 2, 4, 64), (72.7, 75.7, 77.2, 118.0))
