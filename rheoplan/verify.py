@@ -240,16 +240,17 @@ def gumbel_max_uniform(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams, steps: Sequence[int],
                keys: Sequence[int], nodes: Sequence[int],
-               uniforms: Callable[[int], torch.Tensor] | None = None) -> list[int]:
+               draw: Callable[[torch.Tensor, list, list, list], list[int]] | None = None) -> list[int]:
     """``walk`` of R root-only trees at once (a batch's autoregressive rows): row ``r``
     emits a draw of ``target_probs(logits[r])`` with the noise ``walk`` uses at that root,
     ``streams.gumbel(steps[r], keys[r], nodes[r], VERIFY_RESIDUAL, V)``. One softmax and
     one Gumbel-max over ``[R, V]`` instead of R; the tokens are ``walk``'s. Context-free
     target laws only (no ``history`` / processors).
 
-    ``uniforms(V)``: those rows' uniforms ``[R, V]`` from a faster generator of the same
-    streams (the numba Philox, ``rheoplan.kernels.noise``); default: ``streams.uniform``
-    row by row."""
+    ``draw(p, steps, keys, nodes)``: those rows' tokens from a faster implementation of
+    the same draws (the numba kernel ``rheoplan.kernels.verify.cpu.root_draws``, which
+    generates the stream as it filters, never the whole ``[R, V]`` of uniforms); default:
+    ``streams.uniform`` row by row, then ``gumbel_max_uniform``."""
     if not (len(steps) == len(keys) == len(nodes) == logits.shape[0]):
         raise ValueError(f"walk_roots: {logits.shape[0]} rows of logits for {len(steps)} steps, "
                          f"{len(keys)} keys and {len(nodes)} nodes")
@@ -260,13 +261,14 @@ def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams,
         # token whatever the noise, so draw none, and skip building the [R, V] one-hot
         return greedy_tokens(logits, sampling).tolist()
     p = target_probs(logits, sampling)
+    steps, keys, nodes = list(steps), list(keys), list(nodes)
+    if active("batch_shared_root_noise"):  # test-only: every row draws with the first row's noise
+        R = len(steps)
+        steps, keys, nodes = steps[:1] * R, keys[:1] * R, nodes[:1] * R
+    if draw is not None:
+        return list(draw(p, steps, keys, nodes))
     V = p.shape[-1]
-    if uniforms is None:
-        u = torch.stack([streams.uniform(s, k, v, Purpose.VERIFY_RESIDUAL, V) for s, k, v in zip(steps, keys, nodes)])
-    else:
-        u = uniforms(V)
-    if active("batch_shared_root_noise"):
-        u = u[:1].expand_as(u)  # test-only: every row draws with the first row's noise
+    u = torch.stack([streams.uniform(s, k, v, Purpose.VERIFY_RESIDUAL, V) for s, k, v in zip(steps, keys, nodes)])
     return gumbel_max_uniform(p, u).tolist()
 
 

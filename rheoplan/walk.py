@@ -29,8 +29,7 @@ import torch
 from rheoplan.config import SamplingConfig
 from rheoplan.distributions import BROKEN_TARGET, broken_rows, target_probs
 from rheoplan.ir import DraftTree
-from rheoplan.kernels.noise import numba_uniform
-from rheoplan.kernels.verify.cpu import NodeDrawer
+from rheoplan.kernels.verify.cpu import NodeDrawer, root_draws
 from rheoplan.models.base import TreeLogits
 from rheoplan.mutation import active
 from rheoplan.rng import Purpose, Streams
@@ -111,8 +110,8 @@ def verify_roots(tree: DraftTree, fws: Sequence, rows: Sequence[int], sampling: 
     tokens as one ``verify_tree`` per row, for a context-free target law. ``fws[r]``,
     ``steps[r]`` and ``keys[r]`` belong to tree ``rows[r]``.
 
-    ``backend`` other than 'reference': the rows' noise comes from the numba Philox in one
-    call (the same numbers as ``Streams``; numpy's generator is rebuilt per row)."""
+    ``backend`` other than 'reference': the rows draw in one numba call that generates
+    each row's stream as it reads it (``rheoplan.kernels.verify.cpu.root_draws``)."""
     lin = tree.linear
     if not rows:
         return []
@@ -122,11 +121,12 @@ def verify_roots(tree: DraftTree, fws: Sequence, rows: Sequence[int], sampling: 
         if n != 1:
             raise ValueError(f"verify_roots: tree {b} has {n} linear nodes: allowed 1 (the root)")
     logits = torch.stack([fw.logits(0).cpu() for fw in fws])
-    def kernel_uniforms(V: int) -> torch.Tensor:
-        return numba_uniform(streams.seed, torch.tensor(steps), torch.tensor(keys), torch.tensor(nodes),
-                             streams.purpose_key(Purpose.VERIFY_RESIDUAL), V)
+
+    def kernel_draw(p, steps, keys, nodes):
+        return root_draws(p, streams.seed, steps, keys, nodes, streams.purpose_key(Purpose.VERIFY_RESIDUAL))
+
     tokens = walk_roots(logits, sampling, streams, steps, keys, nodes,
-                        None if backend == "reference" else kernel_uniforms)
+                        None if backend == "reference" else kernel_draw)
     return [StepWalk([0], [v], [x], 1, 0, 0) for v, x in zip(nodes, tokens)]
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from rheoplan.kernels.philox import _philox_block, unit_double
+from rheoplan.kernels.philox import _philox_block, philox_words, unit_double
 from rheoplan.kernels.verify import VERIFIER_CODES
 from rheoplan.kernels.verify.reference import WalkOut
 
@@ -154,12 +154,12 @@ def _gumbel_max_stream(p, law, scale, k0, c1, c2, c3, buf):
     thr = np.exp(-bound) * (1.0 + _FILTER_SLACK)
     best, arg = -np.inf, top
     for blk in range((V + 3) // 4):
-        _philox_block(np.uint64(blk + 1), c1, c2, c3, k0, np.uint64(0), buf)
+        words = philox_words(np.uint64(blk + 1), c1, c2, c3, k0, np.uint64(0))
         for w in range(4):
             t = blk * 4 + w
             if t >= V:
                 break
-            u = unit_double(buf[w])
+            u = unit_double(words[w])
             r = p[t] - law[t]
             r = (r if r > 0.0 else 0.0) / scale
             if t == top or (1.0 - u) <= r * thr:
@@ -193,6 +193,52 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
     for i in range(n):  # every entry written above is a support token
         law[sup_token[i]] = 0.0
     return x
+
+
+@njit(cache=True)
+def _root_draws_kernel(p, top, k0, counters, out):
+    """``out[r]``: X ~ ``p[r]`` with the residual stream of counter row ``r``: what
+    ``_gumbel_max_stream`` draws with no proposal (``law`` 0, ``scale`` 1), its most
+    likely token ``top[r]`` given (torch's argmax, the first maximum as its own loop
+    finds it) and no division per token."""
+    buf = np.empty(4, dtype=np.uint64)
+    V = p.shape[1]
+    for r in range(p.shape[0]):
+        c1, c2, c3 = counters[r, 1], counters[r, 2], counters[r, 3]
+        t0 = top[r]
+        bound = np.log(p[r, t0]) - np.log(-np.log(_stream_at(k0, c1, c2, c3, t0, buf)))
+        thr = np.exp(-bound) * (1.0 + _FILTER_SLACK)
+        best, arg = -np.inf, t0
+        for blk in range((V + 3) // 4):
+            words = philox_words(np.uint64(blk + 1), c1, c2, c3, k0, np.uint64(0))
+            for w in range(4):
+                t = blk * 4 + w
+                if t >= V:
+                    break
+                u = unit_double(words[w])
+                if t == t0 or (1.0 - u) <= p[r, t] * thr:
+                    key = np.log(p[r, t]) - np.log(-np.log(u))
+                    if key > best:  # tokens in increasing order: the first wins a tie
+                        best, arg = key, t
+        out[r] = arg
+
+
+def root_draws(p: torch.Tensor, seed: int, steps, keys, nodes, residual: int) -> list[int]:
+    """``rheoplan.verify.walk_roots``' tokens (its ``draw``): row ``r`` draws from ``p[r]``
+    (``[R, V]``) with the stream ``Streams(seed)`` gives ``(steps[r], keys[r], nodes[r])``
+    (``residual``: the purpose's counter word, ``Streams.purpose_key``), the numbers
+    generated block by block as the filter reads them: the ``[R, V]`` uniforms and the
+    filter's torch passes over them took 3.3 ms of a 4-row batch's plain step on the
+    2-core CPU, most of the walk of its sampled rows (docs/results.md). Same tokens as
+    the reference (the last-bit caveat of this module's docstring)."""
+    pn = _f64(p)
+    ctr = np.empty((pn.shape[0], 4), dtype=np.uint64)
+    for w, word in enumerate(philox_counter(np.asarray(steps, dtype=np.uint64), np.asarray(keys, dtype=np.uint64),
+                                            np.asarray(nodes, dtype=np.uint64), residual)):
+        ctr[:, w] = word
+    out = np.empty(pn.shape[0], dtype=np.int64)
+    _root_draws_kernel(pn, p.argmax(dim=-1).cpu().numpy(), np.uint64(seed), ctr, out)
+    return out.tolist()
 
 
 _NO_TOKENS, _NO_PROBS = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)

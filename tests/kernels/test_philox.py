@@ -10,6 +10,7 @@ import torch
 
 from rheoplan.config import SamplingConfig
 from rheoplan.kernels.noise import gumbel_rows, numba_uniform, uniform_rows
+from rheoplan.kernels.verify.cpu import root_draws
 from rheoplan.rng import Purpose, Streams
 from rheoplan.testing import mutation
 from rheoplan.verify import walk_roots
@@ -57,15 +58,17 @@ def test_numba_rows_at_different_steps_match_streams():
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_walk_roots_with_numba_noise_draws_the_streams_tokens(temperature):
-    """``walk_roots`` given the numba rows' uniforms (``rheoplan.walk.verify_roots`` on a
-    non-reference backend) emits the tokens it draws from ``Streams`` row by row."""
-    V = 3000
+def test_walk_roots_with_the_numba_draw_emits_the_streams_tokens(temperature):
+    """``walk_roots`` drawing through the numba kernel (``root_draws``: what
+    ``rheoplan.walk.verify_roots`` passes on a non-reference backend, the stream made as
+    the filter reads it) emits the tokens it draws from ``Streams`` row by row, also with
+    two rows at the same step and a vocabulary not a multiple of Philox's 4 words."""
+    V = 3001
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(1)) * 3
     sampling = SamplingConfig(temperature=temperature)
     s = Streams(2**40 + 3)
     steps, keys, nodes = [3, 0, 8, 8, 1], [0, 1, 2, 3, 4], [0, 0, 0, 5, 0]
-    fast = walk_roots(logits, sampling, s, steps, keys, nodes, lambda n: numba_uniform(
-        s.seed, torch.tensor(steps), torch.tensor(keys), torch.tensor(nodes),
-        s.purpose_key(Purpose.VERIFY_RESIDUAL), n))
+    residual = s.purpose_key(Purpose.VERIFY_RESIDUAL)
+    fast = walk_roots(logits, sampling, s, steps, keys, nodes,
+                      lambda p, st, k, v: root_draws(p, s.seed, st, k, v, residual))
     assert fast == walk_roots(logits, sampling, s, steps, keys, nodes)

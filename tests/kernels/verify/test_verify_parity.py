@@ -258,3 +258,24 @@ def test_walk_node_draw_reads_the_walks_streams(verifier, V, S, m, K):
         assert not law.any()  # the scratch law comes back zeroed
         outcomes.add("accepted" if yr >= 0 and want == yr else "drawn")
     assert outcomes == {"accepted", "drawn"} or verifier == "onehot"
+
+
+@pytest.mark.parametrize("V", [30, 3001, 4096])
+def test_root_draws_reads_the_walks_streams(V):
+    """``root_draws`` (a batch's draft-free rows, ``rheoplan.walk.verify_roots`` on the numba
+    backend), which makes each row's noise as its filter reads it, emits the token the
+    reference rule (``gumbel_max_uniform`` over the ``Streams`` numbers) emits for every
+    row: flat, tied, truncated and one-hot laws, rows at different steps and stream ids."""
+    from rheoplan.rng import Purpose, Streams
+    from rheoplan.verify import gumbel_max_uniform
+
+    p = _rows(64, V, 8, 1, 3, seed=V)[0]
+    p[4::8] = torch.softmax(torch.randn(8, V, generator=torch.Generator().manual_seed(V), dtype=torch.float64) * 0.1,
+                            -1)  # nearly flat: the winner is seldom the most likely token
+    st = Streams(2**40 + 9)
+    steps, keys, nodes = [r % 5 for r in range(64)], [r // 2 for r in range(64)], [3 * (r % 3) for r in range(64)]
+    residual = st.purpose_key(Purpose.VERIFY_RESIDUAL)
+    u = torch.stack([st.uniform(a, b, c, Purpose.VERIFY_RESIDUAL, V) for a, b, c in zip(steps, keys, nodes)])
+    want = gumbel_max_uniform(p, u).tolist()
+    assert cpu.root_draws(p, st.seed, steps, keys, nodes, residual) == want
+    assert sum(w != int(x) for w, x in zip(want, p.argmax(-1))) > 10  # the draws are not just the argmax
