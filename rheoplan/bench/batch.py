@@ -216,6 +216,22 @@ def run_batch_size(model, pad_id: int, draft, prompts: list[list[int]], batch: i
     return out
 
 
+#: new tokens per row of each untimed warm-up batch
+WARM_TOKENS = 4
+
+
+def warm_up(model, pad_id: int, draft, prompts: list[list[int]], sizes, temperatures, methods, cost,
+            tree: TreeConfig) -> None:
+    """Untimed, before the first timed batch: one short batch (``WARM_TOKENS`` per row) of
+    every batch size, temperature and method. The first batch of a shape pays what later
+    ones do not (numba compiles, oneDNN builds its kernels for the shapes, the allocator
+    grows): with one 2-row warm-up batch only, the first timed batch of each size paid it,
+    in whichever method ran first (``prompts`` holds at least the largest size)."""
+    for t in temperatures:
+        for b in sizes:
+            run_batch_size(model, pad_id, draft, prompts[:b], b, t, 0, WARM_TOKENS, methods, cost, tree)
+
+
 def summarise(records: list[dict]) -> list[dict]:
     """Median over seeds per (dtype, temperature, batch size, method), with the speed-up
     against ``generate``'s median at the same dtype, temperature and batch size."""
@@ -365,10 +381,7 @@ def main(argv=None) -> int:
              for b in args.batch_sizes}
     needs = {b: {f"{x}x": cost.needed_continuation(b, x, ctx=ctx, max_depth=tree.depth) for x in NEED_SPEEDUPS}
              for b in args.batch_sizes} if cost else {}
-    # warm-up, untimed: one short batch per method (numba compiles, the allocator grows)
-    warm = prompts[:min(2, len(prompts))]
-    for t in args.temperatures:
-        run_batch_size(model, pad_id, draft, warm, len(warm), t, 0, 4, args.methods, cost, tree)
+    warm_up(model, pad_id, draft, prompts, args.batch_sizes, args.temperatures, args.methods, cost, tree)
     machine = machine_info()
     records = []
     for t in args.temperatures:

@@ -114,6 +114,17 @@ def test_run_batch_size_interleaves_every_method_over_the_same_rows(monkeypatch)
     assert [s for kind, s in calls if kind == "row"] == [3000, 3001, 3002, 3003]
 
 
+def test_warm_up_runs_every_batch_size_temperature_and_method_untimed(monkeypatch):
+    """Before any timed batch, one short batch of each size (its own shapes), per
+    temperature, with every method."""
+    seen = []
+    monkeypatch.setattr(bench, "run_batch_size", lambda model, pad, draft, rows, b, t, seed, tokens, methods, cost,
+                        tree: seen.append((len(rows), b, t, tokens, tuple(methods))))
+    prompts = [[i, i + 1] for i in range(16)]
+    bench.warm_up("m", 0, "d", prompts, [1, 4, 16], [1.0, 0.0], ["generate", "batched"], None, "tree")
+    assert seen == [(b, b, t, bench.WARM_TOKENS, ("generate", "batched")) for t in (1.0, 0.0) for b in (1, 4, 16)]
+
+
 def test_method_order_rotates_by_batch_and_by_seed(monkeypatch):
     """The method that goes first rotates from batch to batch and from seed to seed: with
     one batch holding every prompt, the seeds alone change which method runs first."""
