@@ -137,20 +137,36 @@ def _stream_at(k0, c1, c2, c3, i, buf):
     return unit_double(buf[i % 4])
 
 
+#: the ``law`` of a draw from ``p`` itself (no residual): ``_residual_at`` reads ``p`` only
+_NO_LAW = np.zeros(0)
+
+
+@njit(cache=True, inline="always")
+def _residual_at(p, law, scale, t):
+    """``max(0, p - law) / scale`` at token ``t``, or ``p[t]`` itself when ``law`` is
+    empty (a draw from ``p``: the same value, without a subtraction and a division per
+    token)."""
+    if law.shape[0] == 0:
+        return p[t]
+    r = p[t] - law[t]
+    return (r if r > 0.0 else 0.0) / scale
+
+
 @njit(cache=True)
-def _gumbel_max_stream(p, law, scale, k0, c1, c2, c3, buf):
-    """``gumbel_max_uniform(r, u)`` for ``r = max(0, p - law) / scale`` (``scale`` 1: plain
-    ``p``) and ``u`` the stream's first ``V`` numbers, generated here block by block: the
-    bound is the key of ``r``'s most likely token, and only tokens that pass the same
-    filter get an exact key (first token on ties, as the reference)."""
+def _gumbel_max_stream(p, law, scale, k0, c1, c2, c3, buf, top):
+    """``gumbel_max_uniform(r, u)`` for ``r = max(0, p - law) / scale`` (``law`` empty:
+    plain ``p``) and ``u`` the stream's first ``V`` numbers, generated here block by
+    block: the bound is the key of ``r``'s most likely token (``top``, or found here when
+    ``top < 0``: the first maximum, as torch's argmax), and only tokens that pass the
+    same filter get an exact key (first token on ties, as the reference)."""
     V = p.shape[0]
-    top, rtop = 0, -1.0
-    for t in range(V):
-        r = p[t] - law[t]
-        r = (r if r > 0.0 else 0.0) / scale
-        if r > rtop:
-            top, rtop = t, r
-    bound = np.log(rtop) - np.log(-np.log(_stream_at(k0, c1, c2, c3, top, buf)))
+    if top < 0:
+        rtop = -1.0
+        for t in range(V):
+            r = _residual_at(p, law, scale, t)
+            if r > rtop:
+                top, rtop = t, r
+    bound = np.log(_residual_at(p, law, scale, top)) - np.log(-np.log(_stream_at(k0, c1, c2, c3, top, buf)))
     thr = np.exp(-bound) * (1.0 + _FILTER_SLACK)
     best, arg = -np.inf, top
     for blk in range((V + 3) // 4):
@@ -160,8 +176,7 @@ def _gumbel_max_stream(p, law, scale, k0, c1, c2, c3, buf):
             if t >= V:
                 break
             u = unit_double(words[w])
-            r = p[t] - law[t]
-            r = (r if r > 0.0 else 0.0) / scale
+            r = _residual_at(p, law, scale, t)
             if t == top or (1.0 - u) <= r * thr:
                 key = np.log(r) - np.log(-np.log(u))
                 if key > best:  # tokens in increasing order: the first wins a tie
@@ -177,7 +192,7 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
     ``law`` is a zeroed ``[V]`` scratch vector, returned zeroed."""
     buf = np.empty(4, dtype=np.uint64)
     if code == 0 or m >= K or y < 0:  # no proposal: X ~ p
-        return _gumbel_max_stream(p, law, 1.0, k0, res[1], res[2], res[3], buf)
+        return _gumbel_max_stream(p, _NO_LAW, 1.0, k0, res[1], res[2], res[3], buf, -1)
     e = _write_proposal(sup_token, sup_q, n, m, K, y, code, law)
     mass = 0.0
     for t in range(p.shape[0]):
@@ -189,7 +204,7 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
         le = law[e]
         a = 1.0 if le <= 0.0 else min(1.0, p[e] / le)
         if not _stream_at(k0, acc[1], acc[2], acc[3], 0, buf) < a:
-            x = _gumbel_max_stream(p, law, mass, k0, res[1], res[2], res[3], buf)
+            x = _gumbel_max_stream(p, law, mass, k0, res[1], res[2], res[3], buf, -1)
     for i in range(n):  # every entry written above is a support token
         law[sup_token[i]] = 0.0
     return x
@@ -197,40 +212,22 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
 
 @njit(cache=True)
 def _root_draws_kernel(p, top, k0, counters, out):
-    """``out[r]``: X ~ ``p[r]`` with the residual stream of counter row ``r``: what
-    ``_gumbel_max_stream`` draws with no proposal (``law`` 0, ``scale`` 1), its most
-    likely token ``top[r]`` given (torch's argmax, the first maximum as its own loop
-    finds it) and no division per token."""
+    """``out[r]``: X ~ ``p[r]`` (most likely token ``top[r]``) with the residual stream of
+    counter row ``r``, as ``walk_node_draw`` draws at a node with nothing drafted below it."""
     buf = np.empty(4, dtype=np.uint64)
-    V = p.shape[1]
     for r in range(p.shape[0]):
-        c1, c2, c3 = counters[r, 1], counters[r, 2], counters[r, 3]
-        t0 = top[r]
-        bound = np.log(p[r, t0]) - np.log(-np.log(_stream_at(k0, c1, c2, c3, t0, buf)))
-        thr = np.exp(-bound) * (1.0 + _FILTER_SLACK)
-        best, arg = -np.inf, t0
-        for blk in range((V + 3) // 4):
-            words = philox_words(np.uint64(blk + 1), c1, c2, c3, k0, np.uint64(0))
-            for w in range(4):
-                t = blk * 4 + w
-                if t >= V:
-                    break
-                u = unit_double(words[w])
-                if t == t0 or (1.0 - u) <= p[r, t] * thr:
-                    key = np.log(p[r, t]) - np.log(-np.log(u))
-                    if key > best:  # tokens in increasing order: the first wins a tie
-                        best, arg = key, t
-        out[r] = arg
+        out[r] = _gumbel_max_stream(p[r], _NO_LAW, 1.0, k0, counters[r, 1], counters[r, 2], counters[r, 3], buf,
+                                    top[r])
 
 
 def root_draws(p: torch.Tensor, seed: int, steps, keys, nodes, residual: int) -> list[int]:
     """``rheoplan.verify.walk_roots``' tokens (its ``draw``): row ``r`` draws from ``p[r]``
     (``[R, V]``) with the stream ``Streams(seed)`` gives ``(steps[r], keys[r], nodes[r])``
-    (``residual``: the purpose's counter word, ``Streams.purpose_key``), the numbers
-    generated block by block as the filter reads them: the ``[R, V]`` uniforms and the
-    filter's torch passes over them took 3.3 ms of a 4-row batch's plain step on the
-    2-core CPU, most of the walk of its sampled rows (docs/results.md). Same tokens as
-    the reference (the last-bit caveat of this module's docstring)."""
+    (``residual``: the purpose's counter word, ``Streams.purpose_key``), its numbers made
+    block by block as the filter reads them and never stored: the ``[R, V]`` uniforms and
+    the filter's torch passes over them took 3.25 ms for 4 rows x 49152 tokens on the AMX
+    Xeon, this 2.0-2.1 (docs/results.md, "Lean steps, eighteenth round"). Same tokens as the
+    reference (the last-bit caveat of this module's docstring)."""
     pn = _f64(p)
     ctr = np.empty((pn.shape[0], 4), dtype=np.uint64)
     for w, word in enumerate(philox_counter(np.asarray(steps, dtype=np.uint64), np.asarray(keys, dtype=np.uint64),
