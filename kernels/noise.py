@@ -20,18 +20,27 @@ from rheoplan.kernels.philox import streams_uniform as _numba_streams_uniform
 from rheoplan.rng import Purpose, Streams, gumbel_from_uniform, philox_counter
 
 
+def counter_rows(step, trees, nodes, purpose: int) -> np.ndarray:
+    """The ``[R, 4]`` uint64 Philox counters of rows ``(step, trees[r], nodes[r])``
+    (``rheoplan.rng.philox_counter`` elementwise; ``step`` one int or one per row), as the
+    numba generator and draws take them."""
+    v = np.asarray(nodes).astype(np.uint64)
+    if not np.isscalar(step):
+        step = np.asarray(step).astype(np.uint64)
+    ctr = np.empty((v.shape[0], 4), dtype=np.uint64)
+    for w, word in enumerate(philox_counter(step, np.asarray(trees).astype(np.uint64), v, purpose)):
+        ctr[:, w] = word
+    return ctr
+
+
 def numba_uniform(seed: int, step: int | torch.Tensor, trees: torch.Tensor, nodes: torch.Tensor, purpose: int,
                   n: int) -> torch.Tensor:
     """Uniforms ``[R, n]`` float64 (numba Philox on the CPU), returned on ``nodes``' device.
     ``step``: one step for every row, or ``[R]`` (rows of a batch at different steps)."""
     R = int(nodes.shape[0])
-    t = trees.cpu().numpy().astype(np.uint64)
-    v = nodes.cpu().numpy().astype(np.uint64)
     if isinstance(step, torch.Tensor):
-        step = step.cpu().numpy().astype(np.uint64)
-    ctr = np.empty((R, 4), dtype=np.uint64)
-    for w, word in enumerate(philox_counter(step, t, v, purpose)):
-        ctr[:, w] = word
+        step = step.cpu().numpy()
+    ctr = counter_rows(step, trees.cpu().numpy(), nodes.cpu().numpy(), purpose)
     out = np.full((R, n), 0.5)
     _numba_streams_uniform(seed, ctr, np.full(R, n, dtype=np.int64), out)
     return torch.from_numpy(out).to(nodes.device)

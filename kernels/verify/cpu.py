@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from rheoplan.kernels.noise import counter_rows
 from rheoplan.kernels.philox import _philox_block, philox_words, unit_double
 from rheoplan.kernels.verify import VERIFIER_CODES
 from rheoplan.kernels.verify.reference import WalkOut
@@ -229,12 +230,9 @@ def root_draws(p: torch.Tensor, seed: int, steps, keys, nodes, residual: int) ->
     Xeon, this 2.0-2.1 (docs/results.md, "Lean steps, eighteenth round"). Same tokens as the
     reference (the last-bit caveat of this module's docstring)."""
     pn = _f64(p)
-    ctr = np.empty((pn.shape[0], 4), dtype=np.uint64)
-    for w, word in enumerate(philox_counter(np.asarray(steps, dtype=np.uint64), np.asarray(keys, dtype=np.uint64),
-                                            np.asarray(nodes, dtype=np.uint64), residual)):
-        ctr[:, w] = word
     out = np.empty(pn.shape[0], dtype=np.int64)
-    _root_draws_kernel(pn, p.argmax(dim=-1).cpu().numpy(), np.uint64(seed), ctr, out)
+    _root_draws_kernel(pn, p.argmax(dim=-1).cpu().numpy(), np.uint64(seed), counter_rows(steps, keys, nodes, residual),
+                       out)
     return out.tolist()
 
 

@@ -223,10 +223,12 @@ WARM_TOKENS = 4
 def warm_up(model, pad_id: int, draft, prompts: list[list[int]], sizes, temperatures, methods, cost,
             tree: TreeConfig) -> None:
     """Untimed, before the first timed batch: one short batch (``WARM_TOKENS`` per row) of
-    every batch size, temperature and method. The first batch of a shape pays what later
-    ones do not (numba compiles, oneDNN builds its kernels for the shapes, the allocator
-    grows): with one 2-row warm-up batch only, the first timed batch of each size paid it,
-    in whichever method ran first (``prompts`` holds at least the largest size)."""
+    every batch size, temperature and method (``prompts`` holds at least the largest
+    size). The first batch of a shape can pay what later ones do not (oneDNN builds its
+    kernels for the shape, the allocator grows to the largest batch, numba compiles); the
+    warm-up used to be one 2-row batch, and in the eighteenth measurement of
+    docs/results.md the first seed read the lowest speed-up at every size (0.90x at 4
+    rows against 1.03x and 1.27x), whether from that or from the machine's drift."""
     for t in temperatures:
         for b in sizes:
             run_batch_size(model, pad_id, draft, prompts[:b], b, t, 0, WARM_TOKENS, methods, cost, tree)
