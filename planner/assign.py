@@ -57,14 +57,24 @@ class GumbelSampler:
         g = self.streams.gumbel(self.step_of(b), self.key(b), node, Purpose.DRAFT_SAMPLE, qtilde.numel())
         return int(torch.argmax(torch.log(qtilde) + g))
 
+    def stream_rows(self, trees: torch.Tensor, nodes: torch.Tensor):
+        """The streams the draws of rows ``(trees[r], nodes[r])`` read: ``(seed, step, ids,
+        purpose)``, row r's uniforms being ``Streams(seed).uniform(step[r], ids[r],
+        nodes[r], purpose, n)`` (``step`` one int for every row or ``[R]``; ``purpose`` the
+        counter word, ``Streams.purpose_key``). A kernel that reads the stream itself (the
+        numba ``assign``) takes these instead of ``gumbel_rows``' noise."""
+        key = self.streams.purpose_key(Purpose.DRAFT_SAMPLE)  # mutation (c) collapses purposes here
+        ids = trees if self.keys is None else torch.as_tensor(self.keys, dtype=torch.int64, device=trees.device)[trees]
+        steps = self.step if isinstance(self.step, int) else torch.as_tensor(self.step, dtype=torch.int64)[trees.cpu()]
+        return self.streams.seed, steps, ids, key
+
     def gumbel_rows(self, trees: torch.Tensor, nodes: torch.Tensor, n: int, uniform) -> torch.Tensor:
         """Noise ``[R, n]`` float64 of rows ``(trees[r], nodes[r])``: row r is
         ``streams.gumbel(step, trees[r], nodes[r], DRAFT_SAMPLE, n)``, made by the caller's
         generator ``uniform(seed, step, trees, nodes, purpose, n) -> [R, n]`` (a batched
         ``Streams.uniform``; ``purpose`` is the counter word, ``Streams.purpose_key``)."""
-        key = self.streams.purpose_key(Purpose.DRAFT_SAMPLE)  # mutation (c) collapses purposes here
-        ids = trees if self.keys is None else torch.as_tensor(self.keys, dtype=torch.int64, device=trees.device)[trees]
-        steps = None if isinstance(self.step, int) else torch.as_tensor(self.step, dtype=torch.int64)[trees.cpu()]
+        _, steps, ids, key = self.stream_rows(trees, nodes)
+        steps = None if isinstance(steps, int) else steps
         if steps is None or bool((steps == steps[0]).all()):
             step = self.step if steps is None else int(steps[0]) if steps.numel() else 0
             return gumbel_from_uniform(uniform(self.streams.seed, step, ids, nodes, key, n))

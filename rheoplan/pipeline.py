@@ -47,6 +47,9 @@ class BatchSampler(Protocol):
     is ``argmax(log(qtilde_r) + noise[r, :len(qtilde_r)])``, exactly what ``__call__``
     draws. ``uniform(seed, step, trees, nodes, purpose, n)`` is the pass's generator of
     ``Streams`` uniforms (numba or Triton Philox), so the sampler imports no kernel.
+    ``stream_rows(trees, nodes) -> (seed, step, ids, purpose)`` (optional) names the
+    streams themselves, for a kernel that reads them as it draws (the numba ``assign``);
+    the draw is the same.
     """
 
     def __call__(self, b: int, node: int, qtilde: torch.Tensor) -> int: ...

@@ -4,15 +4,21 @@ Split into row kernels that the numba passes (``cpu_pass.py``) also call:
 
 * ``rank_support_rows``: top-S by q (ties lower id) by radix select on the float32
   bits, O(V) per row instead of a full sort.
-* tail mass, proxy and tail law: not ported; their one definitions
-  (``distributions.tail_mass`` / ``tail_law_rows``, ``planner.expand.proxy_weights``).
+* tail mass and proxy: not ported; their one definitions (``distributions.tail_mass``,
+  ``planner.expand.proxy_weights``).
+* ``tail_draws``: the sampled slot's draw straight from its Philox stream; its tail law
+  divides by the torch tail mass as ``distributions.tail_law_rows`` does (a division
+  rounds the same everywhere: the same bits).
 * ``fill_children_rows``: child tokens / q / weights given the drawn tail index.
 
 Three steps deliberately stay in torch, because the reference computes them with
 torch's vectorised (SLEEF) ``exp``/``log`` and the pipeline must be bit-identical:
-the draft softmax, ``log(q~) + noise`` before the Gumbel argmax, and the scores
-``parent_score + log(weight)``. numba's ``log`` is glibc's, which differs from SLEEF in
-the last bit for ~0.1% of float32 inputs.
+the draft softmax, ``log(q~) + noise`` before the Gumbel argmax of ``slot_expansion``
+(whose noise is injected), and the scores ``parent_score + log(weight)``. numba's
+``log`` is glibc's, which differs from SLEEF in the last bit for ~0.1% of float32
+inputs. The numba ``assign`` pass draws its sampled slots with ``tail_draws`` instead:
+only the winner leaves it, which a last-bit difference changes only at a ~1e-16 tie of
+two keys (``kernels.gumbel``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 from numba import njit
 
 from rheoplan.distributions import tail_law_rows, tail_mass
+from rheoplan.kernels.gumbel import NO_LAW, gumbel_max_stream
 from rheoplan.kernels.slot_expansion.reference import SlotExpansion, check_args
 from rheoplan.planner.expand import add_log_weight, proxy_weights  # noqa: F401  (re-exported)
 
@@ -147,6 +154,39 @@ def fill_children_rows(sup_tok, sup_q, s, m, K, y_rank, pi, child_token, child_q
                     child_weight[r, c] = sup_q[r, k]
                     c += 1
                 k += 1
+
+
+@njit(cache=True)
+def _tail_draws_kernel(sup_q, m, nt, z, k0, counters, out_i, out_qt):
+    """Row ``r``: ``q~ = tail_law_rows`` of ``sup_q[r]`` (the same divisions, so the same
+    bits), then its Gumbel-max draw with the stream of counter row ``r``."""
+    buf = np.empty(4, dtype=np.uint64)
+    qt = np.empty(nt)
+    for r in range(sup_q.shape[0]):
+        for j in range(nt):
+            qt[j] = np.float64(sup_q[r, m + j]) / z[r] if z[r] > 0.0 else 1.0 / max(nt, 1)
+        i = gumbel_max_stream(qt, NO_LAW, 1.0, k0, counters[r, 1], counters[r, 2], counters[r, 3], buf, -1)
+        out_i[r] = i
+        out_qt[r] = qt[i]
+
+
+def tail_draws(sup_q: torch.Tensor, m: int, n_tail: int, seed: int,
+               counters: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled slot of every row of ``sup_q [R, S]`` (float32, ranks ``m..m+n_tail-1``
+    its tail): ``(tail index [R] int64, q~ of it [R] float64)``, drawn as the reference
+    sampler draws, ``argmax(log q~ + gumbel_from_uniform(u))`` with ``u`` the first
+    ``n_tail`` numbers of ``Streams(seed)`` at counter row ``r`` of ``counters [R, 4]``
+    (``kernels.noise.counter_rows``). One numba call instead of the tail law, the noise,
+    the log, the argmax and the gather as torch ops: 0.09 against 0.20 ms per depth for
+    1-9 rows on the AMX Xeon (docs/results.md, "Lean steps, twentieth round"). The tail
+    mass is ``distributions.tail_mass`` (its one definition: the torch sum's bits)."""
+    R = sup_q.shape[0]
+    z = tail_mass(sup_q, m, m + n_tail).numpy()
+    out_i = np.empty(R, dtype=np.int64)
+    out_qt = np.empty(R, dtype=np.float64)
+    _tail_draws_kernel(sup_q.detach().cpu().contiguous().numpy(), int(m), int(n_tail), z, np.uint64(seed),
+                       counters, out_i, out_qt)
+    return torch.from_numpy(out_i), torch.from_numpy(out_qt)
 
 
 def draw_tail(qt: torch.Tensor, noise: torch.Tensor, n_tail: int) -> torch.Tensor:

@@ -19,9 +19,9 @@ from numba import njit
 
 from rheoplan.distributions import draft_probs, tail_law, tail_law_rows, tail_mass
 from rheoplan.ir import DraftTree, NodeKind
-from rheoplan.kernels.noise import numba_uniform
+from rheoplan.kernels.noise import counter_rows, numba_uniform
 from rheoplan.kernels.plan.cpu import frontier_rows
-from rheoplan.kernels.slot_expansion.cpu import rank_support_rows
+from rheoplan.kernels.slot_expansion.cpu import rank_support_rows, tail_draws
 from rheoplan.pipeline import PassContext
 from rheoplan.planner.assign import has_sampled_slots
 from rheoplan.planner.expand import check_can_expand, check_draft_logits, draft_columns, proxy_weights
@@ -217,14 +217,22 @@ def draw_rows(sampler, sup_q: torch.Tensor, trees: torch.Tensor, nodes: torch.Te
               n_tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Tail index and ``q~`` of the draw of every row of ``sup_q [R, S]``.
 
-    Through the sampler's batch interface (``gumbel_rows``) when it has one: one noise
-    call, then ``argmax(log q~ + g)`` per row, exactly the per-row draw. Otherwise the
-    sampler is called row by row with the same ``q~`` tensor the reference passes.
-    The noise comes from the numba Philox (``kernels.noise.numba_uniform``).
+    Through the sampler's batch interface when it has one: with ``stream_rows`` (the
+    default sampler) one numba call draws every row straight from its stream
+    (``kernels.slot_expansion.cpu.tail_draws``); with ``gumbel_rows`` only, one noise call
+    (``kernels.noise.numba_uniform``), then ``argmax(log q~ + g)`` per row; either is
+    exactly the per-row draw. Otherwise the sampler is called row by row with the same
+    ``q~`` tensor the reference passes.
     """
     R = sup_q.shape[0]
+    stream_rows = getattr(sampler, "stream_rows", None)
     gumbel_rows = getattr(sampler, "gumbel_rows", None)
-    if gumbel_rows is not None and R > 0 and bool((n_tail == n_tail[0]).all()):
+    batch = R > 0 and bool((n_tail == n_tail[0]).all())
+    if stream_rows is not None and batch:
+        seed, steps, ids, purpose = stream_rows(trees, nodes)
+        steps = steps if isinstance(steps, int) else steps.numpy()
+        return tail_draws(sup_q, m, int(n_tail[0]), seed, counter_rows(steps, ids.numpy(), nodes.numpy(), purpose))
+    if gumbel_rows is not None and batch:
         nt = int(n_tail[0])
         qt = tail_law_rows(sup_q, m, m + nt)
         g = gumbel_rows(trees, nodes, nt, numba_uniform)

@@ -20,13 +20,12 @@ import torch
 from numba import njit
 
 from rheoplan.kernels.noise import counter_rows
-from rheoplan.kernels.philox import _philox_block, philox_words, unit_double
+from rheoplan.kernels.gumbel import NO_LAW, gumbel_max_stream, stream_at
 from rheoplan.kernels.verify import VERIFIER_CODES
 from rheoplan.kernels.verify.reference import WalkOut
 
 from rheoplan.distributions import RESIDUAL_EPS as _RESIDUAL_EPS  # numba reads it as a constant
 from rheoplan.rng import philox_counter
-from rheoplan.verify import FILTER_SLACK as _FILTER_SLACK
 
 
 @njit(cache=True)
@@ -130,62 +129,6 @@ def walk_kernel(p, u, g, token, first_child, n_children, exp_row, sup_token, sup
 
 
 @njit(cache=True)
-def _stream_at(k0, c1, c2, c3, i, buf):
-    """Number ``i`` of the stream with counter ``[0, c1, c2, c3]`` (``Streams.uniform``):
-    numpy's Philox bumps word 0 once before each block of 4, so number ``i`` is word
-    ``i % 4`` of block ``i // 4 + 1``."""
-    _philox_block(np.uint64(i // 4 + 1), c1, c2, c3, k0, np.uint64(0), buf)
-    return unit_double(buf[i % 4])
-
-
-#: the ``law`` of a draw from ``p`` itself (no residual): ``_residual_at`` reads ``p`` only
-_NO_LAW = np.zeros(0)
-
-
-@njit(cache=True, inline="always")
-def _residual_at(p, law, scale, t):
-    """``max(0, p - law) / scale`` at token ``t``, or ``p[t]`` itself when ``law`` is
-    empty (a draw from ``p``: the same value, without a subtraction and a division per
-    token)."""
-    if law.shape[0] == 0:
-        return p[t]
-    r = p[t] - law[t]
-    return (r if r > 0.0 else 0.0) / scale
-
-
-@njit(cache=True)
-def _gumbel_max_stream(p, law, scale, k0, c1, c2, c3, buf, top):
-    """``gumbel_max_uniform(r, u)`` for ``r = max(0, p - law) / scale`` (``law`` empty:
-    plain ``p``) and ``u`` the stream's first ``V`` numbers, generated here block by
-    block: the bound is the key of ``r``'s most likely token (``top``, or found here when
-    ``top < 0``: the first maximum, as torch's argmax), and only tokens that pass the
-    same filter get an exact key (first token on ties, as the reference)."""
-    V = p.shape[0]
-    if top < 0:
-        rtop = -1.0
-        for t in range(V):
-            r = _residual_at(p, law, scale, t)
-            if r > rtop:
-                top, rtop = t, r
-    bound = np.log(_residual_at(p, law, scale, top)) - np.log(-np.log(_stream_at(k0, c1, c2, c3, top, buf)))
-    thr = np.exp(-bound) * (1.0 + _FILTER_SLACK)
-    best, arg = -np.inf, top
-    for blk in range((V + 3) // 4):
-        words = philox_words(np.uint64(blk + 1), c1, c2, c3, k0, np.uint64(0))
-        for w in range(4):
-            t = blk * 4 + w
-            if t >= V:
-                break
-            u = unit_double(words[w])
-            r = _residual_at(p, law, scale, t)
-            if t == top or (1.0 - u) <= r * thr:
-                key = np.log(r) - np.log(-np.log(u))
-                if key > best:  # tokens in increasing order: the first wins a tie
-                    best, arg = key, t
-    return arg
-
-
-@njit(cache=True)
 def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
     """The emitted token at one node (``rheoplan.verify._coupling_draw`` with the walk's
     streams): the accept uniform is number 0 of counter ``acc``, the residual noise the
@@ -193,7 +136,7 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
     ``law`` is a zeroed ``[V]`` scratch vector, returned zeroed."""
     buf = np.empty(4, dtype=np.uint64)
     if code == 0 or m >= K or y < 0:  # no proposal: X ~ p
-        return _gumbel_max_stream(p, _NO_LAW, 1.0, k0, res[1], res[2], res[3], buf, -1)
+        return gumbel_max_stream(p, NO_LAW, 1.0, k0, res[1], res[2], res[3], buf, -1)
     e = _write_proposal(sup_token, sup_q, n, m, K, y, code, law)
     mass = 0.0
     for t in range(p.shape[0]):
@@ -204,8 +147,8 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
     if mass > _RESIDUAL_EPS:
         le = law[e]
         a = 1.0 if le <= 0.0 else min(1.0, p[e] / le)
-        if not _stream_at(k0, acc[1], acc[2], acc[3], 0, buf) < a:
-            x = _gumbel_max_stream(p, law, mass, k0, res[1], res[2], res[3], buf, -1)
+        if not stream_at(k0, acc[1], acc[2], acc[3], 0, buf) < a:
+            x = gumbel_max_stream(p, law, mass, k0, res[1], res[2], res[3], buf, -1)
     for i in range(n):  # every entry written above is a support token
         law[sup_token[i]] = 0.0
     return x
@@ -217,7 +160,7 @@ def _root_draws_kernel(p, top, k0, counters, out):
     counter row ``r``, as ``walk_node_draw`` draws at a node with nothing drafted below it."""
     buf = np.empty(4, dtype=np.uint64)
     for r in range(p.shape[0]):
-        out[r] = _gumbel_max_stream(p[r], _NO_LAW, 1.0, k0, counters[r, 1], counters[r, 2], counters[r, 3], buf,
+        out[r] = gumbel_max_stream(p[r], NO_LAW, 1.0, k0, counters[r, 1], counters[r, 2], counters[r, 3], buf,
                                     top[r])
 
 

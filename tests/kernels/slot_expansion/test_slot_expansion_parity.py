@@ -170,3 +170,34 @@ def test_vocab_chunks_rule():
     assert vocab_chunks(1, 40, 8, 16, 264) == 2  # sqrt(40 / 8) = 2 (3 blocks)
     assert vocab_chunks(10, V, 128, 1024, 1) == 1
     assert default_chunks(1, V, 128, "cpu") == 1  # the interpreter: no split by default
+
+
+@pytest.mark.parametrize("S,m", [(128, 1), (16, 0), (9, 3)])
+def test_tail_draws_are_the_samplers_draws(S, m):
+    """``cpu.tail_draws`` (the numba ``assign``'s sampled slots, read straight from their
+    streams) gives the tail index and ``q~`` the default sampler gives row by row
+    (``GumbelSampler.__call__`` on ``distributions.tail_law``): peaked, flat, tied and
+    massless tails, rows at different steps and stream ids."""
+    from rheoplan.distributions import tail_law
+    from rheoplan.kernels.noise import counter_rows
+    from rheoplan.planner.assign import gumbel_sampler
+
+    R = 48
+    g = torch.Generator().manual_seed(S)
+    sup_q = torch.sort(torch.softmax(torch.randn(R, S, generator=g) * 3, -1), -1, descending=True).values
+    sup_q[1::6] = 1.0 / S  # flat
+    sup_q[2::6, m:] = 0.0  # no tail mass: q~ uniform
+    sup_q[3::6, m:] = sup_q[3::6, m:m + 1]  # ties
+    steps = tuple(r % 4 for r in range(R))
+    sampler = gumbel_sampler(Streams(2**41 + 3), steps, keys=[5 * b for b in range(R)])
+    trees, nodes = torch.arange(R), torch.tensor([7 * (r % 5) for r in range(R)])
+    seed, st, ids, purpose = sampler.stream_rows(trees, nodes)
+    i, qt = cpu.tail_draws(sup_q, m, S - m, seed, counter_rows(st.numpy(), ids.numpy(), nodes.numpy(), purpose))
+    want_i, want_qt = [], []
+    for r in range(R):
+        law = tail_law(sup_q[r], m, S)
+        want_i.append(sampler(r, int(nodes[r]), law))
+        want_qt.append(float(law[want_i[-1]]))
+    assert i.tolist() == want_i
+    assert qt.tolist() == want_qt  # the same bits: the same divisions
+    assert len(set(want_i)) > 3  # the draws are not all the top of the tail
