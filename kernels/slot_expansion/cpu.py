@@ -178,7 +178,7 @@ def tail_draws(sup_q: torch.Tensor, m: int, n_tail: int, seed: int,
     ``n_tail`` numbers of ``Streams(seed)`` at counter row ``r`` of ``counters [R, 4]``
     (``kernels.noise.counter_rows``). One numba call instead of the tail law, the noise,
     the log, the argmax and the gather as torch ops: 0.09 against 0.20 ms per depth for
-    1-9 rows on the AMX Xeon (docs/results.md, "Lean steps, twentieth round"). The tail
+    1-9 rows on the AMX Xeon (docs/results.md, "Lean steps, nineteenth round"). The tail
     mass is ``distributions.tail_mass`` (its one definition: the torch sum's bits)."""
     R = sup_q.shape[0]
     z = tail_mass(sup_q, m, m + n_tail).numpy()
