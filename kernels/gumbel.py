@@ -6,7 +6,7 @@ one row whose uniforms ``u`` are the first numbers of a ``Streams`` stream, made
 block as the screen reads them and never stored. Every numba draw of the project goes
 through it: the walk's draws at a node (``kernels.verify.cpu``), a batch's draft-free rows
 (``kernels.verify.cpu.root_draws``) and the planner's sampled slots
-(``kernels.slot_expansion.cpu.tail_draw_rows``).
+(``kernels.slot_expansion.cpu.tail_draws``).
 
 Parity: numba's ``log`` is glibc's, torch's is SLEEF's; they differ in the last bit for a
 few inputs in a thousand, which changes a winner only when two keys agree to ~1e-16 (not
@@ -32,7 +32,7 @@ def stream_at(k0, c1, c2, c3, i, buf):
     return unit_double(buf[i % 4])
 
 
-#: the ``law`` of a draw from ``p`` itself (no residual): ``_residual_at`` reads ``p`` only
+#: the ``law`` of a draw from ``p`` itself (no residual): ``residual_at`` reads ``p`` only
 NO_LAW = np.zeros(0)
 
 
