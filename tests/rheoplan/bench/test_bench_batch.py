@@ -49,7 +49,10 @@ def test_unknown_method_is_argparse_error(capsys):
 
 
 def test_default_prompts_split_into_whole_batches():
-    assert bench.default_prompts([1, 4, 16]) == 16 and bench.default_prompts([2, 3]) == 6
+    # two batches of the largest size where the 40 held-out prompts allow it, else one
+    assert bench.default_prompts([1, 4, 16]) == 32 and bench.default_prompts([2, 3]) == 6
+    assert bench.default_prompts([1]) == 2 and bench.default_prompts([4, 5]) == 20
+    assert bench.default_prompts([1, 4, 32]) == 32 and bench.default_prompts([8, 12]) == 24
 
 
 def test_left_pad():
