@@ -1,0 +1,91 @@
+"""The kernels: numba (CPU) and Triton implementations of the planner's passes and the
+verifier, each beside its torch reference (docs/kernels.md).
+
+Importing this package first makes numba's on-disk cache (``@njit(cache=True)``) safe
+across files. numba reuses a compiled kernel while the source file that *defines* it is
+unchanged; it does not look at the kernels it calls from other files
+(``kernels/gumbel.py``, ``kernels/philox.py``) nor at the module constants it compiled
+in (``rheoplan.distributions.RESIDUAL_EPS``, ``rheoplan.verify.FILTER_SLACK``). So after
+an edit, a broken variant for a mutation check, or an upgrade that changed only such a
+file (pip leaves ``__pycache__`` behind), a cached caller would keep running the old
+code: wrong draws that no error reports. Here every kernel's cache entry is also keyed by
+``source_digest()``, a hash of every kernel source and of those constants' modules, so
+any change recompiles every kernel once (seconds on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent
+#: modules of the ``rheoplan`` package whose constants the kernels compile in
+CONSTANT_MODULES = ("distributions.py", "verify.py")
+
+
+def digest_sources(files) -> str:
+    """sha256 over ``files``, ``(name, path)`` pairs in the order given: each name and its
+    file's bytes (names, not paths: a moved checkout keeps its caches)."""
+    h = hashlib.sha256()
+    for name, path in files:
+        h.update(name.encode() + b"\0")
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()
+
+
+def source_files() -> list[tuple[str, Path]]:
+    """The files a kernel's compiled code depends on, as ``(name, path)``: every ``.py`` of
+    this package and ``CONSTANT_MODULES`` of ``rheoplan`` (found where it is installed,
+    also when the two folders are apart, as in an editable install)."""
+    own = [(p.relative_to(_ROOT).as_posix(), p) for p in sorted(_ROOT.rglob("*.py"))]
+    pkg = Path(sys.modules["rheoplan"].__path__[0]) if "rheoplan" in sys.modules else _ROOT.parent
+    return own + [(f"rheoplan/{name}", pkg / name) for name in CONSTANT_MODULES if (pkg / name).exists()]
+
+
+@lru_cache(maxsize=1)
+def source_digest() -> str:
+    """``digest_sources(source_files())``, once per process (read when numba sets up a
+    kernel's cache, at its decoration)."""
+    return digest_sources(source_files())
+
+
+def _guarded(base):
+    """``base`` (a numba cache locator) for kernels of this package only, its source stamp
+    extended by ``source_digest()``: a cached kernel is reused only while no kernel source
+    changed."""
+
+    class Locator(base):
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            try:
+                Path(py_file).resolve().relative_to(_ROOT)
+            except (ValueError, OSError):
+                return None  # not ours: numba's own locators decide
+            return super().from_function(py_func, py_file)
+
+        def get_source_stamp(self):
+            return (super().get_source_stamp(), source_digest())
+
+    Locator.__name__ = Locator.__qualname__ = f"Rheoplan{base.__name__}"
+    return Locator
+
+
+def _install_cache_guard() -> bool:
+    """Put the guarded locators in front of numba's (the same order: a user's
+    ``NUMBA_CACHE_DIR``, then ``__pycache__``, then the user-wide folder). Returns False,
+    changing nothing, where this numba lays its cache out otherwise."""
+    try:
+        from numba.core import caching
+        bases = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator)
+        classes = caching.CacheImpl._locator_classes
+    except (ImportError, AttributeError):
+        return False
+    if any(getattr(c, "__name__", "").startswith("Rheoplan") for c in classes):
+        return True
+    classes[:0] = [_guarded(b) for b in bases]
+    return True
+
+
+CACHE_GUARDED = _install_cache_guard()
