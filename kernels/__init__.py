@@ -10,7 +10,8 @@ an edit, a broken variant for a mutation check, or an upgrade that changed only 
 file (pip leaves ``__pycache__`` behind), a cached caller would keep running the old
 code: wrong draws that no error reports. Here every kernel's cache entry is also keyed by
 ``source_digest()``, a hash of every kernel source and of those constants' modules, so
-any change recompiles every kernel once (seconds on a 2-core CPU).
+any change recompiles every kernel once, as it is next used (a one-prompt decode with every
+cached kernel deleted took 1.5 s longer on the 2-core CPU than with them).
 """
 
 from __future__ import annotations
