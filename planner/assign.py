@@ -32,7 +32,8 @@ class GumbelSampler:
 
     Besides the per-row call every sampler has, it offers the batch interface the
     kernel passes use (``rheoplan.pipeline.BatchSampler``): ``gumbel_rows`` gives the
-    noise of many rows at once. The sampler names the streams (seed, step, purpose); the
+    noise of many rows at once (the Triton pass), ``stream_rows`` the streams they read
+    (the numba pass, whose kernel draws as it reads them). The sampler names the streams (seed, step, purpose); the
     calling pass brings the generator (numba Philox on the CPU, the Triton Philox on the
     device: the same numbers as ``Streams``). A sampler without it (the exact oracle
     injects draws) is called row by row instead.

@@ -39,9 +39,9 @@ SamplerFn = Callable[[int, int, torch.Tensor], int]
 
 
 class BatchSampler(Protocol):
-    """A sampler that can also give the Gumbel noise of many rows at once; the numba and
-    Triton ``assign`` passes use it (one call per depth, on the tree's device) and fall
-    back to calling the sampler row by row when a sampler lacks it.
+    """A sampler that can also give the Gumbel noise of many rows at once; the Triton
+    ``assign`` pass uses it (one call per depth, on the tree's device), the numba one its
+    ``stream_rows``; both fall back to calling the sampler row by row when it lacks them.
 
     ``gumbel_rows(trees [R], nodes [R], n, uniform) -> [R, n]`` float64: the draw of row r
     is ``argmax(log(qtilde_r) + noise[r, :len(qtilde_r)])``, exactly what ``__call__``

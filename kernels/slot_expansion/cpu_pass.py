@@ -2,13 +2,13 @@
 
 Same names, same output as ``planner/expand.py`` and ``planner/assign.py``: the
 ``DraftTree`` after each pass equals the reference's tensor for tensor for the same seed
-(``tests/kernels/slot_expansion/test_cpu_pass.py``). The kernels do the selection
+(``tests/rheoplan/test_lower.py``). The kernels do the selection
 (``frontier_rows``, ``rank_support_rows``) and the table writes; every formula comes from
 its one definition: the draft law (``distributions.draft_probs``), the tail mass and tail
 law (``distributions.tail_mass`` / ``tail_law_rows``), the proxy
 (``planner.expand.proxy_weights``), the score rule (``add_log_weight``: its log in torch,
-its float64 add in ``_add_scores``) and the Gumbel
-noise (the sampler's ``gumbel_rows``, numba Philox).
+its float64 add in ``_add_scores``) and the sampled slots' draws (the sampler's
+``stream_rows`` names the streams; ``cpu.tail_draws`` reads them as it draws).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from rheoplan.distributions import draft_probs, tail_law, tail_law_rows, tail_mass
+from rheoplan.distributions import draft_probs, tail_law, tail_mass
 from rheoplan.ir import DraftTree, NodeKind
-from rheoplan.kernels.noise import counter_rows, numba_uniform
+from rheoplan.kernels.noise import counter_rows
 from rheoplan.kernels.plan.cpu import frontier_rows
 from rheoplan.kernels.slot_expansion.cpu import rank_support_rows, tail_draws
 from rheoplan.pipeline import PassContext
@@ -217,27 +217,17 @@ def draw_rows(sampler, sup_q: torch.Tensor, trees: torch.Tensor, nodes: torch.Te
               n_tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Tail index and ``q~`` of the draw of every row of ``sup_q [R, S]``.
 
-    Through the sampler's batch interface when it has one: with ``stream_rows`` (the
-    default sampler) one numba call draws every row straight from its stream
-    (``kernels.slot_expansion.cpu.tail_draws``); with ``gumbel_rows`` only, one noise call
-    (``kernels.noise.numba_uniform``), then ``argmax(log q~ + g)`` per row; either is
-    exactly the per-row draw. Otherwise the sampler is called row by row with the same
-    ``q~`` tensor the reference passes.
+    With a sampler that names its rows' streams (``stream_rows``: the default sampler),
+    one numba call draws every row straight from its stream
+    (``kernels.slot_expansion.cpu.tail_draws``), exactly the per-row draw. Otherwise the
+    sampler is called row by row with the same ``q~`` tensor the reference passes.
     """
     R = sup_q.shape[0]
     stream_rows = getattr(sampler, "stream_rows", None)
-    gumbel_rows = getattr(sampler, "gumbel_rows", None)
-    batch = R > 0 and bool((n_tail == n_tail[0]).all())
-    if stream_rows is not None and batch:
+    if stream_rows is not None and R > 0 and bool((n_tail == n_tail[0]).all()):
         seed, steps, ids, purpose = stream_rows(trees, nodes)
         steps = steps if isinstance(steps, int) else steps.numpy()
         return tail_draws(sup_q, m, int(n_tail[0]), seed, counter_rows(steps, ids.numpy(), nodes.numpy(), purpose))
-    if gumbel_rows is not None and batch:
-        nt = int(n_tail[0])
-        qt = tail_law_rows(sup_q, m, m + nt)
-        g = gumbel_rows(trees, nodes, nt, numba_uniform)
-        i = torch.argmax(torch.log(qt) + g, dim=1)
-        return i, qt.gather(1, i[:, None])[:, 0]
     i = torch.empty(R, dtype=torch.int64)
     y_qt = torch.empty(R, dtype=torch.float64)
     for r in range(R):
@@ -250,7 +240,7 @@ def draw_rows(sampler, sup_q: torch.Tensor, trees: torch.Tensor, nodes: torch.Te
 
 
 def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
-    """``planner.assign.assign`` with batched noise, draws and slot writes."""
+    """``planner.assign.assign`` with batched draws and slot writes."""
     if not has_sampled_slots(tree, ctx):
         return tree
     K, m = tree.slots, tree.rheostat
