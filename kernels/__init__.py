@@ -12,6 +12,10 @@ code: wrong draws that no error reports. Here every kernel's cache entry is also
 ``source_digest()``, a hash of every kernel source and of those constants' modules, so
 any change recompiles every kernel once, as it is next used (a one-prompt decode with every
 cached kernel deleted took 1.5 s longer on the 2-core CPU than with them).
+
+Imported as the top-level ``kernels`` (``python -m`` from a checkout's root puts this
+folder first on ``sys.path``), it hands that name to Hugging Face's ``kernels`` package,
+which transformers imports (``_hand_over_the_name``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,41 @@ from functools import lru_cache
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent
+
+
+def _hand_over_the_name() -> None:
+    """Run when this folder was imported as the top-level ``kernels``: make that name
+    Hugging Face's ``kernels`` package, found on ``sys.path`` without the checkout's root,
+    or a ``ModuleNotFoundError`` where it is not installed.
+
+    ``python -m pytest`` (or any ``python -m``) from a checkout's root puts the working
+    directory first on ``sys.path``, so ``import kernels`` finds this folder. transformers
+    5.25 depends on Hugging Face's ``kernels`` and imports it when loading a model (its
+    hub-kernels integration); getting this folder instead, it failed with "cannot import
+    name 'CUDAProperties' from 'kernels'". The import system returns whatever
+    ``sys.modules["kernels"]`` holds once this module's code has run, so putting the real
+    package there hands the import over."""
+    import importlib.machinery
+    import importlib.util
+
+    checkout = _ROOT.parent
+    path = [p for p in sys.path if Path(p or ".").resolve() != checkout]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:
+        sys.modules.pop("kernels", None)
+        raise ModuleNotFoundError(f"No module named 'kernels' (the folder {_ROOT} of a rheoplan checkout is "
+                                  "rheoplan.kernels, not a top-level package)", name="kernels")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop("kernels", None)
+        raise
+
+
+if __name__ == "kernels":
+    _hand_over_the_name()
 #: modules of the ``rheoplan`` package whose constants the kernels compile in
 CONSTANT_MODULES = ("distributions.py", "verify.py")
 
@@ -89,4 +128,4 @@ def _install_cache_guard() -> bool:
     return True
 
 
-CACHE_GUARDED = _install_cache_guard()
+CACHE_GUARDED = __name__ != "kernels" and _install_cache_guard()  # not twice from a top-level import
