@@ -36,6 +36,7 @@ gradient, so a module in training mode with grad enabled uses the plain product.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from contextlib import contextmanager
@@ -48,9 +49,28 @@ PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def packing_available(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether this torch build can pack linear weights for ``dtype`` on ``device``."""
+    """Whether this torch build, on this CPU, can pack linear weights for ``dtype`` on
+    ``device``: the build has the ops and a tiny weight packs and multiplies (``_packs``)."""
     return (torch.device(device).type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and _packs(dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _packs(dtype: torch.dtype) -> bool:
+    """Pack and multiply a tiny ``dtype`` weight once per process. The ops exist in every
+    CPU build, but oneDNN refuses the bfloat16 reorder on a CPU without AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT ("bf16 path needs the cpu support ..."): an AVX2-only AMD EPYC
+    (Zen 3) raised it at load before this probe existed. Asking the library, not reading
+    CPU flags, follows whatever oneDNN supports in the installed build."""
+    try:
+        with torch.no_grad():
+            w = torch.ones(4, 8, dtype=dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+            y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), packed, None, "none", [], "")
+        return bool((y == 8).all())
+    except RuntimeError:
+        return False
 
 
 class PackedLinear(torch.nn.Module):

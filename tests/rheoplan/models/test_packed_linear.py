@@ -134,3 +134,31 @@ def test_pack_if_it_pays_follows_the_measurement(monkeypatch, capsys):
     monkeypatch.setattr(pl, "packing_pays", lambda m: True)
     assert pl.pack_if_it_pays(model, "tiny") is True
     assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 15
+
+
+def test_a_cpu_that_refuses_the_reorder_packs_nothing(monkeypatch):
+    """oneDNN refuses the bfloat16 reorder on a CPU without AVX-512 or AVX-NE-CONVERT (an
+    AVX2-only AMD EPYC raised it at load): packing is then unavailable for that dtype, and
+    a model of that dtype loads unpacked instead of failing."""
+    import rheoplan.models.packed_linear as pl
+
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    def refuse(w, *args):
+        if w.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert "
+                               "or avx512bw, avx512vl and avx512dq")
+        return real(w, *args)
+
+    pl._packs.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    try:
+        assert not pl.packing_available(torch.bfloat16, "cpu")
+        model = _tiny_llama()
+        assert pl.packing_pays(model) is None
+        assert pl.pack_if_it_pays(model, "tiny") is False
+        assert pl.pack_linears(model) == 0
+        assert pl.packing_available(torch.float32, "cpu") == pl._packs(torch.float32)
+    finally:
+        monkeypatch.undo()
+        pl._packs.cache_clear()
