@@ -156,9 +156,11 @@ def load_head(path, model, draft_dtype: str = "auto"):
 
 def speed_tag(model) -> str:
     """What, beyond its dtype, changes a model's latencies: ``' packed'`` when its linear
-    weights are packed (``pack_if_it_pays``), else ``''``. Part of the latency caches' keys."""
+    weights are packed, ``' few-rows'`` or ``' packed few-rows'`` when its few-row products
+    run the numba kernel (``pack_if_it_pays``), else ``''``. Part of the latency caches' keys."""
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
-    return " packed" if any(isinstance(m, PackedLinear) for m in modules) else ""
+    kinds = sorted({m.kind for m in modules if isinstance(m, PackedLinear)})
+    return "".join(f" {k}" for k in kinds)
 
 
 def auto_tree(tree: TreeConfig, depth, budget) -> TreeConfig:

@@ -35,7 +35,7 @@ from rheoplan.models import as_draft, as_target, hashed_context_lm
 from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache, output_head
 from rheoplan.models.base import DraftModel
 from rheoplan.models.hf_target import HFTarget
-from rheoplan.models.packed_linear import PackedLinear, pack_linears, packing_pays, unpack_linears
+from rheoplan.models.packed_linear import PackedLinear, pack_where_it_pays, unpack_linears
 from rheoplan.pipeline import PassContext
 from rheoplan.plan import plan_tree
 from rheoplan.planner.linearize import linearize
@@ -221,10 +221,11 @@ def choose_dtype(model, *, model_id: str | None = None, pick_by: str = "tree", r
         raise ValueError(f"pick_by={pick_by!r} is not understood: allowed one of {sorted(PICK_BY)}")
     dev = next(model.parameters()).device
     mid = model_id or model_identity(model)
-    # every dtype is timed with packed linear weights where that pays (the loader packs them
-    # then); the key names it and that the two forwards are timed apart, so records made
-    # before (one time for the pair) are measured again
-    key = cache_key("dtype", f"{mid} (packed when it pays, float32 too; 1 and {PROBE_TREE} tokens apart)", dev)
+    # every dtype is timed with packed linear weights and few-row products where each pays
+    # (the loader runs them so); the key names it and that the two forwards are timed apart,
+    # so records made before (one time for the pair; no few-row kernel) are measured again
+    key = cache_key("dtype", f"{mid} (packed and few-row products when they pay, float32 too; "
+                    f"1 and {PROBE_TREE} tokens apart)", dev)
     ms = _cached_forward_ms(key) if use_cache and _read_cache() else None
     where = " (cached)"
     if ms is None:
@@ -260,9 +261,8 @@ def _time_dtypes(model, dev, prompt_len: int, reps: int, timer: Timer) -> dict[s
     own_packed = False
     # every copy is cast before anything is packed (a packed weight cannot be deep-copied)
     for dt, m in [(dt, model if dt == own else copy.deepcopy(model).to(dt)) for dt in supported_dtypes(dev)]:
-        if packing_pays(m):
-            n = pack_linears(m)
-            own_packed = own_packed or (m is model and n > 0)
+        n = pack_where_it_pays(m)[0]
+        own_packed = own_packed or (m is model and n > 0)
         copies.append(m)
         name = str(dt).removeprefix("torch.")
         for n in (1, PROBE_TREE):
@@ -302,8 +302,7 @@ def packed_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A ``dtype`` copy of ``model`` (a head or a target whose weights are not packed) with
     its linear weights packed where that pays, as the loader runs it."""
     m = copy.deepcopy(model).to(dtype)
-    if packing_pays(m):
-        pack_linears(m)
+    pack_where_it_pays(m)
     return m
 
 
@@ -325,7 +324,7 @@ def choose_head_dtype(head: torch.nn.Module, *, head_id: str, rows: int = 3, rep
     if not (isinstance(rows, int) and rows >= 1):
         raise ValueError(f"rows={rows!r} is out of range: allowed an int >= 1")
     dev = next(head.parameters()).device
-    key = cache_key("head_dtype", f"{head_id} (packed when it pays)", dev, rows=rows)
+    key = cache_key("head_dtype", f"{head_id} (packed and few-row products when they pay)", dev, rows=rows)
     hit = _cached_dtype(HEAD_DTYPE_CACHE, key, use_cache,
                         "draft dtype auto: %s (cached; measured ms per head call: %s)", log)
     if hit is not None:

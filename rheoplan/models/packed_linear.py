@@ -28,6 +28,14 @@ It is what inductor's weight freezing does inside a compiled graph
 (``torch._inductor.config.freezing``), without compiling anything. Whether it pays is
 measured on the model itself (``packing_pays``), not read from CPU flags.
 
+Few-row products (float32): where torch's products of a few rows are slow, as on a
+2-core AVX2-only AMD EPYC (2 rows cost twice 1, with MKL and with oneDNN alike),
+``PackedLinear(few_rows=True)`` sends products of at most 16 rows to the numba kernel
+``rheoplan.kernels.linear.cpu`` (each weight row read once for all rows; a row's result
+the same bits whatever the rows beside it) and the rest to the packed or the plain
+product. ``few_rows_pays`` decides by timing every matrix of the model in turn at 1, 2, 4
+and 8 rows, as a forward reads them; ``pack_if_it_pays`` runs both measurements.
+
 The module keeps the original ``weight`` and ``bias`` parameters (tied weights stay tied,
 ``state_dict`` is unchanged); the packed copy is an extra buffer of the same size, made
 again by ``repack`` if the weights change. Inference only: the packed path has no
@@ -43,6 +51,7 @@ from contextlib import contextmanager
 
 import torch
 
+from rheoplan.kernels.linear import cpu as few_row_kernel
 
 #: the dtypes whose linear weights ``pack_linears`` packs
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
@@ -74,39 +83,68 @@ def _packs(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(torch.nn.Module):
-    """``nn.Linear`` whose weight is packed for oneDNN once (see the module doc)."""
+    """``nn.Linear`` whose product runs faster than the eager one (see the module doc):
+    its weight packed for oneDNN once (``onednn``) and/or few-row products through the
+    numba kernel ``rheoplan.kernels.linear.cpu`` (``few_rows``: float32, at most
+    ``MAX_ROWS`` rows; the rest take the packed or the plain product)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, onednn: bool = True, few_rows: bool = False) -> None:
         super().__init__()
+        if not (onednn or few_rows):
+            raise ValueError("PackedLinear needs onednn=True or few_rows=True (else keep the nn.Linear)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self.onednn, self.few_rows = onednn, few_rows
+        self._packed = None
         self.repack()
 
     def repack(self) -> None:
         """Pack the current weight again (after the weights were changed in place)."""
-        with torch.no_grad():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        if self.onednn:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.training and torch.is_grad_enabled()) or x.dtype != self.weight.dtype:
             return torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.few_rows and few_row_kernel.supported(x, self.weight):
+            return few_row_kernel.linear(x, self.weight, self.bias)
+        if self._packed is None:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
+    @property
+    def kind(self) -> str:
+        """``'packed'``, ``'few-rows'`` or ``'packed few-rows'``."""
+        return " ".join(k for k, on in (("packed", self.onednn), ("few-rows", self.few_rows)) if on)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.kind}")
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` in a ``PACKED_DTYPES`` dtype (in place) by a ``PackedLinear``;
-    returns how many were replaced (0 where packing is not available)."""
+def pack_linears(model: torch.nn.Module, onednn: bool = True, few_rows: bool = False) -> int:
+    """Replace every ``nn.Linear`` of ``model`` in a ``PACKED_DTYPES`` dtype (in place) by a
+    ``PackedLinear(onednn=..., few_rows=...)``; returns how many were replaced (0 where
+    neither is available: oneDNN packing for the dtype, the few-row kernel for float32)."""
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and packing_available(child.weight.dtype, child.weight.device):
-                setattr(parent, name, PackedLinear(child))
+            if type(child) is not torch.nn.Linear:
+                continue
+            dt, dev = child.weight.dtype, child.weight.device
+            use_onednn = onednn and packing_available(dt, dev)
+            use_few = few_rows and few_rows_available(dt, dev)
+            if use_onednn or use_few:
+                setattr(parent, name, PackedLinear(child, onednn=use_onednn, few_rows=use_few))
                 n += 1
     return n
+
+
+def few_rows_available(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether the few-row kernel serves ``dtype`` on ``device`` (float32 on the CPU)."""
+    return dtype == torch.float32 and torch.device(device).type == "cpu"
 
 
 def unpack_linears(model: torch.nn.Module) -> int:
@@ -129,12 +167,13 @@ def unpacked(model: torch.nn.Module):
     """Run a block on ``model``'s weights as transformers loaded them: unpack its packed
     linears (if any) for the block and pack them again after, even if it raises (the
     benchmarks time ``generate`` so, as a user without rheoplan has it)."""
-    repack = unpack_linears(model) > 0
+    kinds = {(m.onednn, m.few_rows) for m in model.modules() if isinstance(m, PackedLinear)}
+    unpack_linears(model)
     try:
         yield model
     finally:
-        if repack:
-            pack_linears(model)
+        for onednn, few_rows in kinds:  # one kind per model as the loader packs it
+            pack_linears(model, onednn=onednn, few_rows=few_rows)
 
 
 #: ``packing_pays``: packed may be this much slower than plain at a row count where the two
@@ -142,35 +181,78 @@ def unpacked(model: torch.nn.Module):
 PACKING_SLACK = 1.05
 
 
+def _largest_body_linear(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The largest ``nn.Linear`` of ``model`` that is not its output projection (most of a
+    forward's time), None when it has none."""
+    lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    if not lins:
+        return None
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 1 << 62
+    body = [m for m in lins if m.out_features < vocab] or lins
+    return max(body, key=lambda m: m.weight.numel())
+
+
+def _time_pairs(lins: list[torch.nn.Linear], new, old, rows: tuple[int, ...], reps: int
+                ) -> list[tuple[float, float]]:
+    """``(new, old)`` best-of-``reps`` seconds per ``r`` of ``rows``: each of ``new`` and
+    ``old`` is called with one random ``[r, in_features]`` input per linear of ``lins``,
+    the two alternating call by call."""
+    times = []
+    with torch.no_grad():
+        for r in rows:
+            xs = [torch.randn(r, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in lins]
+            best = [float("inf"), float("inf")]
+            new(xs), old(xs)
+            for _ in range(reps):
+                for i, f in enumerate((new, old)):
+                    t0 = time.perf_counter()
+                    f(xs)
+                    best[i] = min(best[i], time.perf_counter() - t0)
+            times.append((best[0], best[1]))
+    return times
+
+
 def packing_pays(model: torch.nn.Module, rows: tuple[int, ...] = (1, 16), reps: int = 30) -> bool | None:
     """Time the largest ``nn.Linear`` of ``model`` plain and packed at each of ``rows``
     (a few tens of milliseconds); True when packed is faster summed over ``rows`` and at
     no row count more than ``PACKING_SLACK`` times slower, None when packing is not
     available for this model."""
-    lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    if not lins or not packing_available(lins[0].weight.dtype, lins[0].weight.device):
+    lin = _largest_body_linear(model)
+    if lin is None or not packing_available(lin.weight.dtype, lin.weight.device):
         return None
-    # the largest matrix that is not the output projection decides (most of a forward's time)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 1 << 62
-    body = [m for m in lins if m.out_features < vocab] or lins
-    lin = max(body, key=lambda m: m.weight.numel())
-    packed = PackedLinear(lin)
+    return packing_decision(_time_pairs([lin], _in_turn([PackedLinear(lin)]), _in_turn([lin]), rows, reps))
 
-    def best(f, x) -> float:
-        f(x)
-        t = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            f(x)
-            t.append(time.perf_counter() - t0)
-        return min(t)
 
-    times = []
-    with torch.no_grad():
-        for r in rows:
-            x = torch.randn(r, lin.in_features, dtype=lin.weight.dtype, device=lin.weight.device)
-            times.append((best(packed, x), best(lambda v: torch.nn.functional.linear(v, lin.weight, lin.bias), x)))
-    return packing_decision(times)
+#: ``few_rows_pays``' row counts: a one-token step, a small and a large tree forward
+FEW_ROWS_TIMED = (1, 2, 4, 8)
+
+
+def few_rows_pays(model: torch.nn.Module, packed: bool, rows: tuple[int, ...] = FEW_ROWS_TIMED,
+                  reps: int = 5) -> bool | None:
+    """Time one product through every ``nn.Linear`` of ``model`` in turn, through the
+    few-row kernel and through the product each would run otherwise (oneDNN's packed one
+    when ``packed``, else the plain one), at each of ``rows``; True under
+    ``packing_decision``'s rule, None when the kernel does not serve this model's dtype.
+
+    Every matrix in turn, as a forward reads them, not the largest one again and again:
+    from the caches one matrix favoured torch's one-row product (129 against 111 us for
+    1536 x 576 on the AVX2-only AMD EPYC) while a forward's products, whose weights come
+    from memory, ran faster through the kernel (a 1-token forward 45 against 57 ms). About
+    a second for SmolLM2-135M's 211 matrices."""
+    lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    if not lins or not few_rows_available(lins[0].weight.dtype, lins[0].weight.device):
+        return None
+    kernel = [PackedLinear(m, onednn=False, few_rows=True) for m in lins]
+    other = [PackedLinear(m) for m in lins] if packed else lins
+    return packing_decision(_time_pairs(lins, _in_turn(kernel), _in_turn(other), rows, reps))
+
+
+def _in_turn(mods: list[torch.nn.Module]):
+    """One call of every module of ``mods`` on its slice of ``xs`` (one input per module)."""
+    def run(xs: list[torch.Tensor]) -> None:
+        for m, x in zip(mods, xs):
+            m(x)
+    return run
 
 
 def packing_decision(times: list[tuple[float, float]]) -> bool:
@@ -180,16 +262,31 @@ def packing_decision(times: list[tuple[float, float]]) -> bool:
             and all(p <= PACKING_SLACK * e for p, e in times))
 
 
+def pack_where_it_pays(model: torch.nn.Module) -> tuple[int, bool | None, bool | None]:
+    """Measure (``packing_pays``, then ``few_rows_pays``) and pack ``model``'s linears so;
+    returns ``(linears replaced, packing pays, few rows pay)`` (None: not available)."""
+    onednn = packing_pays(model)
+    few = few_rows_pays(model, packed=bool(onednn))
+    n = pack_linears(model, onednn=bool(onednn), few_rows=bool(few)) if (onednn or few) else 0
+    return n, onednn, few
+
+
 def pack_if_it_pays(model, what: str, log=None) -> bool:
-    """Pack ``model``'s linear weights for oneDNN once (less time, the same outputs up to
-    rounding: see the module doc) when a quick measurement on
-    its largest matrix says it pays here; prints the decision."""
+    """Pack ``model``'s linear weights for oneDNN once and/or route its few-row products
+    through the numba kernel (less time, the same outputs up to rounding: see the module
+    doc) where a quick measurement on its largest matrix says each pays here; prints the
+    decisions. Returns whether any linear was replaced."""
     log = sys.stderr if log is None else log
-    pays = packing_pays(model)
-    if pays:
-        n = pack_linears(model)
+    n, onednn, few = pack_where_it_pays(model)
+    if onednn:
         print(f"{what}: {n} linear weights packed for oneDNN (measured faster here; same outputs up to rounding)",
               file=log)
-    elif pays is False:
+    elif onednn is False:
         print(f"{what}: linear weights not packed (packing measured no faster here)", file=log)
-    return bool(pays)
+    if few:
+        print(f"{what}: products of at most {few_row_kernel.MAX_ROWS} rows run the few-row numba kernel "
+              f"(measured faster here at {', '.join(map(str, FEW_ROWS_TIMED))} rows; same outputs up to rounding)",
+              file=log)
+    elif few is False:
+        print(f"{what}: few-row products keep torch's kernels (the numba kernel measured no faster here)", file=log)
+    return n > 0

@@ -11,7 +11,7 @@ import pytest
 
 import rheoplan.kernels as kernels
 
-MODULES = ["gumbel", "philox", "noise", "plan.cpu", "plan.cpu_pass", "slot_expansion.cpu",
+MODULES = ["gumbel", "philox", "noise", "linear.cpu", "plan.cpu", "plan.cpu_pass", "slot_expansion.cpu",
            "slot_expansion.cpu_pass", "verify.cpu"]
 
 

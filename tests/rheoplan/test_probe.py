@@ -12,7 +12,7 @@ from _decode_models import tiny_llama
 from rheoplan import probe
 from rheoplan.config import TreeConfig
 from rheoplan.costmodel import Timings
-from rheoplan.models.packed_linear import PackedLinear, packing_available
+from rheoplan.models.packed_linear import PackedLinear, pack_linears, packing_available
 
 
 class Clock:
@@ -198,7 +198,7 @@ def test_choose_dtype_times_every_dtype_packed_where_packing_pays(cache, monkeyp
     clock, seen, packed = Clock(), [], {}
     monkeypatch.setattr(probe, "_forward", _fake_forwards(clock, {torch.float32: 5.0, torch.bfloat16: 3.0},
                                                           seen, packed))
-    monkeypatch.setattr(probe, "packing_pays", lambda m: pays)
+    monkeypatch.setattr(probe, "pack_where_it_pays", lambda m: (pack_linears(m) if pays else 0, pays, None))
     probe.choose_dtype(model, model_id="tiny", timer=clock, log=io.StringIO())
     # the loader runs them so, where this CPU can pack the dtype at all (oneDNN cannot pack
     # bfloat16 without AVX-512 or AVX-NE-CONVERT)

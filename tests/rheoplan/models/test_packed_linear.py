@@ -162,3 +162,60 @@ def test_a_cpu_that_refuses_the_reorder_packs_nothing(monkeypatch):
     finally:
         monkeypatch.undo()
         pl._packs.cache_clear()
+
+
+def test_few_row_products_run_the_numba_kernel_and_give_the_same_logits():
+    """float32 few-row products through ``kernels/linear/cpu.py``: the same logits up to
+    rounding, prefill-sized products left to torch, and ``unpacked`` brings back the kind."""
+    from rheoplan.kernels.linear import cpu as kernel
+
+    torch.manual_seed(0)
+    model = _tiny_llama(torch.float32)
+    short, long = torch.randint(0, 100, (1, 3)), torch.randint(0, 100, (1, kernel.MAX_ROWS + 4))
+    with torch.no_grad():
+        want_short, want_long = model(short).logits, model(long).logits
+    assert pack_linears(model, onednn=False, few_rows=True) == 15
+    kinds = {m.kind for m in model.modules() if isinstance(m, PackedLinear)}
+    assert kinds == {"few-rows"}
+    calls = []
+    real = kernel._rows_times_weight
+    try:
+        kernel._rows_times_weight = lambda *a: (calls.append(a[0].shape[0]), real(*a))
+        with torch.no_grad():
+            assert_same_up_to_rounding(model(short).logits, want_short, "3 tokens")
+            assert calls and set(calls) == {3}
+            calls.clear()
+            assert torch.equal(model(long).logits, want_long)  # more rows than MAX_ROWS: torch's product
+            assert not calls
+    finally:
+        kernel._rows_times_weight = real
+    from rheoplan.models.packed_linear import unpacked
+    with unpacked(model):
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert {m.kind for m in model.modules() if isinstance(m, PackedLinear)} == {"few-rows"}
+    with pytest.raises(ValueError, match="onednn=True or few_rows=True"):
+        PackedLinear(torch.nn.Linear(4, 4), onednn=False, few_rows=False)
+
+
+def test_bfloat16_models_get_no_few_row_kernel():
+    from rheoplan.models.packed_linear import few_rows_pays
+
+    model = _tiny_llama()
+    assert few_rows_pays(model, packed=False) is None
+    assert pack_linears(model, onednn=False, few_rows=True) == 0
+
+
+def test_pack_if_it_pays_reports_both_decisions(monkeypatch, capsys):
+    import rheoplan.models.packed_linear as pl
+
+    model = _tiny_llama(torch.float32)
+    monkeypatch.setattr(pl, "packing_pays", lambda m: False)
+    monkeypatch.setattr(pl, "few_rows_pays", lambda m, packed: True)
+    assert pl.pack_if_it_pays(model, "tiny") is True
+    err = capsys.readouterr().err
+    assert "not packed" in err and "few-row numba kernel" in err
+    assert {m.kind for m in model.modules() if isinstance(m, PackedLinear)} == {"few-rows"}
+    model = _tiny_llama(torch.float32)
+    monkeypatch.setattr(pl, "few_rows_pays", lambda m, packed: False)
+    assert pl.pack_if_it_pays(model, "tiny") is False
+    assert "keep torch's kernels" in capsys.readouterr().err

@@ -1,0 +1,88 @@
+"""Measure SmolLM2-135M's float32 forwards of 1-16 tokens with each kind of linear product.
+
+Kinds: ``torch`` (the model as transformers loads it: MKL's products), ``packed``
+(oneDNN's, weights packed once), ``few-rows`` (products of at most 16 rows through the
+numba kernel ``rheoplan.kernels.linear.cpu``, the rest torch's) and ``packed few-rows``;
+the packed kinds only where this CPU can pack float32 weights. Each forward runs ``n``
+chain tokens after a ``--ctx``-token prompt and projects every row through the output
+matrix (as the walk projects a tree's nodes); the kinds take turns round by round, and
+the median of ``--rounds`` is printed per kind and ``n``, with the largest logit
+difference from ``torch``. docs/results.md, "Few-row products", quotes it.
+
+Usage:
+    python examples/measure_few_row_products.py [--rounds 7] [--ctx 150] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from rheoplan.models._hf_common import additive_mask, crop_cache
+from rheoplan.models.packed_linear import pack_linears, packing_available, unpack_linears
+from rheoplan.models.smollm import load_smollm2
+
+TOKENS = (1, 2, 4, 8, 16)
+KINDS = {"torch": None, "packed": (True, False), "few-rows": (False, True), "packed few-rows": (True, True)}
+
+
+def forward(model, cache, ctx: int, n: int) -> torch.Tensor:
+    """Logits ``[n, V]`` of ``n`` chain tokens after the ``ctx`` cached ones; the cache is
+    cropped back after."""
+    tok = torch.arange(n)[None] + 500
+    pos = torch.arange(ctx, ctx + n)[None]
+    allowed = torch.ones(n, ctx + n, dtype=torch.bool)
+    allowed[:, ctx:] = torch.ones(n, n, dtype=torch.bool).tril()
+    mask = None if n == 1 else additive_mask(allowed, torch.float32)
+    with torch.no_grad():
+        h = model.model(input_ids=tok, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                        use_cache=True).last_hidden_state
+        crop_cache(cache, ctx)
+        return model.lm_head(h[0])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--ctx", type=int, default=150)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    if a.rounds < 1 or a.ctx < 1 or a.threads < 1:
+        raise SystemExit(f"--rounds={a.rounds}, --ctx={a.ctx}, --threads={a.threads}: allowed >= 1 each")
+    torch.set_num_threads(a.threads)
+    from transformers import DynamicCache
+
+    model, _ = load_smollm2(torch.float32)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.model(input_ids=torch.arange(a.ctx)[None] + 100, past_key_values=cache, use_cache=True)
+    kinds = {k: v for k, v in KINDS.items() if v is None or not v[0] or packing_available(torch.float32, "cpu")}
+    ms = {(k, n): [] for k in kinds for n in TOKENS}
+    logits: dict[str, dict[int, torch.Tensor]] = {}
+    for r in range(a.rounds):
+        for k in list(kinds)[r % len(kinds):] + list(kinds)[:r % len(kinds)]:
+            unpack_linears(model)
+            if kinds[k] is not None:
+                pack_linears(model, onednn=kinds[k][0], few_rows=kinds[k][1])
+            for n in TOKENS:
+                forward(model, cache, a.ctx, n)  # warm
+                t0 = time.perf_counter()
+                out = forward(model, cache, a.ctx, n)
+                ms[(k, n)].append(1e3 * (time.perf_counter() - t0))
+                logits.setdefault(k, {})[n] = out
+    unpack_linears(model)
+    print(f"float32 forward + output projection, ms (median of {a.rounds}), {a.ctx} cached tokens, "
+          f"{a.threads} threads")
+    print("| kind | " + " | ".join(f"{n} tok" for n in TOKENS) + " | largest logit difference from torch |")
+    print("|---|" + "---|" * (len(TOKENS) + 1))
+    for k in kinds:
+        diff = max((logits[k][n] - logits["torch"][n]).abs().max().item() for n in TOKENS)
+        print(f"| {k} | " + " | ".join(f"{statistics.median(ms[(k, n)]):.1f}" for n in TOKENS) + f" | {diff:.2g} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

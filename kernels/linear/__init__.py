@@ -1,0 +1,1 @@
+"""Few-row linear products on the CPU: ``reference`` (torch's product), ``cpu`` (numba)."""

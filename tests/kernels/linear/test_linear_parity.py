@@ -1,0 +1,78 @@
+"""The few-row numba product (``kernels/linear/cpu.py``) against torch's (``reference``):
+equal up to float32 rounding for every shape SmolLM2-135M and its head use, a row's
+result the same bits whatever the rows beside it and the thread count, torch's product
+where the kernel does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rheoplan.kernels.linear import cpu, reference
+
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (8192, 576), (576, 1728), (7, 5), (1, 3), (6, 9)]
+
+
+@pytest.mark.parametrize("out_f,in_f", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_equals_torchs_product_up_to_rounding(out_f, in_f, rows, bias):
+    g = torch.Generator().manual_seed(out_f * 31 + in_f + rows)
+    w = torch.randn(out_f, in_f, generator=g)
+    b = torch.randn(out_f, generator=g) if bias else None
+    x = torch.randn(rows, in_f, generator=g)
+    assert cpu.supported(x, w)
+    got, want = cpu.linear(x, w, b), reference.linear(x, w, b)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    # float32 sums of in_f products in another order: relative to the sum of |terms|
+    scale = (x.abs() @ w.abs().T) + (0 if b is None else b.abs())
+    assert ((got - want).abs() <= 1e-5 * scale + 1e-6).all()
+
+
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1539, 576, generator=g)
+    x = torch.randn(16, 576, generator=g)
+    every = cpu.linear(x, w)
+    for i in (0, 5, 15):
+        assert torch.equal(cpu.linear(x[i:i + 1], w), every[i:i + 1])
+    assert torch.equal(cpu.linear(x[3:12], w), every[3:12])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu.linear(x, w), every)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_leading_dims_and_strided_inputs():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 40, generator=g)
+    x = torch.randn(2, 3, 80, generator=g)[..., ::2]  # not contiguous
+    got = cpu.linear(x, w)
+    assert got.shape == (2, 3, 64)
+    torch.testing.assert_close(got, reference.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu.linear(x, w.T.contiguous().T), got, rtol=0, atol=0)  # a transposed weight
+
+
+def test_nan_and_infinity_propagate_as_in_torch():
+    w = torch.ones(8, 4)
+    x = torch.tensor([[1.0, float("nan"), 0.0, 0.0], [float("inf"), 1.0, 0.0, 0.0]])
+    got = cpu.linear(x, w)
+    assert got[0].isnan().all() and (got[1] == float("inf")).all()
+
+
+def test_where_the_kernel_does_not_apply_torch_computes():
+    w = torch.randn(8, 4)
+    many = torch.randn(cpu.MAX_ROWS + 1, 4)
+    assert not cpu.supported(many, w)
+    assert torch.equal(cpu.linear(many, w), reference.linear(many, w))
+    assert not cpu.supported(many[:2].double(), w.double())
+    assert not cpu.supported(many[:2].bfloat16(), w.bfloat16())
+    wg = w.clone().requires_grad_(True)
+    assert not cpu.supported(many[:2], wg)  # autograd keeps torch's product
+    y = cpu.linear(many[:2], wg)
+    y.sum().backward()
+    assert wg.grad is not None
+    with pytest.raises(ValueError, match="features"):
+        cpu.linear(torch.randn(2, 5), w)
