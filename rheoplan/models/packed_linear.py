@@ -235,10 +235,10 @@ def few_rows_pays(model: torch.nn.Module, packed: bool, rows: tuple[int, ...] = 
     ``packing_decision``'s rule, None when the kernel does not serve this model's dtype.
 
     Every matrix in turn, as a forward reads them, not the largest one again and again:
-    from the caches one matrix favoured torch's one-row product (129 against 111 us for
-    1536 x 576 on the AVX2-only AMD EPYC) while a forward's products, whose weights come
-    from memory, ran faster through the kernel (a 1-token forward 45 against 57 ms). About
-    a second for SmolLM2-135M's 211 matrices."""
+    timed on the largest matrix alone, hot in the caches, the rule once decided against
+    the kernel on the AVX2-only AMD EPYC (one-row timings there are close: 111 against
+    129 us for 1536 x 576 in a later check) while a forward's products, whose weights come
+    from memory, ran faster through it (a 1-token forward 45 against 57 ms)."""
     lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
     if not lins or not few_rows_available(lins[0].weight.dtype, lins[0].weight.device):
         return None
