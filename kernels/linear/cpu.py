@@ -21,6 +21,8 @@ propagate as in torch's product.
 
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 import torch
@@ -31,6 +33,13 @@ from numba import njit, prange
 MAX_ROWS = 16
 
 _FAST = {"reassoc", "contract"}
+
+# numba's ``workqueue`` threading layer (where neither OpenMP nor TBB is found) aborts the
+# process when two Python threads launch parallel kernels at once (a server decoding in
+# threads would): there the calls take turns. Which layer numba uses is known only after
+# its first parallel launch, so the first call takes the lock too.
+_LOCK = threading.Lock()
+_one_at_a_time = [True]
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
@@ -91,7 +100,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)  # the same share of the cores as torch's products
-    _rows_times_weight(x2.detach().numpy(), w.numpy(), out.numpy())
+    args = (x2.detach().numpy(), w.numpy(), out.numpy())
+    if _one_at_a_time[0]:
+        with _LOCK:
+            _rows_times_weight(*args)
+            _one_at_a_time[0] = numba.threading_layer() == "workqueue"
+    else:
+        _rows_times_weight(*args)
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], w.shape[0])

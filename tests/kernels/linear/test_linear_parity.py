@@ -76,3 +76,44 @@ def test_where_the_kernel_does_not_apply_torch_computes():
     assert wg.grad is not None
     with pytest.raises(ValueError, match="features"):
         cpu.linear(torch.randn(2, 5), w)
+
+
+
+THREADED = """
+import threading, torch
+from rheoplan.kernels.linear import cpu
+g = torch.Generator().manual_seed(2)
+w = torch.randn(1536, 576, generator=g)
+xs = [torch.randn(r, 576, generator=g) for r in range(1, 9)]
+want = [torch.nn.functional.linear(x, w) for x in xs]
+bad = []
+def work(i):
+    for _ in range(30):
+        y = cpu.linear(xs[i], w)
+        if y.shape != want[i].shape or not torch.allclose(y, want[i], rtol=1e-4, atol=1e-3):
+            bad.append(i)
+ts = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+[t.start() for t in ts]
+[t.join() for t in ts]
+import numba
+print("ok", numba.threading_layer(), sorted(set(bad)))
+"""
+
+
+@pytest.mark.parametrize("layer", ["workqueue", "default"])
+def test_threads_calling_at_once_get_their_own_results(layer):
+    """Python threads calling the kernel at once (a server decoding in threads): each gets
+    the product of its own operands, also under numba's ``workqueue`` layer, which aborts
+    the process on concurrent parallel launches unless the calls take turns."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    if layer == "workqueue":
+        env["NUMBA_THREADING_LAYER"] = "workqueue"
+    r = subprocess.run([sys.executable, "-c", THREADED], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[0] == "ok" and r.stdout.strip().endswith("[]"), r.stdout
+    if layer == "workqueue":
+        assert r.stdout.split()[1] == "workqueue"
