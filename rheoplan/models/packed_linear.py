@@ -51,6 +51,7 @@ from contextlib import contextmanager
 
 import torch
 
+from rheoplan.costmodel import cache_key, cache_read, cache_write, remeasure_requested
 from rheoplan.kernels.linear import cpu as few_row_kernel
 
 #: the dtypes whose linear weights ``pack_linears`` packs
@@ -262,11 +263,34 @@ def packing_decision(times: list[tuple[float, float]]) -> bool:
             and all(p <= PACKING_SLACK * e for p, e in times))
 
 
+#: ``few_rows_decision``'s cache file (under ``rheoplan.costmodel.cache_dir()``)
+FEW_ROWS_CACHE = "few_rows.json"
+
+
+def few_rows_decision(model: torch.nn.Module, packed: bool) -> bool | None:
+    """``few_rows_pays``, cached per machine, torch version, thread count and the model's
+    matrices (their count and shapes; the dtype is float32 wherever it applies): timing
+    every matrix took 3-6 s for SmolLM2-135M on the AVX2-only AMD EPYC, at every load.
+    ``RHEOPLAN_REMEASURE=1`` measures again."""
+    lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    if not lins or not few_rows_available(lins[0].weight.dtype, lins[0].weight.device):
+        return None
+    shapes = sorted({tuple(m.weight.shape) for m in lins})
+    key = cache_key("few_rows", f"{len(lins)} matrices {shapes}", lins[0].weight.device, packed=packed)
+    rec = None if remeasure_requested() else cache_read(FEW_ROWS_CACHE, key)
+    if rec is not None and isinstance(rec.get("pays"), bool):
+        return rec["pays"]
+    pays = few_rows_pays(model, packed=packed)
+    if pays is not None:
+        cache_write(FEW_ROWS_CACHE, key, {"pays": pays})
+    return pays
+
+
 def pack_where_it_pays(model: torch.nn.Module) -> tuple[int, bool | None, bool | None]:
-    """Measure (``packing_pays``, then ``few_rows_pays``) and pack ``model``'s linears so;
+    """Measure (``packing_pays``, then ``few_rows_decision``) and pack ``model``'s linears so;
     returns ``(linears replaced, packing pays, few rows pay)`` (None: not available)."""
     onednn = packing_pays(model)
-    few = few_rows_pays(model, packed=bool(onednn))
+    few = few_rows_decision(model, packed=bool(onednn))
     n = pack_linears(model, onednn=bool(onednn), few_rows=bool(few)) if (onednn or few) else 0
     return n, onednn, few
 

@@ -208,6 +208,8 @@ def test_bfloat16_models_get_no_few_row_kernel():
 def test_pack_if_it_pays_reports_both_decisions(monkeypatch, capsys):
     import rheoplan.models.packed_linear as pl
 
+    monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")  # each case measures (here: the patched rule)
+
     model = _tiny_llama(torch.float32)
     monkeypatch.setattr(pl, "packing_pays", lambda m: False)
     monkeypatch.setattr(pl, "few_rows_pays", lambda m, packed: True)
@@ -219,3 +221,22 @@ def test_pack_if_it_pays_reports_both_decisions(monkeypatch, capsys):
     monkeypatch.setattr(pl, "few_rows_pays", lambda m, packed: False)
     assert pl.pack_if_it_pays(model, "tiny") is False
     assert "keep torch's kernels" in capsys.readouterr().err
+
+
+def test_the_few_row_decision_is_cached_per_machine_and_matrices(monkeypatch, tmp_path):
+    import rheoplan.models.packed_linear as pl
+
+    monkeypatch.setenv("RHEOPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("RHEOPLAN_REMEASURE", raising=False)
+    calls = []
+    monkeypatch.setattr(pl, "few_rows_pays", lambda m, packed: calls.append(packed) or True)
+    model = _tiny_llama(torch.float32)
+    assert pl.few_rows_decision(model, packed=False) is True
+    assert pl.few_rows_decision(model, packed=False) is True and calls == [False]  # read back
+    assert (tmp_path / pl.FEW_ROWS_CACHE).exists()
+    pl.few_rows_decision(model, packed=True)  # another key
+    assert calls == [False, True]
+    monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")
+    pl.few_rows_decision(model, packed=False)
+    assert calls == [False, True, False]
+    assert pl.few_rows_decision(_tiny_llama(), packed=False) is None  # bfloat16: not served
