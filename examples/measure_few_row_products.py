@@ -25,7 +25,7 @@ from rheoplan.models._hf_common import additive_mask, crop_cache
 from rheoplan.models.packed_linear import pack_linears, packing_available, unpack_linears
 from rheoplan.models.smollm import load_smollm2
 
-TOKENS = (1, 2, 4, 8, 16)
+TOKENS = (1, 2, 4, 8, 16, 32)
 KINDS = {"torch": None, "packed": (True, False), "few-rows": (False, True), "packed few-rows": (True, True)}
 
 

@@ -27,7 +27,7 @@ from rheoplan.costmodel import PRIORS_FILE, Calibration, CostModel, load_priors
 from rheoplan.models.eagle3 import load_eagle3_checkpoint
 from rheoplan.models.early_exit import early_exit_draft
 from rheoplan.models.gqa_attention import one_query_note
-from rheoplan.models.packed_linear import PackedLinear, pack_if_it_pays
+from rheoplan.models.packed_linear import PackedLinear, few_row_kernel, pack_if_it_pays
 from rheoplan.models.smollm import GGUF_FILE, load_smollm2, resolve_dtype
 from rheoplan.probe import choose_dtype, choose_head_dtype, measure_timings
 
@@ -157,10 +157,12 @@ def load_head(path, model, draft_dtype: str = "auto"):
 def speed_tag(model) -> str:
     """What, beyond its dtype, changes a model's latencies: ``' packed'`` when its linear
     weights are packed, ``' few-rows'`` or ``' packed few-rows'`` when its few-row products
-    run the numba kernel (``pack_if_it_pays``), else ``''``. Part of the latency caches' keys."""
+    run the numba kernel (``pack_if_it_pays``; with the kernel's version), else ``''``. Part
+    of the latency caches' keys."""
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
     kinds = sorted({m.kind for m in modules if isinstance(m, PackedLinear)})
-    return "".join(f" {k}" for k in kinds)
+    few = any("few-rows" in k for k in kinds)
+    return "".join(f" {k}" for k in kinds) + (f" ({few_row_kernel.VERSION})" if few else "")
 
 
 def auto_tree(tree: TreeConfig, depth, budget) -> TreeConfig:

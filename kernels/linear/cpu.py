@@ -1,13 +1,14 @@
 """numba CPU path of the few-row linear product (same signature as ``reference.linear``).
 
-Why: at decode time a target forward multiplies 1 to 16 rows by each weight matrix. On a
+Why: at decode time a target forward multiplies 1 to 32 rows by each weight matrix. On a
 2-core AVX2-only AMD EPYC (no AVX-512), torch's float32 products (MKL's, and oneDNN's
 packed ones alike) cost twice as much for 2 rows as for 1: the 1536 x 576 MLP matrix took
 93 / 228 / 256 us at 1 / 2 / 4 rows, and a SmolLM2-135M forward of 2 tokens 88 ms against
 57 for one, so every drafted node was dear. This kernel reads each weight row once for
-all input rows, splits the output columns over the threads, and took 53 / 54 / 83 us
-(forwards of 1 / 2 / 4 / 8 tokens 45 / 49 / 56 / 69 ms against 57 / 88 / 91 / 107;
-docs/results.md, "Few-row products"). Whether it pays is measured on the model
+all input rows (two input rows per pass over it), splits the output columns over the
+threads, and runs a forward's matrices in 22 / 23 / 28 / 36 / 47 / 58 ms at 1 / 2 / 4 / 8 /
+16 / 32 rows, against torch's 49 at 8 rows and 76 at 32 (docs/results.md, "Few-row
+products"). Whether it pays is measured on the model
 (``rheoplan.models.packed_linear.few_rows_pays``), not read from CPU flags.
 
 Rounding: each output is one dot product summed in a fixed order (the vectorised
@@ -16,8 +17,7 @@ number of threads, so a token's product does not depend on the rows beside it (a
 tree forward and a 1-token step agree bit for bit in these products, which torch's do
 not promise). Against torch's product it differs by float32 rounding (about 1e-6
 relative). Only ``reassoc`` and ``contract`` (FMA) are allowed: NaN and infinities
-propagate as in torch's product.
-"""
+propagate as in torch's product."""
 
 from __future__ import annotations
 
@@ -29,8 +29,14 @@ import torch
 from numba import njit, prange
 
 #: rows up to which ``linear`` runs the kernel; more rows (a prompt's prefill) go to torch,
-#: whose blocked products win there
-MAX_ROWS = 16
+#: whose blocked products win there (on the AVX2-only AMD EPYC, a forward's matrices took
+#: 58 ms through the kernel against torch's 76 at 32 rows, 88 against 107 at 48, tied at 64)
+MAX_ROWS = 32
+
+#: this kernel's blocking, part of the keys of the caches that hold timings made with it
+#: (``rheoplan.loading.speed_tag``, the dtype probes): a record timed with another version
+#: of the kernel is measured again
+VERSION = f"rows in pairs, at most {MAX_ROWS}"
 
 _FAST = {"reassoc", "contract"}
 
@@ -45,28 +51,50 @@ _one_at_a_time = [True]
 @njit(parallel=True, fastmath=_FAST, cache=True)
 def _rows_times_weight(x, w, out):
     """``out[i, j] = sum_k x[i, k] * w[j, k]`` for float32 ``x [r, K]``, ``w [N, K]`` (both
-    C-contiguous); four weight rows per block so each weight row is read once for all ``r``."""
+    C-contiguous). Blocks of four weight rows (each read once for all ``r`` rows), input rows
+    two at a time: eight accumulators, so each weight element loaded serves two rows (at 8
+    and 16 rows the products took 36 / 47 ms per forward's matrices against 42 / 63 one row at
+    a time). An odd last row is paired with itself: every row goes through the same loop,
+    so its sums are the same bits whatever rows are beside it (tests/kernels/linear)."""
     r, k_len = x.shape
     n = w.shape[0]
     blocks = (n + 3) // 4
     for jb in prange(blocks):
         j = jb * 4
         if j + 4 <= n:
-            for i in range(r):
+            for i in range(0, r, 2):
+                i1 = i + 1 if i + 1 < r else i
                 a0 = np.float32(0.0)
                 a1 = np.float32(0.0)
                 a2 = np.float32(0.0)
                 a3 = np.float32(0.0)
+                b0 = np.float32(0.0)
+                b1 = np.float32(0.0)
+                b2 = np.float32(0.0)
+                b3 = np.float32(0.0)
                 for k in range(k_len):
-                    v = x[i, k]
-                    a0 += v * w[j, k]
-                    a1 += v * w[j + 1, k]
-                    a2 += v * w[j + 2, k]
-                    a3 += v * w[j + 3, k]
+                    u = x[i, k]
+                    v = x[i1, k]
+                    w0 = w[j, k]
+                    w1 = w[j + 1, k]
+                    w2 = w[j + 2, k]
+                    w3 = w[j + 3, k]
+                    a0 += u * w0
+                    a1 += u * w1
+                    a2 += u * w2
+                    a3 += u * w3
+                    b0 += v * w0
+                    b1 += v * w1
+                    b2 += v * w2
+                    b3 += v * w3
                 out[i, j] = a0
                 out[i, j + 1] = a1
                 out[i, j + 2] = a2
                 out[i, j + 3] = a3
+                out[i1, j] = b0
+                out[i1, j + 1] = b1
+                out[i1, j + 2] = b2
+                out[i1, j + 3] = b3
         else:  # the last 1-3 weight rows
             for jj in range(j, n):
                 for i in range(r):
@@ -92,21 +120,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.nn.functional.linear(x, weight, bias)
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
     w = weight.detach()
     if not w.is_contiguous():
         w = w.contiguous()
-    out = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)  # the same share of the cores as torch's products
-    args = (x2.detach().numpy(), w.numpy(), out.numpy())
-    if _one_at_a_time[0]:
-        with _LOCK:
-            _rows_times_weight(*args)
-            _one_at_a_time[0] = numba.threading_layer() == "workqueue"
-    else:
-        _rows_times_weight(*args)
+    out = rows_times(x.detach().reshape(-1, x.shape[-1]), w.numpy())
     if bias is not None:
         out += bias
-    return out.reshape(*x.shape[:-1], w.shape[0])
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+# the thread count numba was last set to, per Python thread (numba's setting is per thread)
+_threads = threading.local()
+
+
+def rows_times(x2: torch.Tensor, w: np.ndarray) -> torch.Tensor:
+    """``x2 [r, K] @ w.T`` for float32 ``x2`` on the CPU (1 <= r <= ``MAX_ROWS``, no
+    autograd) and ``w`` a C-contiguous float32 ``[N, K]`` array, without ``linear``'s checks:
+    the hot path of ``PackedLinear``, which checks once per call what ``linear`` checks
+    (about 20 us of checks and conversions per call were 4 of a 45 ms forward's ms)."""
+    out = np.empty((x2.shape[0], w.shape[0]), np.float32)
+    threads = torch.get_num_threads()
+    if getattr(_threads, "n", 0) != threads:  # the same share of the cores as torch's products
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        _threads.n = threads
+    xn = x2.contiguous().numpy()
+    if _one_at_a_time[0]:
+        with _LOCK:
+            _rows_times_weight(xn, w, out)
+            _one_at_a_time[0] = numba.threading_layer() == "workqueue"
+    else:
+        _rows_times_weight(xn, w, out)
+    return torch.from_numpy(out)

@@ -98,19 +98,35 @@ class PackedLinear(torch.nn.Module):
         self.bias = linear.bias
         self.onednn, self.few_rows = onednn, few_rows
         self._packed = None
+        self._rows_w = None  # the weight as the few-row kernel reads it (a numpy view, no copy)
         self.repack()
 
     def repack(self) -> None:
-        """Pack the current weight again (after the weights were changed in place)."""
-        if self.onednn:
-            with torch.no_grad():
+        """Pack the current weight again (after the weights were changed in place or
+        replaced)."""
+        with torch.no_grad():
+            if self.onednn:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+            if self.few_rows:
+                # a view of the parameter, so in-place changes reach the kernel; a copy only
+                # where the weight is not contiguous (then ``repack`` after changing it)
+                self._rows_w = self.weight.detach().contiguous().numpy()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.training and torch.is_grad_enabled()) or x.dtype != self.weight.dtype:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        if self.few_rows and few_row_kernel.supported(x, self.weight):
-            return few_row_kernel.linear(x, self.weight, self.bias)
+        if self._rows_w is not None:
+            # the few-row kernel's conditions (``few_row_kernel.supported``), checked here once
+            # per call: this runs 211 times per forward
+            shape = x.shape
+            rows = x.numel() // self.in_features
+            if (0 < rows <= few_row_kernel.MAX_ROWS and shape[-1] == self.in_features
+                    and x.device.type == "cpu"
+                    and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+                y = few_row_kernel.rows_times(x.reshape(rows, self.in_features), self._rows_w)
+                if self.bias is not None:
+                    y += self.bias
+                return y.view(*shape[:-1], self.out_features)
         if self._packed is None:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -225,7 +241,7 @@ def packing_pays(model: torch.nn.Module, rows: tuple[int, ...] = (1, 16), reps: 
 
 
 #: ``few_rows_pays``' row counts: a one-token step, a small and a large tree forward
-FEW_ROWS_TIMED = (1, 2, 4, 8)
+FEW_ROWS_TIMED = (1, 2, 4, 8, 32)
 
 
 def few_rows_pays(model: torch.nn.Module, packed: bool, rows: tuple[int, ...] = FEW_ROWS_TIMED,
@@ -276,7 +292,8 @@ def few_rows_decision(model: torch.nn.Module, packed: bool) -> bool | None:
     if not lins or not few_rows_available(lins[0].weight.dtype, lins[0].weight.device):
         return None
     shapes = sorted({tuple(m.weight.shape) for m in lins})
-    key = cache_key("few_rows", f"{len(lins)} matrices {shapes}", lins[0].weight.device, packed=packed)
+    key = cache_key("few_rows", f"{len(lins)} matrices {shapes}", lins[0].weight.device, packed=packed,
+                    kernel=few_row_kernel.VERSION)
     rec = None if remeasure_requested() else cache_read(FEW_ROWS_CACHE, key)
     if rec is not None and isinstance(rec.get("pays"), bool):
         return rec["pays"]

@@ -240,3 +240,44 @@ def test_the_few_row_decision_is_cached_per_machine_and_matrices(monkeypatch, tm
     pl.few_rows_decision(model, packed=False)
     assert calls == [False, True, False]
     assert pl.few_rows_decision(_tiny_llama(), packed=False) is None  # bfloat16: not served
+
+
+def test_the_few_row_path_sees_in_place_weight_changes_and_checks_its_input():
+    """``PackedLinear``'s few-row path reads the parameter through a numpy view (no copy):
+    a weight changed in place is the weight multiplied; a wrong feature count is torch's
+    error, not a read past the weight; autograd and long inputs take torch's product."""
+    from rheoplan.kernels.linear import cpu as kernel
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 5)
+    pk = PackedLinear(lin, onednn=False, few_rows=True)
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        assert_same_up_to_rounding(pk(x), lin(x), "a [2, 3, 8] input")
+        lin.weight.mul_(2.0)  # in place: the kernel's view sees it
+        assert_same_up_to_rounding(pk(x), lin(x), "after an in-place change")
+        with pytest.raises(RuntimeError):
+            pk(torch.randn(4, 6))  # 24 numbers: 3 rows of 8, were the feature count not checked
+        many = torch.randn(kernel.MAX_ROWS + 1, 8)
+        assert torch.equal(pk(many), lin(many))  # torch's product beyond MAX_ROWS
+    y = pk(x.requires_grad_())  # autograd on: torch's product, gradients flow
+    y.sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+
+
+def test_records_timed_with_another_kernel_version_are_measured_again(monkeypatch, tmp_path):
+    import rheoplan.models.packed_linear as pl
+
+    monkeypatch.setenv("RHEOPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("RHEOPLAN_REMEASURE", raising=False)
+    calls = []
+    monkeypatch.setattr(pl, "few_rows_pays", lambda m, packed: calls.append(packed) or True)
+    model = _tiny_llama(torch.float32)
+    pl.few_rows_decision(model, packed=False)
+    monkeypatch.setattr(pl.few_row_kernel, "VERSION", "another blocking")
+    pl.few_rows_decision(model, packed=False)
+    assert calls == [False, False]
+    from rheoplan.loading import speed_tag
+
+    pack_linears(model, onednn=False, few_rows=True)
+    assert speed_tag(model) == " few-rows (another blocking)"
