@@ -1,4 +1,4 @@
-"""Measure SmolLM2-135M's float32 forwards of 1-16 tokens with each kind of linear product.
+"""Measure SmolLM2-135M's float32 forwards of 1-32 tokens with each kind of linear product.
 
 Kinds: ``torch`` (the model as transformers loads it: MKL's products), ``packed``
 (oneDNN's, weights packed once), ``few-rows`` (products of at most 16 rows through the
@@ -9,8 +9,13 @@ matrix (as the walk projects a tree's nodes); the kinds take turns round by roun
 the median of ``--rounds`` is printed per kind and ``n``, with the largest logit
 difference from ``torch``. docs/results.md, "Few-row products", quotes it.
 
+``--products`` times instead the model's matrices alone, one product through each in turn
+(as a forward reads them, the output projection left out) at 1-64 rows: the kernel (past
+its ``MAX_ROWS`` too), torch's product and oneDNN's packed one; where torch overtakes the
+kernel is where ``MAX_ROWS`` belongs on this machine.
+
 Usage:
-    python examples/measure_few_row_products.py [--rounds 7] [--ctx 150] [--threads 2]
+    python examples/measure_few_row_products.py [--rounds 7] [--ctx 150] [--threads 2] [--products]
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ import time
 
 import torch
 
-from rheoplan.models._hf_common import additive_mask, crop_cache
-from rheoplan.models.packed_linear import pack_linears, packing_available, unpack_linears
+from rheoplan.models._hf_common import _cache_kwarg, additive_mask, crop_cache
+from rheoplan.models.packed_linear import few_row_kernel, pack_linears, packing_available, unpack_linears
 from rheoplan.models.smollm import load_smollm2
 
 TOKENS = (1, 2, 4, 8, 16, 32)
@@ -38,8 +43,8 @@ def forward(model, cache, ctx: int, n: int) -> torch.Tensor:
     allowed[:, ctx:] = torch.ones(n, n, dtype=torch.bool).tril()
     mask = None if n == 1 else additive_mask(allowed, torch.float32)
     with torch.no_grad():
-        h = model.model(input_ids=tok, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                        use_cache=True).last_hidden_state
+        h = model.model(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True,
+                        **{_cache_kwarg(model.model): cache}).last_hidden_state
         crop_cache(cache, ctx)
         return model.lm_head(h[0])
 
@@ -49,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ctx", type=int, default=150)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--products", action="store_true", help="time the matrices alone (see the module doc)")
     a = ap.parse_args(argv)
     if a.rounds < 1 or a.ctx < 1 or a.threads < 1:
         raise SystemExit(f"--rounds={a.rounds}, --ctx={a.ctx}, --threads={a.threads}: allowed >= 1 each")
@@ -56,9 +62,11 @@ def main(argv=None) -> int:
     from transformers import DynamicCache
 
     model, _ = load_smollm2(torch.float32)
+    if a.products:
+        return time_products(model, a.rounds)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model.model(input_ids=torch.arange(a.ctx)[None] + 100, past_key_values=cache, use_cache=True)
+        model.model(input_ids=torch.arange(a.ctx)[None] + 100, use_cache=True, **{_cache_kwarg(model.model): cache})
     kinds = {k: v for k, v in KINDS.items() if v is None or not v[0] or packing_available(torch.float32, "cpu")}
     ms = {(k, n): [] for k in kinds for n in TOKENS}
     logits: dict[str, dict[int, torch.Tensor]] = {}
@@ -81,6 +89,38 @@ def main(argv=None) -> int:
     for k in kinds:
         diff = max((logits[k][n] - logits["torch"][n]).abs().max().item() for n in TOKENS)
         print(f"| {k} | " + " | ".join(f"{statistics.median(ms[(k, n)]):.1f}" for n in TOKENS) + f" | {diff:.2g} |")
+    return 0
+
+
+PRODUCT_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
+
+
+def time_products(model, rounds: int) -> int:
+    """``--products``: ms per pass over the body's matrices, each kind at each row count."""
+    body = [m for m in model.model.modules() if type(m) is torch.nn.Linear]
+    weights = [m.weight.detach() for m in body]
+    arrays = [w.numpy() for w in weights]
+    kinds = {"few-row kernel": lambda x, i: few_row_kernel.rows_times(x, arrays[i]),
+             "torch": lambda x, i: torch.nn.functional.linear(x, weights[i])}
+    if packing_available(torch.float32, "cpu"):
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+        kinds["packed"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
+    ms = {(k, n): [] for k in kinds for n in PRODUCT_ROWS}
+    with torch.no_grad():
+        for r in range(rounds):
+            for n in PRODUCT_ROWS:
+                xs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
+                for k in list(kinds)[r % len(kinds):] + list(kinds)[:r % len(kinds)]:
+                    t0 = time.perf_counter()
+                    for i, w in enumerate(weights):
+                        kinds[k](xs[w.shape[1]], i)
+                    ms[(k, n)].append(1e3 * (time.perf_counter() - t0))
+    print(f"{len(body)} matrices of the decoder stack, one product each in turn, ms (median of {rounds}); "
+          f"the kernel serves up to MAX_ROWS = {few_row_kernel.MAX_ROWS} rows in a decode")
+    print("| kind | " + " | ".join(f"{n} rows" for n in PRODUCT_ROWS) + " |")
+    print("|---|" + "---|" * len(PRODUCT_ROWS))
+    for k in kinds:
+        print(f"| {k} | " + " | ".join(f"{statistics.median(ms[(k, n)]):.1f}" for n in PRODUCT_ROWS) + " |")
     return 0
 
 

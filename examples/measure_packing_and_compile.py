@@ -27,7 +27,7 @@ import time
 import torch
 
 from rheoplan.bench.kernels import _time_cpu
-from rheoplan.models._hf_common import additive_mask, crop_cache
+from rheoplan.models._hf_common import _cache_kwarg, additive_mask, crop_cache
 from rheoplan.models.packed_linear import pack_linears, packing_available, unpack_linears
 from rheoplan.models.smollm import load_smollm2
 
@@ -47,7 +47,7 @@ def dynamic_forward(model, n: int):
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model.model(input_ids=torch.arange(CTX)[None] + 100, past_key_values=cache, use_cache=True)
+        model.model(input_ids=torch.arange(CTX)[None] + 100, use_cache=True, **{_cache_kwarg(model.model): cache})
     tok = torch.arange(n)[None] + 500
     pos = torch.arange(CTX, CTX + n)[None]
     allowed = torch.ones(n, CTX + n, dtype=torch.bool)
@@ -56,8 +56,8 @@ def dynamic_forward(model, n: int):
 
     def run():
         with torch.no_grad():
-            h = model.model(input_ids=tok, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                            use_cache=True).last_hidden_state
+            h = model.model(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True,
+                            **{_cache_kwarg(model.model): cache}).last_hidden_state
             crop_cache(cache, CTX)
             return model.lm_head(h)
     return run
@@ -72,7 +72,7 @@ def static_compiled_forward(model, n: int):
     ic.freezing = True
     cache = StaticCache(config=model.config, max_cache_len=STATIC_LEN)
     with torch.no_grad():
-        model.model(input_ids=torch.arange(CTX)[None] + 100, past_key_values=cache, use_cache=True)
+        model.model(input_ids=torch.arange(CTX)[None] + 100, use_cache=True, **{_cache_kwarg(model.model): cache})
     tok = torch.arange(n)[None] + 500
     pos = torch.arange(CTX, CTX + n)[None]
     allowed = torch.zeros(n, STATIC_LEN, dtype=torch.bool)
@@ -85,8 +85,8 @@ def static_compiled_forward(model, n: int):
         for layer in cache.layers:  # write the block at column CTX again (nothing committed)
             layer.cumulative_length.fill_(CTX)
         with torch.no_grad():
-            h = base(input_ids=tok, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                     use_cache=True).last_hidden_state
+            h = base(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True,
+                     **{_cache_kwarg(model.model): cache}).last_hidden_state
             return model.lm_head(h)
     t0 = time.perf_counter()
     run()
