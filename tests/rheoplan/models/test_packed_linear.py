@@ -223,14 +223,20 @@ def test_pack_if_it_pays_reports_both_decisions(monkeypatch, capsys):
     assert "keep torch's kernels" in capsys.readouterr().err
 
 
-def test_the_few_row_decision_is_cached_per_machine_and_matrices(monkeypatch, tmp_path):
+def _counted_few_row_decisions(monkeypatch, tmp_path):
+    """A fresh cache in ``tmp_path``, ``few_rows_pays`` replaced by one that records its
+    ``packed`` argument and says yes: ``(the module, the record, a float32 tiny model)``."""
     import rheoplan.models.packed_linear as pl
 
     monkeypatch.setenv("RHEOPLAN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("RHEOPLAN_REMEASURE", raising=False)
     calls = []
     monkeypatch.setattr(pl, "few_rows_pays", lambda m, packed: calls.append(packed) or True)
-    model = _tiny_llama(torch.float32)
+    return pl, calls, _tiny_llama(torch.float32)
+
+
+def test_the_few_row_decision_is_cached_per_machine_and_matrices(monkeypatch, tmp_path):
+    pl, calls, model = _counted_few_row_decisions(monkeypatch, tmp_path)
     assert pl.few_rows_decision(model, packed=False) is True
     assert pl.few_rows_decision(model, packed=False) is True and calls == [False]  # read back
     assert (tmp_path / pl.FEW_ROWS_CACHE).exists()
@@ -266,13 +272,7 @@ def test_the_few_row_path_sees_in_place_weight_changes_and_checks_its_input():
 
 
 def test_records_timed_with_another_kernel_version_are_measured_again(monkeypatch, tmp_path):
-    import rheoplan.models.packed_linear as pl
-
-    monkeypatch.setenv("RHEOPLAN_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("RHEOPLAN_REMEASURE", raising=False)
-    calls = []
-    monkeypatch.setattr(pl, "few_rows_pays", lambda m, packed: calls.append(packed) or True)
-    model = _tiny_llama(torch.float32)
+    pl, calls, model = _counted_few_row_decisions(monkeypatch, tmp_path)
     pl.few_rows_decision(model, packed=False)
     monkeypatch.setattr(pl.few_row_kernel, "VERSION", "another blocking")
     pl.few_rows_decision(model, packed=False)
