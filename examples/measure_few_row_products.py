@@ -1,7 +1,7 @@
 """Measure SmolLM2-135M's float32 forwards of 1-32 tokens with each kind of linear product.
 
 Kinds: ``torch`` (the model as transformers loads it: MKL's products), ``packed``
-(oneDNN's, weights packed once), ``few-rows`` (products of at most 16 rows through the
+(oneDNN's, weights packed once), ``few-rows`` (products of at most 32 rows through the
 numba kernel ``rheoplan.kernels.linear.cpu``, the rest torch's) and ``packed few-rows``;
 the packed kinds only where this CPU can pack float32 weights. Each forward runs ``n``
 chain tokens after a ``--ctx``-token prompt and projects every row through the output

@@ -240,8 +240,9 @@ def packing_pays(model: torch.nn.Module, rows: tuple[int, ...] = (1, 16), reps: 
     return packing_decision(_time_pairs([lin], _in_turn([PackedLinear(lin)]), _in_turn([lin]), rows, reps))
 
 
-#: ``few_rows_pays``' row counts: a one-token step, a small and a large tree forward
-FEW_ROWS_TIMED = (1, 2, 4, 8, 32)
+#: ``few_rows_pays``' row counts: a one-token step, small and large tree forwards, and the
+#: most rows the kernel serves (``MAX_ROWS``)
+FEW_ROWS_TIMED = (1, 2, 4, 8, few_row_kernel.MAX_ROWS)
 
 
 def few_rows_pays(model: torch.nn.Module, packed: bool, rows: tuple[int, ...] = FEW_ROWS_TIMED,
