@@ -5,10 +5,10 @@ Why: at decode time a target forward multiplies 1 to 32 rows by each weight matr
 packed ones alike) cost twice as much for 2 rows as for 1: the 1536 x 576 MLP matrix took
 93 / 228 / 256 us at 1 / 2 / 4 rows, and a SmolLM2-135M forward of 2 tokens 88 ms against
 57 for one, so every drafted node was dear. This kernel reads each weight row once for
-all input rows (two input rows per pass over it), splits the output columns over the
-threads, and runs a forward's matrices in 22 / 23 / 28 / 36 / 47 / 58 ms at 1 / 2 / 4 / 8 /
-16 / 32 rows, against torch's 49 at 8 rows and 76 at 32 (docs/results.md, "Few-row
-products"). Whether it pays is measured on the model
+all input rows (two input rows per pass over it) and splits the output columns over the
+threads: the decoder stack's 210 matrices, one product each, took 29 / 37 / 58 ms at 8 /
+16 / 32 rows against torch's 49 / 59 / 76 (docs/results.md, "Few-row products" and its
+second round). Whether it pays is measured on the model
 (``rheoplan.models.packed_linear.few_rows_pays``), not read from CPU flags.
 
 Rounding: each output is one dot product summed in a fixed order (the vectorised
@@ -53,8 +53,8 @@ def _rows_times_weight(x, w, out):
     """``out[i, j] = sum_k x[i, k] * w[j, k]`` for float32 ``x [r, K]``, ``w [N, K]`` (both
     C-contiguous). Blocks of four weight rows (each read once for all ``r`` rows), input rows
     two at a time: eight accumulators, so each weight element loaded serves two rows (at 8
-    and 16 rows the products took 36 / 47 ms per forward's matrices against 42 / 63 one row at
-    a time). An odd last row is paired with itself: every row goes through the same loop,
+    and 16 rows a forward's matrices and its output projection took 36 / 47 ms against 42 /
+    63 one row at a time). An odd last row is paired with itself: every row goes through the same loop,
     so its sums are the same bits whatever rows are beside it (tests/kernels/linear)."""
     r, k_len = x.shape
     n = w.shape[0]
