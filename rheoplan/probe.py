@@ -35,7 +35,7 @@ from rheoplan.models import as_draft, as_target, hashed_context_lm
 from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache, output_head
 from rheoplan.models.base import DraftModel
 from rheoplan.models.hf_target import HFTarget
-from rheoplan.models.packed_linear import PackedLinear, few_row_kernel, pack_where_it_pays, unpack_linears
+from rheoplan.models.packed_linear import PACKING_RULE, PackedLinear, pack_where_it_pays, unpack_linears
 from rheoplan.pipeline import PassContext
 from rheoplan.plan import plan_tree
 from rheoplan.planner.linearize import linearize
@@ -224,8 +224,7 @@ def choose_dtype(model, *, model_id: str | None = None, pick_by: str = "tree", r
     # every dtype is timed with packed linear weights and few-row products where each pays
     # (the loader runs them so); the key names it and that the two forwards are timed apart,
     # so records made before (one time for the pair; no few-row kernel) are measured again
-    key = cache_key("dtype", f"{mid} (packed and few-row products ({few_row_kernel.VERSION}) when they "
-                    f"pay, float32 too; 1 and {PROBE_TREE} tokens apart)", dev)
+    key = cache_key("dtype", f"{mid} ({PACKING_RULE}, float32 too; 1 and {PROBE_TREE} tokens apart)", dev)
     ms = _cached_forward_ms(key) if use_cache and _read_cache() else None
     where = " (cached)"
     if ms is None:
@@ -324,8 +323,7 @@ def choose_head_dtype(head: torch.nn.Module, *, head_id: str, rows: int = 3, rep
     if not (isinstance(rows, int) and rows >= 1):
         raise ValueError(f"rows={rows!r} is out of range: allowed an int >= 1")
     dev = next(head.parameters()).device
-    key = cache_key("head_dtype", f"{head_id} (packed and few-row products ({few_row_kernel.VERSION}) when "
-                    "they pay)", dev, rows=rows)
+    key = cache_key("head_dtype", f"{head_id} ({PACKING_RULE})", dev, rows=rows)
     hit = _cached_dtype(HEAD_DTYPE_CACHE, key, use_cache,
                         "draft dtype auto: %s (cached; measured ms per head call: %s)", log)
     if hit is not None:

@@ -104,22 +104,34 @@ def _rows_times_weight(x, w, out):
                     out[i, jj] = a
 
 
+def rows_served(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """How many rows of ``x`` the kernel multiplies by ``weight [N, K]``: all of them when
+    ``x`` is float32 on the CPU with ``K`` features, 1 to ``MAX_ROWS`` rows, and autograd
+    does not need the product; else 0 (torch's product). The weight's own dtype and device
+    are ``supported``'s to check (``PackedLinear`` fixes them when it is built, and calls
+    this on every product)."""
+    k = weight.shape[1]
+    if x.dtype != torch.float32 or x.shape[-1] != k or k == 0 or x.device.type != "cpu":
+        return 0
+    rows = x.numel() // k
+    if not 0 < rows <= MAX_ROWS or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return 0
+    return rows
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` runs the kernel for these operands (float32 on the CPU, at most
-    ``MAX_ROWS`` rows, no autograd); otherwise it runs torch's product."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.device.type == "cpu" and 0 < rows <= MAX_ROWS
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+    ``MAX_ROWS`` rows, no autograd: ``rows_served``); otherwise it runs torch's product."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and rows_served(x, weight) > 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K]``, ``weight [N, K]``, ``bias [N]`` or None -> ``[..., N]``: the kernel
     where ``supported``, torch's product elsewhere."""
-    if not supported(x, weight):
-        return torch.nn.functional.linear(x, weight, bias)
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
+    if not supported(x, weight):
+        return torch.nn.functional.linear(x, weight, bias)
     w = weight.detach()
     if not w.is_contiguous():
         w = w.contiguous()
@@ -135,9 +147,10 @@ _threads = threading.local()
 
 def rows_times(x2: torch.Tensor, w: np.ndarray) -> torch.Tensor:
     """``x2 [r, K] @ w.T`` for float32 ``x2`` on the CPU (1 <= r <= ``MAX_ROWS``, no
-    autograd) and ``w`` a C-contiguous float32 ``[N, K]`` array, without ``linear``'s checks:
-    the hot path of ``PackedLinear``, which checks once per call what ``linear`` checks
-    (about 20 us of checks and conversions per call were 4 of a 45 ms forward's ms)."""
+    autograd: ``rows_served``) and ``w`` a C-contiguous float32 ``[N, K]`` array, without
+    ``linear``'s checks and conversions: the hot path of ``PackedLinear``, which holds ``w``
+    and checks ``rows_served`` once per call (the path through ``linear`` cost 26 us per
+    call around a 2-4 us launch, this one 17-20; docs/results.md)."""
     out = np.empty((x2.shape[0], w.shape[0]), np.float32)
     threads = torch.get_num_threads()
     if getattr(_threads, "n", 0) != threads:  # the same share of the cores as torch's products

@@ -30,11 +30,12 @@ measured on the model itself (``packing_pays``), not read from CPU flags.
 
 Few-row products (float32): where torch's products of a few rows are slow, as on a
 2-core AVX2-only AMD EPYC (2 rows cost twice 1, with MKL and with oneDNN alike),
-``PackedLinear(few_rows=True)`` sends products of at most 16 rows to the numba kernel
-``rheoplan.kernels.linear.cpu`` (each weight row read once for all rows; a row's result
-the same bits whatever the rows beside it) and the rest to the packed or the plain
-product. ``few_rows_pays`` decides by timing every matrix of the model in turn at 1, 2, 4
-and 8 rows, as a forward reads them; ``pack_if_it_pays`` runs both measurements.
+``PackedLinear(few_rows=True)`` sends products of at most ``MAX_ROWS`` (32) rows to the
+numba kernel ``rheoplan.kernels.linear.cpu`` (each weight row read once for all rows; a
+row's result the same bits whatever the rows beside it) and the rest to the packed or the
+plain product. ``few_rows_pays`` decides by timing every matrix of the model in turn at
+``FEW_ROWS_TIMED`` rows, as a forward reads them; ``pack_if_it_pays`` runs both
+measurements.
 
 The module keeps the original ``weight`` and ``bias`` parameters (tied weights stay tied,
 ``state_dict`` is unchanged); the packed copy is an extra buffer of the same size, made
@@ -116,17 +117,12 @@ class PackedLinear(torch.nn.Module):
         if (self.training and torch.is_grad_enabled()) or x.dtype != self.weight.dtype:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self._rows_w is not None:
-            # the few-row kernel's conditions (``few_row_kernel.supported``), checked here once
-            # per call: this runs 211 times per forward
-            shape = x.shape
-            rows = x.numel() // self.in_features
-            if (0 < rows <= few_row_kernel.MAX_ROWS and shape[-1] == self.in_features
-                    and x.device.type == "cpu"
-                    and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            rows = few_row_kernel.rows_served(x, self.weight)  # once per call: 211 per forward
+            if rows:
                 y = few_row_kernel.rows_times(x.reshape(rows, self.in_features), self._rows_w)
                 if self.bias is not None:
                     y += self.bias
-                return y.view(*shape[:-1], self.out_features)
+                return y.view(*x.shape[:-1], self.out_features)
         if self._packed is None:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -280,6 +276,11 @@ def packing_decision(times: list[tuple[float, float]]) -> bool:
             and all(p <= PACKING_SLACK * e for p, e in times))
 
 
+#: how the loaders run a model's products, named in the keys of the caches that hold
+#: timings made so (``rheoplan.probe``'s dtype probes): records timed with another rule or
+#: another version of the kernel are measured again
+PACKING_RULE = f"packed and few-row products ({few_row_kernel.VERSION}) when they pay"
+
 #: ``few_rows_decision``'s cache file (under ``rheoplan.costmodel.cache_dir()``)
 FEW_ROWS_CACHE = "few_rows.json"
 
@@ -316,8 +317,8 @@ def pack_where_it_pays(model: torch.nn.Module) -> tuple[int, bool | None, bool |
 def pack_if_it_pays(model, what: str, log=None) -> bool:
     """Pack ``model``'s linear weights for oneDNN once and/or route its few-row products
     through the numba kernel (less time, the same outputs up to rounding: see the module
-    doc) where a quick measurement on its largest matrix says each pays here; prints the
-    decisions. Returns whether any linear was replaced."""
+    doc) where each pays here (``packing_pays`` times its largest matrix, ``few_rows_decision``
+    every matrix, cached); prints the decisions. Returns whether any linear was replaced."""
     log = sys.stderr if log is None else log
     n, onednn, few = pack_where_it_pays(model)
     if onednn:

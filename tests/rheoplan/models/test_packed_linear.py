@@ -269,6 +269,10 @@ def test_the_few_row_path_sees_in_place_weight_changes_and_checks_its_input():
     y = pk(x.requires_grad_())  # autograd on: torch's product, gradients flow
     y.sum().backward()
     assert x.grad is not None and lin.weight.grad is not None
+    pk.eval()  # not training either: still torch's product while autograd needs it
+    x.grad = None
+    pk(x).sum().backward()
+    assert x.grad is not None
 
 
 def test_records_timed_with_another_kernel_version_are_measured_again(monkeypatch, tmp_path):
