@@ -17,7 +17,14 @@ number of threads, so a token's product does not depend on the rows beside it (a
 tree forward and a 1-token step agree bit for bit in these products, which torch's do
 not promise). Against torch's product it differs by float32 rounding (about 1e-6
 relative). Only ``reassoc`` and ``contract`` (FMA) are allowed: NaN and infinities
-propagate as in torch's product."""
+propagate as in torch's product.
+
+bfloat16: activations and weight are widened to float32 (exactly: a bfloat16 is the upper
+half of a float32), summed by the same loop in float32, and the result rounded to bfloat16
+once, as torch's bfloat16 product does; the weight is read as 16 bits, half the bytes. A
+row's sums are then the float32 kernel's bits on the widened operands. Without AVX-512,
+torch's own bfloat16 products are slow and grow with the rows (the 210 matrices took 12 /
+88 / 349 ms at 1 / 8 / 32 rows on the AVX2-only AMD EPYC, the kernel 11 / 18 / 47)."""
 
 from __future__ import annotations
 
@@ -26,17 +33,21 @@ import threading
 import numba
 import numpy as np
 import torch
+from llvmlite import ir as llvm_ir
 from numba import njit, prange
+from numba.core import types
+from numba.extending import intrinsic, overload
 
 #: rows up to which ``linear`` runs the kernel; more rows (a prompt's prefill) go to torch,
-#: whose blocked products win there (on the AVX2-only AMD EPYC, a forward's matrices took
-#: 58 ms through the kernel against torch's 76 at 32 rows, 88 against 107 at 48, tied at 64)
+#: whose blocked float32 products win there (on the AVX2-only AMD EPYC, a forward's matrices
+#: took 58 ms through the kernel against torch's 76 at 32 rows, 88 against 107 at 48, tied
+#: at 64); its bfloat16 products there never do (``PackedLinear(prefill=True)``)
 MAX_ROWS = 32
 
 #: this kernel's blocking, part of the keys of the caches that hold timings made with it
 #: (``rheoplan.loading.speed_tag``, the dtype probes): a record timed with another version
 #: of the kernel is measured again
-VERSION = f"rows in pairs, at most {MAX_ROWS}"
+VERSION = f"rows in pairs, at most {MAX_ROWS}, float32 and bfloat16"
 
 _FAST = {"reassoc", "contract"}
 
@@ -48,81 +59,205 @@ _LOCK = threading.Lock()
 _one_at_a_time = [True]
 
 
+@intrinsic
+def _bfloat16_bits_to_float32(typingctx, bits):
+    """The float32 whose upper half is ``bits`` (a bfloat16's 16 bits): exact, as torch's
+    ``.float()`` of a bfloat16; LLVM vectorises it to a widening load and a shift."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        wide = builder.zext(args[0], llvm_ir.IntType(32))
+        return builder.bitcast(builder.shl(wide, llvm_ir.Constant(llvm_ir.IntType(32), 16)), llvm_ir.FloatType())
+    return sig, codegen
+
+
+def _widen(v):  # pragma: no cover - only numba compiles it (``_widen_impl``)
+    """A weight element as float32: itself (float32 weights) or its bfloat16 bits widened."""
+    raise NotImplementedError("only for numba-compiled code")
+
+
+@overload(_widen, inline="always")
+def _widen_impl(v):
+    if v == types.float32:
+        return lambda v: v
+    if v == types.uint16:
+        return lambda v: _bfloat16_bits_to_float32(v)
+    return None
+
+
+@intrinsic
+def _float32_bits(typingctx, f):
+    """The 32 bits of the float32 ``f``."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], llvm_ir.IntType(32))
+    return sig, codegen
+
+
+def _narrow(out, v):  # pragma: no cover - only numba compiles it (``_narrow_impl``)
+    """A float32 sum as ``out`` stores it: itself, or rounded to bfloat16 bits."""
+    raise NotImplementedError("only for numba-compiled code")
+
+
+@overload(_narrow, inline="always")
+def _narrow_impl(out, v):
+    if out.dtype == types.float32:
+        return lambda out, v: v
+    if out.dtype == types.uint16:
+        def to_bfloat16_bits(out, v):
+            # torch's float -> bfloat16 conversion (c10's round_to_nearest_even): to nearest,
+            # ties to even; NaN becomes its quiet NaN, infinities stay, overflow rounds to them
+            if v != v:
+                return np.uint16(0x7FC0)
+            bits = _float32_bits(v)
+            return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        return to_bfloat16_bits
+    return None
+
+
+@njit(inline="always", fastmath=_FAST)
+def _pair_times_four(x, i, i1, w, q, out, j):
+    """``out[i | i1, j:j+4] = x[i | i1] . w[q:q+4]``: the kernels' one loop, eight
+    accumulators (four weight rows x two input rows), so each weight element loaded serves
+    two rows. Every row of every product goes through this loop (an odd last row paired
+    with itself), so its sums are the same bits whatever rows are beside it and whatever
+    the weight's dtype (tests/kernels/linear)."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    b0 = np.float32(0.0)
+    b1 = np.float32(0.0)
+    b2 = np.float32(0.0)
+    b3 = np.float32(0.0)
+    for k in range(x.shape[1]):
+        u = x[i, k]
+        v = x[i1, k]
+        w0 = _widen(w[q, k])
+        w1 = _widen(w[q + 1, k])
+        w2 = _widen(w[q + 2, k])
+        w3 = _widen(w[q + 3, k])
+        a0 += u * w0
+        a1 += u * w1
+        a2 += u * w2
+        a3 += u * w3
+        b0 += v * w0
+        b1 += v * w1
+        b2 += v * w2
+        b3 += v * w3
+    out[i, j] = _narrow(out, a0)
+    out[i, j + 1] = _narrow(out, a1)
+    out[i, j + 2] = _narrow(out, a2)
+    out[i, j + 3] = _narrow(out, a3)
+    out[i1, j] = _narrow(out, b0)
+    out[i1, j + 1] = _narrow(out, b1)
+    out[i1, j + 2] = _narrow(out, b2)
+    out[i1, j + 3] = _narrow(out, b3)
+
+
+@njit(inline="always", fastmath=_FAST)
+def _last_rows(x, w, out, j):
+    """The last 1-3 weight rows (from ``j``), one dot product at a time."""
+    for jj in range(j, w.shape[0]):
+        for i in range(x.shape[0]):
+            a = np.float32(0.0)
+            for k in range(x.shape[1]):
+                a += x[i, k] * _widen(w[jj, k])
+            out[i, jj] = _narrow(out, a)
+
+
 @njit(parallel=True, fastmath=_FAST, cache=True)
 def _rows_times_weight(x, w, out):
     """``out[i, j] = sum_k x[i, k] * w[j, k]`` for float32 ``x [r, K]``, ``w [N, K]`` (both
-    C-contiguous). Blocks of four weight rows (each read once for all ``r`` rows), input rows
-    two at a time: eight accumulators, so each weight element loaded serves two rows (at 8
-    and 16 rows a forward's matrices and its output projection took 36 / 47 ms against 42 /
-    63 one row at a time). An odd last row is paired with itself: every row goes through the same loop,
-    so its sums are the same bits whatever rows are beside it (tests/kernels/linear)."""
-    r, k_len = x.shape
+    C-contiguous): blocks of four weight rows, each read once for all ``r`` rows, input
+    rows two at a time (``_pair_times_four``; at 8 and 16 rows a forward's matrices and its
+    output projection took 36 / 47 ms against 42 / 63 one row at a time)."""
+    r = x.shape[0]
     n = w.shape[0]
-    blocks = (n + 3) // 4
-    for jb in prange(blocks):
+    for jb in prange((n + 3) // 4):
         j = jb * 4
         if j + 4 <= n:
             for i in range(0, r, 2):
-                i1 = i + 1 if i + 1 < r else i
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                a2 = np.float32(0.0)
-                a3 = np.float32(0.0)
-                b0 = np.float32(0.0)
-                b1 = np.float32(0.0)
-                b2 = np.float32(0.0)
-                b3 = np.float32(0.0)
-                for k in range(k_len):
-                    u = x[i, k]
-                    v = x[i1, k]
-                    w0 = w[j, k]
-                    w1 = w[j + 1, k]
-                    w2 = w[j + 2, k]
-                    w3 = w[j + 3, k]
-                    a0 += u * w0
-                    a1 += u * w1
-                    a2 += u * w2
-                    a3 += u * w3
-                    b0 += v * w0
-                    b1 += v * w1
-                    b2 += v * w2
-                    b3 += v * w3
-                out[i, j] = a0
-                out[i, j + 1] = a1
-                out[i, j + 2] = a2
-                out[i, j + 3] = a3
-                out[i1, j] = b0
-                out[i1, j + 1] = b1
-                out[i1, j + 2] = b2
-                out[i1, j + 3] = b3
-        else:  # the last 1-3 weight rows
-            for jj in range(j, n):
-                for i in range(r):
-                    a = np.float32(0.0)
+                _pair_times_four(x, i, i + 1 if i + 1 < r else i, w, j, out, j)
+        else:
+            _last_rows(x, w, out, j)
+
+
+@njit(parallel=True, fastmath=_FAST, cache=True)
+def _rows_times_bfloat16_weight(x_bits, w, out, shares):
+    """``_rows_times_weight`` for bfloat16 operands (``x [r, K]`` and ``w [N, K]`` their
+    uint16 bits), each element widened to float32 (exactly) and summed in float32: the
+    float32 kernel's bits on the widened operands, stored in ``out`` as float32 or (a
+    uint16 ``out``) rounded to bfloat16 bits as torch rounds. Widening and rounding in here,
+    not by torch around the call, saves two torch calls per product (about 10 us each). Half the bytes to read, so one row costs about two thirds of the
+    float32 kernel's (the decoder stack's 210 matrices, 1 row: 10.7 against 16.9 ms on
+    the AVX2-only AMD EPYC). Beyond two rows a block of four weight rows is widened once
+    into a float32 buffer of its thread, not once per pair of rows (16 rows: 28.0 against
+    37.2 ms). The columns are split in ``shares`` contiguous shares (one per thread), one
+    buffer each (the caller passes the thread count: asking numba for it in here would
+    keep the function out of numba's on-disk cache)."""
+    r, k_len = x_bits.shape
+    x = np.empty((r, k_len), np.float32)
+    for i in range(r):
+        for k in range(k_len):
+            x[i, k] = _bfloat16_bits_to_float32(x_bits[i, k])
+    n = w.shape[0]
+    blocks = (n + 3) // 4
+    per = (blocks + shares - 1) // shares
+    for t in prange(shares):
+        buf = np.empty((4, k_len), np.float32)
+        for jb in range(t * per, min(blocks, (t + 1) * per)):
+            j = jb * 4
+            if j + 4 > n:
+                _last_rows(x, w, out, j)
+            elif r <= 2:
+                _pair_times_four(x, 0, r - 1, w, j, out, j)
+            else:
+                for q in range(4):
                     for k in range(k_len):
-                        a += x[i, k] * w[jj, k]
-                    out[i, jj] = a
+                        buf[q, k] = _bfloat16_bits_to_float32(w[j + q, k])
+                for i in range(0, r, 2):
+                    _pair_times_four(x, i, i + 1 if i + 1 < r else i, buf, 0, out, j)
 
 
-def rows_served(x: torch.Tensor, weight: torch.Tensor) -> int:
+#: the dtypes the kernel multiplies (activations and weight in the same dtype); bfloat16
+#: is summed in float32 and rounded once at the end, as torch's bfloat16 product does
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rows_served(x: torch.Tensor, weight: torch.Tensor, most: int = MAX_ROWS) -> int:
     """How many rows of ``x`` the kernel multiplies by ``weight [N, K]``: all of them when
-    ``x`` is float32 on the CPU with ``K`` features, 1 to ``MAX_ROWS`` rows, and autograd
-    does not need the product; else 0 (torch's product). The weight's own dtype and device
-    are ``supported``'s to check (``PackedLinear`` fixes them when it is built, and calls
-    this on every product)."""
+    ``x`` is float32 or bfloat16 (``DTYPES``) on the CPU with ``K`` features, 1 to
+    ``most`` rows (a prompt's prefill too where the caller measured the kernel faster
+    there: ``PackedLinear(prefill=True)``), and no gradient is asked of the product (``x`` does not require one,
+    nor ``weight`` while autograd records); else 0 (torch's product). The weight's own
+    dtype and device are ``supported``'s to check (``PackedLinear`` fixes them when it is
+    built, and calls this on every product)."""
     k = weight.shape[1]
-    if x.dtype != torch.float32 or x.shape[-1] != k or k == 0 or x.device.type != "cpu":
+    if x.dtype not in DTYPES or x.shape[-1] != k or k == 0 or not x.is_cpu or x.requires_grad:
         return 0
     rows = x.numel() // k
-    if not 0 < rows <= MAX_ROWS or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    if not 0 < rows <= most or (weight.requires_grad and torch.is_grad_enabled()):
         return 0
     return rows
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear`` runs the kernel for these operands (float32 on the CPU, at most
-    ``MAX_ROWS`` rows, no autograd: ``rows_served``); otherwise it runs torch's product."""
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and rows_served(x, weight) > 0
+    """Whether ``linear`` runs the kernel for these operands (both float32 or both bfloat16,
+    on the CPU, at most ``MAX_ROWS`` rows, no autograd: ``rows_served``); otherwise it runs
+    torch's product."""
+    return (weight.dtype == x.dtype and weight.device.type == "cpu" and rows_served(x, weight) > 0)
+
+
+def weight_array(weight: torch.Tensor) -> np.ndarray:
+    """``weight [N, K]`` as the kernel reads it: a C-contiguous numpy array, float32 or (for
+    a bfloat16 weight) its uint16 bits; a view of the tensor where it is contiguous (so
+    changes in place reach the kernel), else a copy."""
+    w = weight.detach().contiguous()
+    if w.dtype == torch.bfloat16:
+        return w.view(torch.int16).numpy().view(np.uint16)
+    return w.numpy()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,35 +267,44 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
     if not supported(x, weight):
         return torch.nn.functional.linear(x, weight, bias)
-    w = weight.detach()
-    if not w.is_contiguous():
-        w = w.contiguous()
-    out = rows_times(x.detach().reshape(-1, x.shape[-1]), w.numpy())
-    if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], w.shape[0])
+    return rows_times(x, weight_array(weight), bias)
 
 
 # the thread count numba was last set to, per Python thread (numba's setting is per thread)
 _threads = threading.local()
 
 
-def rows_times(x2: torch.Tensor, w: np.ndarray) -> torch.Tensor:
-    """``x2 [r, K] @ w.T`` for float32 ``x2`` on the CPU (1 <= r <= ``MAX_ROWS``, no
-    autograd: ``rows_served``) and ``w`` a C-contiguous float32 ``[N, K]`` array, without
-    ``linear``'s checks and conversions: the hot path of ``PackedLinear``, which holds ``w``
-    and checks ``rows_served`` once per call (the path through ``linear`` cost 26 us per
-    call around a 2-4 us launch, this one 17-20; docs/results.md)."""
-    out = np.empty((x2.shape[0], w.shape[0]), np.float32)
+def rows_times(x: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ w.T (+ bias)`` -> ``[..., N]`` for ``x`` as ``rows_served`` serves it
+    and ``w`` a ``weight_array`` of the same dtype, without ``linear``'s checks and
+    conversions: the hot path of ``PackedLinear``, which holds ``w`` and checks
+    ``rows_served`` once per call. Shapes are handled as numpy views, not torch calls (a
+    torch ``reshape`` or ``view`` costs 2-3 us, a forward makes 211 products: the path
+    through ``linear`` once cost 26 us per call around a 2-4 us launch; docs/results.md).
+    In bfloat16 the sums (and a bias) are float32 and the result is rounded to bfloat16
+    once, as torch's bfloat16 product rounds."""
     threads = torch.get_num_threads()
     if getattr(_threads, "n", 0) != threads:  # the same share of the cores as torch's products
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        _threads.n = threads
-    xn = x2.contiguous().numpy()
+        _threads.n = min(threads, numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(_threads.n)
+    bf16 = w.dtype == np.uint16  # bfloat16: the kernel reads and writes the 16-bit patterns
+    xn = x.view(torch.int16).numpy().view(np.uint16) if bf16 else x.numpy()
+    if not xn.flags.c_contiguous:
+        xn = np.ascontiguousarray(xn)
+    rounded = bf16 and bias is None  # with a bias the sums come back as float32, rounded after it
+    out = np.empty(xn.shape[:-1] + (w.shape[0],), np.uint16 if rounded else np.float32)
+    x2, out2 = xn.reshape(-1, xn.shape[-1]), out.reshape(-1, w.shape[0])
+    kernel = _rows_times_bfloat16_weight if bf16 else _rows_times_weight
+    args = (x2, w, out2, _threads.n) if bf16 else (x2, w, out2)
     if _one_at_a_time[0]:
         with _LOCK:
-            _rows_times_weight(xn, w, out)
+            kernel(*args)
             _one_at_a_time[0] = numba.threading_layer() == "workqueue"
     else:
-        _rows_times_weight(xn, w, out)
-    return torch.from_numpy(out)
+        kernel(*args)
+    y = torch.from_numpy(out)
+    if rounded:
+        return y.view(torch.bfloat16)
+    if bias is not None:
+        y += bias
+    return y.to(torch.bfloat16) if bf16 else y

@@ -28,14 +28,19 @@ It is what inductor's weight freezing does inside a compiled graph
 (``torch._inductor.config.freezing``), without compiling anything. Whether it pays is
 measured on the model itself (``packing_pays``), not read from CPU flags.
 
-Few-row products (float32): where torch's products of a few rows are slow, as on a
-2-core AVX2-only AMD EPYC (2 rows cost twice 1, with MKL and with oneDNN alike),
+Few-row products (float32 and bfloat16): where torch's products of a few rows are slow, as
+on a 2-core AVX2-only AMD EPYC (in float32 2 rows cost twice 1, with MKL and with oneDNN
+alike; in bfloat16, which oneDNN cannot pack there, 8 rows cost seven times 1),
 ``PackedLinear(few_rows=True)`` sends products of at most ``MAX_ROWS`` (32) rows to the
 numba kernel ``rheoplan.kernels.linear.cpu`` (each weight row read once for all rows; a
 row's result the same bits whatever the rows beside it) and the rest to the packed or the
-plain product. ``few_rows_pays`` decides by timing every matrix of the model in turn at
-``FEW_ROWS_TIMED`` rows, as a forward reads them; ``pack_if_it_pays`` runs both
-measurements.
+plain product. ``few_rows_span`` decides by timing every matrix of the model in turn at
+``FEW_ROWS_TIMED`` rows, as a forward reads them, and names the fewest rows from which the
+kernel pays (``PackedLinear(few_rows=N)``; in bfloat16 on that EPYC, 2: a lone row there
+takes torch's product, so a 1-token step and a tree forward round differently, as with
+torch's products alone, which bfloat16 never promised otherwise) and, timing a
+prefill-sized product too, whether the kernel serves prompts as well (``prefill=True``;
+bfloat16 on that EPYC); ``pack_if_it_pays`` runs both measurements.
 
 The module keeps the original ``weight`` and ``bias`` parameters (tied weights stay tied,
 ``state_dict`` is unchanged); the packed copy is an extra buffer of the same size, made
@@ -87,17 +92,25 @@ def _packs(dtype: torch.dtype) -> bool:
 class PackedLinear(torch.nn.Module):
     """``nn.Linear`` whose product runs faster than the eager one (see the module doc):
     its weight packed for oneDNN once (``onednn``) and/or few-row products through the
-    numba kernel ``rheoplan.kernels.linear.cpu`` (``few_rows``: float32, at most
-    ``MAX_ROWS`` rows; the rest take the packed or the plain product)."""
+    numba kernel ``rheoplan.kernels.linear.cpu`` (``few_rows``: float32 or bfloat16,
+    products of ``few_rows`` to ``MAX_ROWS`` rows, ``True`` meaning from one row, and of
+    any more rows too with ``prefill``; the rest take the packed or the plain product)."""
 
-    def __init__(self, linear: torch.nn.Linear, onednn: bool = True, few_rows: bool = False) -> None:
+    def __init__(self, linear: torch.nn.Linear, onednn: bool = True, few_rows: int = 0,
+                 prefill: bool = False) -> None:
         super().__init__()
+        if not (isinstance(few_rows, int) and 0 <= few_rows <= few_row_kernel.MAX_ROWS):
+            raise ValueError(f"few_rows={few_rows!r} is out of range: allowed an int (or bool) from 0 (off) to "
+                             f"{few_row_kernel.MAX_ROWS}, the fewest rows the kernel multiplies")
         if not (onednn or few_rows):
-            raise ValueError("PackedLinear needs onednn=True or few_rows=True (else keep the nn.Linear)")
+            raise ValueError("PackedLinear needs onednn=True or few_rows >= 1 (else keep the nn.Linear)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.onednn, self.few_rows = onednn, few_rows
+        if prefill and not few_rows:
+            raise ValueError("prefill=True needs few_rows >= 1: it widens the few-row kernel's span")
+        self.onednn, self.few_rows, self.prefill = onednn, int(few_rows), bool(prefill)
+        self._most = sys.maxsize if prefill else few_row_kernel.MAX_ROWS
         self._packed = None
         self._rows_w = None  # the weight as the few-row kernel reads it (a numpy view, no copy)
         self.repack()
@@ -111,36 +124,38 @@ class PackedLinear(torch.nn.Module):
             if self.few_rows:
                 # a view of the parameter, so in-place changes reach the kernel; a copy only
                 # where the weight is not contiguous (then ``repack`` after changing it)
-                self._rows_w = self.weight.detach().contiguous().numpy()
+                self._rows_w = few_row_kernel.weight_array(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.training and torch.is_grad_enabled()) or x.dtype != self.weight.dtype:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        if self._rows_w is not None:
-            rows = few_row_kernel.rows_served(x, self.weight)  # once per call: 211 per forward
-            if rows:
-                y = few_row_kernel.rows_times(x.reshape(rows, self.in_features), self._rows_w)
-                if self.bias is not None:
-                    y += self.bias
-                return y.view(*x.shape[:-1], self.out_features)
+        # ``rows_served`` is 0 where the kernel does not serve ``x``; 211 calls per forward
+        if self._rows_w is not None and few_row_kernel.rows_served(x, self.weight, self._most) >= self.few_rows:
+            return few_row_kernel.rows_times(x, self._rows_w, self.bias)
         if self._packed is None:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     @property
     def kind(self) -> str:
-        """``'packed'``, ``'few-rows'`` or ``'packed few-rows'``."""
-        return " ".join(k for k, on in (("packed", self.onednn), ("few-rows", self.few_rows)) if on)
+        """``'packed'``, ``'few-rows'`` or ``'packed few-rows'`` (``'few-rows from N'`` where
+        the kernel starts at ``N`` > 1 rows; ``'... and prefill'`` where it serves any more
+        rows too)."""
+        few = ("few-rows" if self.few_rows == 1 else f"few-rows from {self.few_rows}") + (
+            " and prefill" if self.prefill else "")
+        return " ".join(k for k, on in (("packed", self.onednn), (few, self.few_rows)) if on)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"{self.kind}")
 
 
-def pack_linears(model: torch.nn.Module, onednn: bool = True, few_rows: bool = False) -> int:
+def pack_linears(model: torch.nn.Module, onednn: bool = True, few_rows: int = 0, prefill: bool = False) -> int:
     """Replace every ``nn.Linear`` of ``model`` in a ``PACKED_DTYPES`` dtype (in place) by a
-    ``PackedLinear(onednn=..., few_rows=...)``; returns how many were replaced (0 where
-    neither is available: oneDNN packing for the dtype, the few-row kernel for float32)."""
+    ``PackedLinear(onednn=..., few_rows=..., prefill=...)`` (``few_rows``: the fewest rows the
+    kernel multiplies, 0 = never; ``prefill``: beyond ``MAX_ROWS`` rows too); returns how many were replaced (0 where
+    neither is available: oneDNN packing for the dtype, the few-row kernel for float32 and
+    bfloat16)."""
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -148,16 +163,18 @@ def pack_linears(model: torch.nn.Module, onednn: bool = True, few_rows: bool = F
                 continue
             dt, dev = child.weight.dtype, child.weight.device
             use_onednn = onednn and packing_available(dt, dev)
-            use_few = few_rows and few_rows_available(dt, dev)
+            use_few = few_rows if few_rows_available(dt, dev) else 0
             if use_onednn or use_few:
-                setattr(parent, name, PackedLinear(child, onednn=use_onednn, few_rows=use_few))
+                setattr(parent, name, PackedLinear(child, onednn=use_onednn, few_rows=use_few,
+                                                   prefill=prefill and bool(use_few)))
                 n += 1
     return n
 
 
 def few_rows_available(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether the few-row kernel serves ``dtype`` on ``device`` (float32 on the CPU)."""
-    return dtype == torch.float32 and torch.device(device).type == "cpu"
+    """Whether the few-row kernel serves ``dtype`` on ``device`` (float32 and bfloat16 on
+    the CPU: ``few_row_kernel.DTYPES``)."""
+    return dtype in few_row_kernel.DTYPES and torch.device(device).type == "cpu"
 
 
 def unpack_linears(model: torch.nn.Module) -> int:
@@ -180,13 +197,13 @@ def unpacked(model: torch.nn.Module):
     """Run a block on ``model``'s weights as transformers loaded them: unpack its packed
     linears (if any) for the block and pack them again after, even if it raises (the
     benchmarks time ``generate`` so, as a user without rheoplan has it)."""
-    kinds = {(m.onednn, m.few_rows) for m in model.modules() if isinstance(m, PackedLinear)}
+    kinds = {(m.onednn, m.few_rows, m.prefill) for m in model.modules() if isinstance(m, PackedLinear)}
     unpack_linears(model)
     try:
         yield model
     finally:
-        for onednn, few_rows in kinds:  # one kind per model as the loader packs it
-            pack_linears(model, onednn=onednn, few_rows=few_rows)
+        for onednn, few_rows, prefill in kinds:  # one kind per model as the loader packs it
+            pack_linears(model, onednn=onednn, few_rows=few_rows, prefill=prefill)
 
 
 #: ``packing_pays``: packed may be this much slower than plain at a row count where the two
@@ -236,17 +253,29 @@ def packing_pays(model: torch.nn.Module, rows: tuple[int, ...] = (1, 16), reps: 
     return packing_decision(_time_pairs([lin], _in_turn([PackedLinear(lin)]), _in_turn([lin]), rows, reps))
 
 
-#: ``few_rows_pays``' row counts: a one-token step, small and large tree forwards, and the
+#: ``few_rows_span``'s row counts: a one-token step, small and large tree forwards, and the
 #: most rows the kernel serves (``MAX_ROWS``)
 FEW_ROWS_TIMED = (1, 2, 4, 8, few_row_kernel.MAX_ROWS)
+#: ``few_rows_span``'s prefill-sized product (a 128-token prompt), timed twice
+PREFILL_TIMED = 128
 
 
-def few_rows_pays(model: torch.nn.Module, packed: bool, rows: tuple[int, ...] = FEW_ROWS_TIMED,
-                  reps: int = 5) -> bool | None:
+def few_rows_span(model: torch.nn.Module, packed: bool, rows: tuple[int, ...] = FEW_ROWS_TIMED,
+                  reps: int = 5) -> tuple[int, bool] | None:
     """Time one product through every ``nn.Linear`` of ``model`` in turn, through the
     few-row kernel and through the product each would run otherwise (oneDNN's packed one
-    when ``packed``, else the plain one), at each of ``rows``; True under
-    ``packing_decision``'s rule, None when the kernel does not serve this model's dtype.
+    when ``packed``, else the plain one), at each of ``rows`` and at ``PREFILL_TIMED`` rows;
+    return ``(first, prefill)``: ``first`` the fewest of ``rows`` from which the kernel pays
+    (``packing_decision``'s rule over that row count and every larger one; 0 when it pays
+    from none), ``prefill`` whether it is also faster at ``PREFILL_TIMED`` rows (then it
+    serves any number of rows from ``first``); None when the kernel does not serve this
+    model's dtype.
+
+    From a row count, not all or nothing: in bfloat16 on the AVX2-only AMD EPYC torch's
+    one-row products (20.6 ms for SmolLM2-135M's matrices) beat the kernel's (25.2, with
+    its per-call costs) while from 2 rows the kernel wins by 1.4x to 6x, and a prompt's
+    prefill through torch's bfloat16 products took four times as long as in float32
+    (docs/results.md, "bfloat16 few-row products").
 
     Every matrix in turn, as a forward reads them, not the largest one again and again:
     timed on the largest matrix alone, hot in the caches, the rule once decided against
@@ -256,9 +285,14 @@ def few_rows_pays(model: torch.nn.Module, packed: bool, rows: tuple[int, ...] = 
     lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
     if not lins or not few_rows_available(lins[0].weight.dtype, lins[0].weight.device):
         return None
-    kernel = [PackedLinear(m, onednn=False, few_rows=True) for m in lins]
-    other = [PackedLinear(m) for m in lins] if packed else lins
-    return packing_decision(_time_pairs(lins, _in_turn(kernel), _in_turn(other), rows, reps))
+    kernel = _in_turn([PackedLinear(m, onednn=False, few_rows=True, prefill=True) for m in lins])
+    other = _in_turn([PackedLinear(m) for m in lins] if packed else lins)
+    times = _time_pairs(lins, kernel, other, rows, reps)
+    first = next((r for i, r in enumerate(rows) if packing_decision(times[i:])), 0)
+    if not first:
+        return 0, False
+    (new, old), = _time_pairs(lins, kernel, other, (PREFILL_TIMED,), 2)
+    return first, new < old
 
 
 def _in_turn(mods: list[torch.nn.Module]):
@@ -285,33 +319,36 @@ PACKING_RULE = f"packed and few-row products ({few_row_kernel.VERSION}) when the
 FEW_ROWS_CACHE = "few_rows.json"
 
 
-def few_rows_decision(model: torch.nn.Module, packed: bool) -> bool | None:
-    """``few_rows_pays``, cached per machine, torch version, thread count and the model's
-    matrices (their count and shapes; the dtype is float32 wherever it applies): timing
-    every matrix took 3-6 s for SmolLM2-135M on the AVX2-only AMD EPYC, at every load.
-    ``RHEOPLAN_REMEASURE=1`` measures again."""
+def few_rows_decision(model: torch.nn.Module, packed: bool) -> tuple[int, bool] | None:
+    """``few_rows_span``, cached per machine, torch version, thread count and the model's
+    matrices (their count, shapes and dtype): timing every matrix took 3-6 s for
+    SmolLM2-135M on the AVX2-only AMD EPYC, at every load. ``RHEOPLAN_REMEASURE=1``
+    measures again."""
     lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
     if not lins or not few_rows_available(lins[0].weight.dtype, lins[0].weight.device):
         return None
     shapes = sorted({tuple(m.weight.shape) for m in lins})
     key = cache_key("few_rows", f"{len(lins)} matrices {shapes}", lins[0].weight.device, packed=packed,
-                    kernel=few_row_kernel.VERSION)
+                    kernel=few_row_kernel.VERSION, dtype=str(lins[0].weight.dtype).removeprefix("torch."))
     rec = None if remeasure_requested() else cache_read(FEW_ROWS_CACHE, key)
-    if rec is not None and isinstance(rec.get("pays"), bool):
-        return rec["pays"]
-    pays = few_rows_pays(model, packed=packed)
-    if pays is not None:
-        cache_write(FEW_ROWS_CACHE, key, {"pays": pays})
-    return pays
+    if (rec is not None and type(rec.get("from_rows")) is int and 0 <= rec["from_rows"] <= few_row_kernel.MAX_ROWS
+            and type(rec.get("prefill")) is bool):
+        return rec["from_rows"], rec["prefill"]
+    span = few_rows_span(model, packed=packed)
+    if span is not None:
+        cache_write(FEW_ROWS_CACHE, key, {"from_rows": span[0], "prefill": span[1]})
+    return span
 
 
-def pack_where_it_pays(model: torch.nn.Module) -> tuple[int, bool | None, bool | None]:
+def pack_where_it_pays(model: torch.nn.Module) -> tuple[int, bool | None, tuple[int, bool] | None]:
     """Measure (``packing_pays``, then ``few_rows_decision``) and pack ``model``'s linears so;
-    returns ``(linears replaced, packing pays, few rows pay)`` (None: not available)."""
+    returns ``(linears replaced, packing pays, few_rows_decision's (first, prefill))``
+    (None: not available; first 0: the kernel pays from no row count)."""
     onednn = packing_pays(model)
-    few = few_rows_decision(model, packed=bool(onednn))
-    n = pack_linears(model, onednn=bool(onednn), few_rows=bool(few)) if (onednn or few) else 0
-    return n, onednn, few
+    span = few_rows_decision(model, packed=bool(onednn))
+    first, prefill = span or (0, False)
+    n = pack_linears(model, onednn=bool(onednn), few_rows=first, prefill=prefill) if (onednn or first) else 0
+    return n, onednn, span
 
 
 def pack_if_it_pays(model, what: str, log=None) -> bool:
@@ -320,16 +357,20 @@ def pack_if_it_pays(model, what: str, log=None) -> bool:
     doc) where each pays here (``packing_pays`` times its largest matrix, ``few_rows_decision``
     every matrix, cached); prints the decisions. Returns whether any linear was replaced."""
     log = sys.stderr if log is None else log
-    n, onednn, few = pack_where_it_pays(model)
+    n, onednn, span = pack_where_it_pays(model)
+    few, prefill = span or (None, False)
     if onednn:
         print(f"{what}: {n} linear weights packed for oneDNN (measured faster here; same outputs up to rounding)",
               file=log)
     elif onednn is False:
         print(f"{what}: linear weights not packed (packing measured no faster here)", file=log)
     if few:
-        print(f"{what}: products of at most {few_row_kernel.MAX_ROWS} rows run the few-row numba kernel "
-              f"(measured faster here at {', '.join(map(str, FEW_ROWS_TIMED))} rows; same outputs up to rounding)",
+        timed = [r for r in FEW_ROWS_TIMED if r >= few] + ([PREFILL_TIMED] if prefill else [])
+        fewer = "" if few == 1 else "; fewer rows keep torch's product, measured faster there"
+        upto = "or more" if prefill else f"to {few_row_kernel.MAX_ROWS}"
+        print(f"{what}: products of {few} {upto} rows run the few-row numba kernel "
+              f"(measured faster here at {', '.join(map(str, timed))} rows{fewer}; same outputs up to rounding)",
               file=log)
-    elif few is False:
+    elif few == 0:
         print(f"{what}: few-row products keep torch's kernels (the numba kernel measured no faster here)", file=log)
     return n > 0

@@ -45,6 +45,41 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("out_f,in_f", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_is_the_float32_kernel_on_the_widened_operands_rounded_once(out_f, in_f, rows, bias):
+    """bfloat16: the float32 kernel's sums on the exactly widened operands, rounded to
+    bfloat16 once, bit for bit (each of the two bfloat16 paths, up to two rows straight from
+    the 16-bit weight and beyond that through a widened buffer); and so torch's bfloat16
+    product up to that one rounding."""
+    g = torch.Generator().manual_seed(out_f * 37 + in_f + rows)
+    w = torch.randn(out_f, in_f, generator=g).bfloat16()
+    b = torch.randn(out_f, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, in_f, generator=g).bfloat16()
+    assert cpu.supported(x, w)
+    got = cpu.linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_f)
+    want32 = cpu.linear(x.float(), w.float(), None if b is None else b.float())
+    assert torch.equal(got, want32.bfloat16())
+    want = reference.linear(x, w, b)
+    scale = (x.float().abs() @ w.float().abs().T) + (0 if b is None else b.float().abs())
+    assert ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 1e-5 * scale + 1e-6).all()
+
+
+def test_a_bfloat16_rows_bits_do_not_depend_on_the_other_rows():
+    """As in float32, and across the kernel's two bfloat16 paths (a lone row or a pair is
+    read from the 16-bit weight, more rows from a widened buffer)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(1539, 576, generator=g).bfloat16()
+    x = torch.randn(16, 576, generator=g).bfloat16()
+    every = cpu.linear(x, w)
+    for i in (0, 5, 15):
+        assert torch.equal(cpu.linear(x[i:i + 1], w), every[i:i + 1])
+    assert torch.equal(cpu.linear(x[4:6], w), every[4:6])
+    assert torch.equal(cpu.linear(x[3:12], w), every[3:12])
+
+
 def test_leading_dims_and_strided_inputs():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 40, generator=g)
@@ -68,7 +103,8 @@ def test_where_the_kernel_does_not_apply_torch_computes():
     assert not cpu.supported(many, w)
     assert torch.equal(cpu.linear(many, w), reference.linear(many, w))
     assert not cpu.supported(many[:2].double(), w.double())
-    assert not cpu.supported(many[:2].bfloat16(), w.bfloat16())
+    assert not cpu.supported(many[:2].half(), w.half())
+    assert not cpu.supported(many[:2].bfloat16(), w)  # mixed dtypes: torch's rules
     wg = w.clone().requires_grad_(True)
     assert not cpu.supported(many[:2], wg)  # autograd keeps torch's product
     y = cpu.linear(many[:2], wg)

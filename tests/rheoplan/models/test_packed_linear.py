@@ -156,8 +156,9 @@ def test_a_cpu_that_refuses_the_reorder_packs_nothing(monkeypatch):
         assert not pl.packing_available(torch.bfloat16, "cpu")
         model = _tiny_llama()
         assert pl.packing_pays(model) is None
-        assert pl.pack_if_it_pays(model, "tiny") is False
-        assert pl.pack_linears(model) == 0
+        pl.pack_if_it_pays(model, "tiny")  # may route few-row products to the numba kernel
+        assert not any(m.onednn for m in model.modules() if isinstance(m, PackedLinear))
+        assert pl.pack_linears(_tiny_llama()) == 0
         assert pl.packing_available(torch.float32, "cpu") == pl._packs(torch.float32)
     finally:
         monkeypatch.undo()
@@ -193,16 +194,77 @@ def test_few_row_products_run_the_numba_kernel_and_give_the_same_logits():
     with unpacked(model):
         assert not any(isinstance(m, PackedLinear) for m in model.modules())
     assert {m.kind for m in model.modules() if isinstance(m, PackedLinear)} == {"few-rows"}
-    with pytest.raises(ValueError, match="onednn=True or few_rows=True"):
+    with pytest.raises(ValueError, match="onednn=True or few_rows >= 1"):
         PackedLinear(torch.nn.Linear(4, 4), onednn=False, few_rows=False)
+    for bad in (-1, kernel.MAX_ROWS + 1, 2.0):
+        with pytest.raises(ValueError, match="few_rows=.* is out of range"):
+            PackedLinear(torch.nn.Linear(4, 4), onednn=False, few_rows=bad)
 
 
-def test_bfloat16_models_get_no_few_row_kernel():
-    from rheoplan.models.packed_linear import few_rows_pays
+def test_the_kernel_serves_the_span_of_rows_it_pays_in(monkeypatch):
+    """``few_rows_span`` names the fewest timed row count from which the kernel pays at
+    that count and every larger one, and whether it pays at a prefill's rows too;
+    ``PackedLinear(few_rows=N, prefill=...)`` sends fewer rows, and more than ``MAX_ROWS``
+    unless ``prefill``, to torch's product."""
+    import rheoplan.models.packed_linear as pl
+    from rheoplan.kernels.linear import cpu as kernel
 
-    model = _tiny_llama()
-    assert few_rows_pays(model, packed=False) is None
-    assert pack_linears(model, onednn=False, few_rows=True) == 0
+    model = _tiny_llama(torch.float32)
+    for kernel_ms, prefill_ms, want in (([1, 1, 1, 1, 1], 1, (1, True)), ([3, 1, 1, 1, 1], 3, (2, False)),
+                                        ([1, 3, 1, 1, 1], 1, (4, True)), ([3, 3, 3, 3, 3], 1, (0, False)),
+                                        ([1, 1, 1, 1, 3], 1, (0, False))):
+        def timed(lins, new, old, rows, reps, k=kernel_ms, p=prefill_ms):
+            return [(p, 2.0)] if rows == (pl.PREFILL_TIMED,) else [(t, 2.0) for t in k]
+        monkeypatch.setattr(pl, "_time_pairs", timed)
+        assert pl.few_rows_span(model, packed=False) == want, kernel_ms
+    lin = torch.nn.Linear(8, 5)
+    calls = []
+    real = kernel._rows_times_weight
+    one, two, many = torch.randn(1, 8), torch.randn(2, 8), torch.randn(kernel.MAX_ROWS + 3, 8)
+    try:
+        kernel._rows_times_weight = lambda *a: (calls.append(a[0].shape[0]), real(*a))
+        with torch.no_grad():
+            pk = PackedLinear(lin, onednn=False, few_rows=2)
+            assert pk.kind == "few-rows from 2"
+            assert torch.equal(pk(one), lin(one)) and not calls  # one row: torch's product
+            assert_same_up_to_rounding(pk(two), lin(two), "two rows")
+            assert torch.equal(pk(many), lin(many)) and calls == [2]  # beyond MAX_ROWS: torch's
+            pk = PackedLinear(lin, onednn=False, few_rows=1, prefill=True)
+            assert pk.kind == "few-rows and prefill"
+            assert_same_up_to_rounding(pk(many), lin(many), "a prefill")
+            assert calls == [2, kernel.MAX_ROWS + 3]
+    finally:
+        kernel._rows_times_weight = real
+    with pytest.raises(ValueError, match="prefill=True needs few_rows"):
+        PackedLinear(lin, onednn=True, few_rows=0, prefill=True)
+
+
+def test_bfloat16_models_get_the_few_row_kernel_too_and_float16_ones_not():
+    """bfloat16 few-row products through the kernel: the same logits up to bfloat16
+    rounding; float16 (no kernel) is left alone."""
+    from rheoplan.kernels.linear import cpu as kernel
+    from rheoplan.models.packed_linear import few_rows_span
+
+    torch.manual_seed(0)
+    model = _tiny_llama(torch.bfloat16)
+    ids = torch.randint(0, 100, (1, 3))
+    with torch.no_grad():
+        want = model(ids).logits
+    assert pack_linears(model, onednn=False, few_rows=True) == 15
+    calls = []
+    real = kernel._rows_times_bfloat16_weight
+    try:
+        kernel._rows_times_bfloat16_weight = lambda *a: (calls.append(a[0].shape[0]), real(*a))
+        with torch.no_grad():
+            got = model(ids).logits
+    finally:
+        kernel._rows_times_bfloat16_weight = real
+    assert set(calls) == {3}
+    # 4 layers of bfloat16 roundings apart: close, not equal
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+    half = _tiny_llama(torch.float16)
+    assert few_rows_span(half, packed=False) is None
+    assert pack_linears(half, onednn=False, few_rows=True) == 0
 
 
 def test_pack_if_it_pays_reports_both_decisions(monkeypatch, capsys):
@@ -212,40 +274,48 @@ def test_pack_if_it_pays_reports_both_decisions(monkeypatch, capsys):
 
     model = _tiny_llama(torch.float32)
     monkeypatch.setattr(pl, "packing_pays", lambda m: False)
-    monkeypatch.setattr(pl, "few_rows_pays", lambda m, packed: True)
+    monkeypatch.setattr(pl, "few_rows_span", lambda m, packed: (1, False))
     assert pl.pack_if_it_pays(model, "tiny") is True
     err = capsys.readouterr().err
     assert "not packed" in err and "few-row numba kernel" in err
     assert {m.kind for m in model.modules() if isinstance(m, PackedLinear)} == {"few-rows"}
     model = _tiny_llama(torch.float32)
-    monkeypatch.setattr(pl, "few_rows_pays", lambda m, packed: False)
+    monkeypatch.setattr(pl, "few_rows_span", lambda m, packed: (0, False))
     assert pl.pack_if_it_pays(model, "tiny") is False
     assert "keep torch's kernels" in capsys.readouterr().err
+    model = _tiny_llama(torch.float32)
+    monkeypatch.setattr(pl, "few_rows_span", lambda m, packed: (4, True))
+    assert pl.pack_if_it_pays(model, "tiny") is True
+    err = capsys.readouterr().err
+    assert "products of 4 or more rows" in err and "at 4, 8, 32, 128 rows; fewer rows keep torch's" in err
+    assert {m.kind for m in model.modules() if isinstance(m, PackedLinear)} == {"few-rows from 4 and prefill"}
 
 
 def _counted_few_row_decisions(monkeypatch, tmp_path):
-    """A fresh cache in ``tmp_path``, ``few_rows_pays`` replaced by one that records its
+    """A fresh cache in ``tmp_path``, ``few_rows_span`` replaced by one that records its
     ``packed`` argument and says yes: ``(the module, the record, a float32 tiny model)``."""
     import rheoplan.models.packed_linear as pl
 
     monkeypatch.setenv("RHEOPLAN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("RHEOPLAN_REMEASURE", raising=False)
     calls = []
-    monkeypatch.setattr(pl, "few_rows_pays", lambda m, packed: calls.append(packed) or True)
+    monkeypatch.setattr(pl, "few_rows_span", lambda m, packed: calls.append(packed) or (1, False))
     return pl, calls, _tiny_llama(torch.float32)
 
 
 def test_the_few_row_decision_is_cached_per_machine_and_matrices(monkeypatch, tmp_path):
     pl, calls, model = _counted_few_row_decisions(monkeypatch, tmp_path)
-    assert pl.few_rows_decision(model, packed=False) is True
-    assert pl.few_rows_decision(model, packed=False) is True and calls == [False]  # read back
+    assert pl.few_rows_decision(model, packed=False) == (1, False)
+    assert pl.few_rows_decision(model, packed=False) == (1, False) and calls == [False]  # read back
     assert (tmp_path / pl.FEW_ROWS_CACHE).exists()
     pl.few_rows_decision(model, packed=True)  # another key
     assert calls == [False, True]
+    pl.few_rows_decision(_tiny_llama(torch.bfloat16), packed=False)  # another dtype, another record
+    assert calls == [False, True, False]
     monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")
     pl.few_rows_decision(model, packed=False)
-    assert calls == [False, True, False]
-    assert pl.few_rows_decision(_tiny_llama(), packed=False) is None  # bfloat16: not served
+    assert calls == [False, True, False, False]
+    assert pl.few_rows_decision(_tiny_llama(torch.float16), packed=False) is None  # not served
 
 
 def test_the_few_row_path_sees_in_place_weight_changes_and_checks_its_input():
