@@ -1,4 +1,4 @@
-"""Measure SmolLM2-135M's float32 forwards of 1-32 tokens with each kind of linear product.
+"""Measure SmolLM2-135M's forwards of 1-32 tokens with each kind of linear product.
 
 Kinds: ``torch`` (the model as transformers loads it: MKL's products), ``packed``
 (oneDNN's, weights packed once), ``few-rows`` (products of at most 32 rows through the
@@ -7,15 +7,19 @@ the packed kinds only where this CPU can pack float32 weights. Each forward runs
 chain tokens after a ``--ctx``-token prompt and projects every row through the output
 matrix (as the walk projects a tree's nodes); the kinds take turns round by round, and
 the median of ``--rounds`` is printed per kind and ``n``, with the largest logit
-difference from ``torch``. docs/results.md, "Few-row products", quotes it.
+difference from ``torch``. ``--dtype`` float32 (default) or bfloat16 (the kernel's
+bfloat16 path; packed kinds only where this CPU can pack bfloat16 weights).
+docs/results.md, "Few-row products" and "bfloat16 few-row products", quote it.
 
 ``--products`` times instead the model's matrices alone, one product through each in turn
-(as a forward reads them, the output projection left out) at 1-64 rows: the kernel (past
+(as a forward reads them, the output projection left out) at 1-128 rows: the kernel (past
 its ``MAX_ROWS`` too), torch's product and oneDNN's packed one; where torch overtakes the
-kernel is where ``MAX_ROWS`` belongs on this machine.
+kernel is where ``MAX_ROWS`` belongs on this machine (``PackedLinear(prefill=True)`` where
+it never does).
 
 Usage:
     python examples/measure_few_row_products.py [--rounds 7] [--ctx 150] [--threads 2] [--products]
+        [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ def forward(model, cache, ctx: int, n: int) -> torch.Tensor:
     pos = torch.arange(ctx, ctx + n)[None]
     allowed = torch.ones(n, ctx + n, dtype=torch.bool)
     allowed[:, ctx:] = torch.ones(n, n, dtype=torch.bool).tril()
-    mask = None if n == 1 else additive_mask(allowed, torch.float32)
+    mask = None if n == 1 else additive_mask(allowed, model.dtype)
     with torch.no_grad():
         h = model.model(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True,
                         **{_cache_kwarg(model.model): cache}).last_hidden_state
@@ -55,19 +59,21 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=150)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--products", action="store_true", help="time the matrices alone (see the module doc)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     a = ap.parse_args(argv)
     if a.rounds < 1 or a.ctx < 1 or a.threads < 1:
         raise SystemExit(f"--rounds={a.rounds}, --ctx={a.ctx}, --threads={a.threads}: allowed >= 1 each")
     torch.set_num_threads(a.threads)
     from transformers import DynamicCache
 
-    model, _ = load_smollm2(torch.float32)
+    dtype = getattr(torch, a.dtype)
+    model, _ = load_smollm2(dtype)
     if a.products:
         return time_products(model, a.rounds)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model.model(input_ids=torch.arange(a.ctx)[None] + 100, use_cache=True, **{_cache_kwarg(model.model): cache})
-    kinds = {k: v for k, v in KINDS.items() if v is None or not v[0] or packing_available(torch.float32, "cpu")}
+    kinds = {k: v for k, v in KINDS.items() if v is None or not v[0] or packing_available(dtype, "cpu")}
     ms = {(k, n): [] for k in kinds for n in TOKENS}
     logits: dict[str, dict[int, torch.Tensor]] = {}
     for r in range(a.rounds):
@@ -82,7 +88,7 @@ def main(argv=None) -> int:
                 ms[(k, n)].append(1e3 * (time.perf_counter() - t0))
                 logits.setdefault(k, {})[n] = out
     unpack_linears(model)
-    print(f"float32 forward + output projection, ms (median of {a.rounds}), {a.ctx} cached tokens, "
+    print(f"{a.dtype} forward + output projection, ms (median of {a.rounds}), {a.ctx} cached tokens, "
           f"{a.threads} threads")
     print("| kind | " + " | ".join(f"{n} tok" for n in TOKENS) + " | largest logit difference from torch |")
     print("|---|" + "---|" * (len(TOKENS) + 1))
@@ -92,30 +98,31 @@ def main(argv=None) -> int:
     return 0
 
 
-PRODUCT_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
+PRODUCT_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 128)
 
 
 def time_products(model, rounds: int) -> int:
     """``--products``: ms per pass over the body's matrices, each kind at each row count."""
     body = [m for m in model.model.modules() if type(m) is torch.nn.Linear]
     weights = [m.weight.detach() for m in body]
-    arrays = [w.numpy() for w in weights]
+    arrays = [few_row_kernel.weight_array(w) for w in weights]
+    dtype = weights[0].dtype
     kinds = {"few-row kernel": lambda x, i: few_row_kernel.rows_times(x, arrays[i]),
              "torch": lambda x, i: torch.nn.functional.linear(x, weights[i])}
-    if packing_available(torch.float32, "cpu"):
+    if packing_available(dtype, "cpu"):
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
         kinds["packed"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
     ms = {(k, n): [] for k in kinds for n in PRODUCT_ROWS}
     with torch.no_grad():
         for r in range(rounds):
             for n in PRODUCT_ROWS:
-                xs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
+                xs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=dtype) for w in weights}
                 for k in list(kinds)[r % len(kinds):] + list(kinds)[:r % len(kinds)]:
                     t0 = time.perf_counter()
                     for i, w in enumerate(weights):
                         kinds[k](xs[w.shape[1]], i)
                     ms[(k, n)].append(1e3 * (time.perf_counter() - t0))
-    print(f"{len(body)} matrices of the decoder stack, one product each in turn, ms (median of {rounds}); "
+    print(f"{len(body)} {dtype} matrices of the decoder stack, one product each in turn, ms (median of {rounds}); "
           f"the kernel serves up to MAX_ROWS = {few_row_kernel.MAX_ROWS} rows in a decode")
     print("| kind | " + " | ".join(f"{n} rows" for n in PRODUCT_ROWS) + " |")
     print("|---|" + "---|" * len(PRODUCT_ROWS))
