@@ -9,7 +9,7 @@ all input rows (two input rows per pass over it) and splits the output columns o
 threads: the decoder stack's 210 matrices, one product each, took 29 / 37 / 58 ms at 8 /
 16 / 32 rows against torch's 49 / 59 / 76 (docs/results.md, "Few-row products" and its
 second round). Whether it pays is measured on the model
-(``rheoplan.models.packed_linear.few_rows_pays``), not read from CPU flags.
+(``rheoplan.models.packed_linear.few_rows_span``), not read from CPU flags.
 
 Rounding: each output is one dot product summed in a fixed order (the vectorised
 reduction ``reassoc`` allows), the same order whatever the other rows and whatever the
@@ -190,13 +190,14 @@ def _rows_times_bfloat16_weight(x_bits, w, out, shares):
     uint16 bits), each element widened to float32 (exactly) and summed in float32: the
     float32 kernel's bits on the widened operands, stored in ``out`` as float32 or (a
     uint16 ``out``) rounded to bfloat16 bits as torch rounds. Widening and rounding in here,
-    not by torch around the call, saves two torch calls per product (about 10 us each). Half the bytes to read, so one row costs about two thirds of the
-    float32 kernel's (the decoder stack's 210 matrices, 1 row: 10.7 against 16.9 ms on
-    the AVX2-only AMD EPYC). Beyond two rows a block of four weight rows is widened once
-    into a float32 buffer of its thread, not once per pair of rows (16 rows: 28.0 against
-    37.2 ms). The columns are split in ``shares`` contiguous shares (one per thread), one
-    buffer each (the caller passes the thread count: asking numba for it in here would
-    keep the function out of numba's on-disk cache)."""
+    not by torch around the call, saves two torch calls per product (5-10 us each). Half
+    the bytes to read, so one row costs about two thirds of the float32 kernel's (the
+    decoder stack's 210 matrices, 1 row: 10.7 against 16.9 ms on the AVX2-only AMD EPYC).
+    Beyond two rows a block of four weight rows is widened once into a float32 buffer of
+    its thread, not once per pair of rows (16 rows: 28.0 against 37.2 ms). The columns are
+    split in ``shares`` contiguous shares (one per thread), one buffer each (the caller
+    passes the thread count: asking numba for it in here would keep the function out of
+    numba's on-disk cache)."""
     r, k_len = x_bits.shape
     x = np.empty((r, k_len), np.float32)
     for i in range(r):
@@ -230,10 +231,10 @@ def rows_served(x: torch.Tensor, weight: torch.Tensor, most: int = MAX_ROWS) -> 
     """How many rows of ``x`` the kernel multiplies by ``weight [N, K]``: all of them when
     ``x`` is float32 or bfloat16 (``DTYPES``) on the CPU with ``K`` features, 1 to
     ``most`` rows (a prompt's prefill too where the caller measured the kernel faster
-    there: ``PackedLinear(prefill=True)``), and no gradient is asked of the product (``x`` does not require one,
-    nor ``weight`` while autograd records); else 0 (torch's product). The weight's own
-    dtype and device are ``supported``'s to check (``PackedLinear`` fixes them when it is
-    built, and calls this on every product)."""
+    there: ``PackedLinear(prefill=True)``), and no gradient is asked of the product (``x``
+    does not require one, nor ``weight`` while autograd records); else 0 (torch's
+    product). The weight's own dtype and device are ``supported``'s to check
+    (``PackedLinear`` fixes them when it is built, and calls this on every product)."""
     k = weight.shape[1]
     if x.dtype not in DTYPES or x.shape[-1] != k or k == 0 or not x.is_cpu or x.requires_grad:
         return 0
@@ -270,7 +271,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return rows_times(x, weight_array(weight), bias)
 
 
-# the thread count numba was last set to, per Python thread (numba's setting is per thread)
+# per Python thread (numba's setting is per thread): torch's thread count when numba's was
+# last set (``torch``) and what it was set to (``n``)
 _threads = threading.local()
 
 
@@ -284,8 +286,8 @@ def rows_times(x: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None = None)
     In bfloat16 the sums (and a bias) are float32 and the result is rounded to bfloat16
     once, as torch's bfloat16 product rounds."""
     threads = torch.get_num_threads()
-    if getattr(_threads, "n", 0) != threads:  # the same share of the cores as torch's products
-        _threads.n = min(threads, numba.config.NUMBA_NUM_THREADS)
+    if getattr(_threads, "torch", 0) != threads:  # the same share of the cores as torch's products
+        _threads.torch, _threads.n = threads, min(threads, numba.config.NUMBA_NUM_THREADS)
         numba.set_num_threads(_threads.n)
     bf16 = w.dtype == np.uint16  # bfloat16: the kernel reads and writes the 16-bit patterns
     xn = x.view(torch.int16).numpy().view(np.uint16) if bf16 else x.numpy()

@@ -152,10 +152,10 @@ class PackedLinear(torch.nn.Module):
 
 def pack_linears(model: torch.nn.Module, onednn: bool = True, few_rows: int = 0, prefill: bool = False) -> int:
     """Replace every ``nn.Linear`` of ``model`` in a ``PACKED_DTYPES`` dtype (in place) by a
-    ``PackedLinear(onednn=..., few_rows=..., prefill=...)`` (``few_rows``: the fewest rows the
-    kernel multiplies, 0 = never; ``prefill``: beyond ``MAX_ROWS`` rows too); returns how many were replaced (0 where
-    neither is available: oneDNN packing for the dtype, the few-row kernel for float32 and
-    bfloat16)."""
+    ``PackedLinear(onednn=..., few_rows=..., prefill=...)`` (``few_rows``: the fewest rows
+    the kernel multiplies, 0 = never; ``prefill``: beyond ``MAX_ROWS`` rows too); returns
+    how many were replaced (0 where neither is available: oneDNN packing for the dtype, the
+    few-row kernel for float32 and bfloat16)."""
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -272,10 +272,10 @@ def few_rows_span(model: torch.nn.Module, packed: bool, rows: tuple[int, ...] = 
     model's dtype.
 
     From a row count, not all or nothing: in bfloat16 on the AVX2-only AMD EPYC torch's
-    one-row products (20.6 ms for SmolLM2-135M's matrices) beat the kernel's (25.2, with
-    its per-call costs) while from 2 rows the kernel wins by 1.4x to 6x, and a prompt's
-    prefill through torch's bfloat16 products took four times as long as in float32
-    (docs/results.md, "bfloat16 few-row products").
+    one-row products (17.6-18.0 ms for SmolLM2-135M's matrices and output projection) beat
+    the kernel's (20.2-21.4, with its per-call costs) while from 2 rows the kernel wins by
+    1.5x to 6x; and the prompts' prefill through torch's bfloat16 products took 3.7 times
+    as long as in float32 (docs/results.md, "bfloat16 few-row products").
 
     Every matrix in turn, as a forward reads them, not the largest one again and again:
     timed on the largest matrix alone, hot in the caches, the rule once decided against
