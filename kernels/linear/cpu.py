@@ -71,9 +71,12 @@ def _bfloat16_bits_to_float32(typingctx, bits):
     return sig, codegen
 
 
-def _widen(v):  # pragma: no cover - only numba compiles it (``_widen_impl``)
-    """A weight element as float32: itself (float32 weights) or its bfloat16 bits widened."""
-    raise NotImplementedError("only for numba-compiled code")
+def _widen(v):
+    """A weight element as float32: itself (float32 weights) or its bfloat16 bits widened
+    (``np.uint16``). Python's version; numba compiles ``_widen_impl``'s."""
+    if isinstance(v, np.uint16):
+        return np.array(np.uint32(v) << np.uint32(16), np.uint32).view(np.float32)[()]
+    return v
 
 
 @overload(_widen, inline="always")
@@ -95,9 +98,28 @@ def _float32_bits(typingctx, f):
     return sig, codegen
 
 
-def _narrow(out, v):  # pragma: no cover - only numba compiles it (``_narrow_impl``)
-    """A float32 sum as ``out`` stores it: itself, or rounded to bfloat16 bits."""
-    raise NotImplementedError("only for numba-compiled code")
+@njit(inline="always")
+def _rounded_bfloat16_bits(bits):
+    """The bfloat16 nearest the float32 of ``bits`` (uint32, not a NaN), ties to even: the
+    rounding of torch's float -> bfloat16 conversion (c10's ``round_to_nearest_even``);
+    infinities stay, overflow rounds to them. No sum overflows 32 bits: the largest
+    non-NaN pattern, 0xFF800000, plus 0x8000 stays below 2**32."""
+    return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+#: the bfloat16 pattern every NaN becomes (c10's scalar conversion's; torch's vectorised one
+#: writes 0xFFFF, another NaN)
+_BFLOAT16_NAN = 0x7FC0
+
+
+def _narrow(out, v):
+    """A float32 sum as ``out`` stores it: itself (a float32 ``out``), or rounded to
+    bfloat16 bits (a uint16 ``out``). Python's version; numba compiles ``_narrow_impl``'s."""
+    if out.dtype != np.uint16:
+        return v
+    if v != v:
+        return np.uint16(_BFLOAT16_NAN)
+    return _rounded_bfloat16_bits(np.float32(v).view(np.uint32))
 
 
 @overload(_narrow, inline="always")
@@ -106,12 +128,9 @@ def _narrow_impl(out, v):
         return lambda out, v: v
     if out.dtype == types.uint16:
         def to_bfloat16_bits(out, v):
-            # torch's float -> bfloat16 conversion (c10's round_to_nearest_even): to nearest,
-            # ties to even; NaN becomes its quiet NaN, infinities stay, overflow rounds to them
             if v != v:
-                return np.uint16(0x7FC0)
-            bits = _float32_bits(v)
-            return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                return np.uint16(_BFLOAT16_NAN)
+            return _rounded_bfloat16_bits(_float32_bits(v))
         return to_bfloat16_bits
     return None
 

@@ -67,6 +67,34 @@ def test_bfloat16_is_the_float32_kernel_on_the_widened_operands_rounded_once(out
     assert ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 1e-5 * scale + 1e-6).all()
 
 
+def test_the_kernels_conversions_are_torchs():
+    """The kernels' widening and rounding, Python's versions (the compiled ones share the
+    rounding formula, ``_rounded_bfloat16_bits``): widening is torch's ``.float()``, rounding
+    torch's ``.bfloat16()`` bit for bit, ties to even, infinities and overflow too (a NaN
+    stays a NaN)."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(4)
+    one = 1.0
+    values = torch.cat([torch.tensor([one + 2 ** -8, one + 2 ** -7 + 2 ** -8, -(one + 2 ** -8), 0.0, -0.0,
+                                      float("inf"), -float("inf"), float("nan"), 3.4e38, -3.4e38, 1e-40,
+                                      2 ** -133]),
+                        torch.randn(2000, generator=g) * 10.0 ** torch.randint(-30, 30, (2000,), generator=g)])
+    out = np.empty(1, np.uint16)
+    got = torch.tensor([int(cpu._narrow(out, np.float32(v))) for v in values.tolist()], dtype=torch.int32)
+    want = values.bfloat16()
+    # a NaN's pattern differs (torch's vectorised conversion writes 0xFFFF, its scalar one and
+    # the kernel 0x7FC0): NaN either way; every other value the same bits
+    nan = want.isnan()
+    assert (got.to(torch.int16).view(torch.bfloat16).isnan() == nan).all()
+    assert torch.equal(got[~nan], want.view(torch.int16)[~nan].to(torch.int32) & 0xFFFF)
+    bits = torch.randint(0, 2 ** 16, (2000,), generator=g).to(torch.int16)
+    widened = [float(cpu._widen(np.uint16(b))) for b in bits.numpy().view(np.uint16).tolist()]
+    torch.testing.assert_close(torch.tensor(widened), bits.view(torch.bfloat16).float(), rtol=0, atol=0,
+                               equal_nan=True)
+    assert cpu._narrow(np.empty(1, np.float32), np.float32(0.3)) == np.float32(0.3)
+
+
 def test_a_bfloat16_rows_bits_do_not_depend_on_the_other_rows():
     """As in float32, and across the kernel's two bfloat16 paths (a lone row or a pair is
     read from the 16-bit weight, more rows from a widened buffer)."""
