@@ -336,6 +336,8 @@ def test_the_few_row_path_sees_in_place_weight_changes_and_checks_its_input():
             pk(torch.randn(4, 6))  # 24 numbers: 3 rows of 8, were the feature count not checked
         many = torch.randn(kernel.MAX_ROWS + 1, 8)
         assert torch.equal(pk(many), lin(many))  # torch's product beyond MAX_ROWS
+    with torch.no_grad():  # an input that requires a gradient, autograd off: torch's product
+        assert torch.equal(pk(x.clone().requires_grad_()), lin(x))
     y = pk(x.requires_grad_())  # autograd on: torch's product, gradients flow
     y.sum().backward()
     assert x.grad is not None and lin.weight.grad is not None
