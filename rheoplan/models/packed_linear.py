@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -150,24 +151,155 @@ class PackedLinear(torch.nn.Module):
                 f"{self.kind}")
 
 
-def pack_linears(model: torch.nn.Module, onednn: bool = True, few_rows: int = 0, prefill: bool = False) -> int:
+class _SharedProduct:
+    """One product for sibling linears that multiply the same input (``FusedPart``): their
+    weights (and biases) concatenated into one matrix, run as one ``PackedLinear``, and the
+    last input's result kept per Python thread until every part has taken its columns.
+
+    Why: a Llama layer's q, k and v projections read the same normed hidden states, its
+    gate and up projections too; as one product each input row is read once per set and
+    the per-call costs (about 15-20 us through the few-row kernel, 210 calls per SmolLM2
+    forward) are paid once: on the AVX2-only AMD EPYC in bfloat16, one row through q, k and
+    v took 54.9 us apart and 33.7 us as one product, gate and up 93.6 against 78.7
+    (docs/results.md, "Sibling products as one")."""
+
+    def __init__(self, linears: list[torch.nn.Linear], onednn: bool, few_rows: int, prefill: bool) -> None:
+        self.weights = [m.weight for m in linears]  # the parts' parameters, for ``repack``
+        self.biases = [m.bias for m in linears]
+        self.settings = (onednn, few_rows, prefill)
+        ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
+        self.spans = list(zip([0] + ends[:-1], ends))  # each part's columns of the product
+        self.product: PackedLinear | None = None
+        self._last = threading.local()
+        self.repack()
+
+    def repack(self) -> None:
+        """Concatenate the parts' current weights again (a copy: the parts' parameters stay
+        as they are, so ``state_dict`` does not change)."""
+        with torch.no_grad():
+            w = torch.cat([t.detach() for t in self.weights])
+            whole = torch.nn.Linear(w.shape[1], w.shape[0], bias=self.biases[0] is not None,
+                                    device="meta", dtype=w.dtype)
+            whole.weight = torch.nn.Parameter(w, requires_grad=False)
+            if self.biases[0] is not None:
+                whole.bias = torch.nn.Parameter(torch.cat([t.detach() for t in self.biases]), requires_grad=False)
+            self.product = PackedLinear(whole, *self.settings)
+        self._last = threading.local()  # results of the old weights are stale
+
+    def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Part ``i``'s columns of the product of ``x``: computed for every part on the first
+        call with this ``x`` (the same tensor, unchanged since: its version counter), then
+        taken from the kept result. A caller that changes ``x`` in place between two parts,
+        or gives the parts different inputs, gets a fresh product: right, only slower. An
+        inference tensor (``torch.inference_mode``) has no version counter: each part then
+        runs the whole product."""
+        a, b = self.spans[i]
+        if x.is_inference():  # no version counter to tell a changed input: no result kept
+            return self.product(x)[..., a:b]
+        last = self._last
+        version = x._version
+        if getattr(last, "x", None) is not x or last.version != version:
+            last.out, last.x, last.version, last.left = self.product(x), x, version, len(self.spans)
+        out = last.out[..., a:b]
+        last.left -= 1
+        if last.left <= 0:  # every part had its turn: let the input and the result go
+            last.out = last.x = None
+        return out
+
+
+class FusedPart(PackedLinear):
+    """One of ``SIBLINGS`` run as part of a ``_SharedProduct``: its own ``weight`` and
+    ``bias`` parameters stay (``state_dict`` unchanged, ``unpack_linears`` restores an
+    ``nn.Linear`` on them), its product is its columns of the shared one. Outputs: the
+    product's columns are views (their rows strided by the shared width), the same numbers
+    up to rounding as the part's own product (bit for bit through the few-row kernel,
+    whose sums do not depend on the rows beside them)."""
+
+    def __init__(self, linear: torch.nn.Linear, shared: _SharedProduct, index: int) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.onednn, self.few_rows, self.prefill = shared.settings
+        self._shared, self._index = shared, index
+
+    def repack(self) -> None:
+        """Concatenate the siblings' current weights again (all parts of the set)."""
+        self._shared.repack()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the shared product's weights are copies without gradients: where autograd records
+        # and anything asks for one (or in training), the part's own product keeps it right
+        if x.dtype != self.weight.dtype or (torch.is_grad_enabled() and (
+                self.training or x.requires_grad or self.weight.requires_grad)):
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return self._shared.part(x, self._index)
+
+    @property
+    def kind(self) -> str:
+        return f"{super().kind} fused"
+
+
+def pack_linears(model: torch.nn.Module, onednn: bool = True, few_rows: int = 0, prefill: bool = False,
+                 fuse: bool = False) -> int:
     """Replace every ``nn.Linear`` of ``model`` in a ``PACKED_DTYPES`` dtype (in place) by a
     ``PackedLinear(onednn=..., few_rows=..., prefill=...)`` (``few_rows``: the fewest rows
-    the kernel multiplies, 0 = never; ``prefill``: beyond ``MAX_ROWS`` rows too); returns
-    how many were replaced (0 where neither is available: oneDNN packing for the dtype, the
-    few-row kernel for float32 and bfloat16)."""
+    the kernel multiplies, 0 = never; ``prefill``: beyond ``MAX_ROWS`` rows too); with
+    ``fuse``, siblings that read one input (``SIBLINGS``: a layer's q / k / v, its gate / up)
+    become ``FusedPart``s of one product instead. Returns how many linears were replaced (0
+    where neither is available: oneDNN packing for the dtype, the few-row kernel for float32
+    and bfloat16)."""
     n = 0
     for parent in list(model.modules()):
+        if fuse:
+            n += _fuse_children(parent, onednn, few_rows, prefill)
         for name, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear:
                 continue
-            dt, dev = child.weight.dtype, child.weight.device
-            use_onednn = onednn and packing_available(dt, dev)
-            use_few = few_rows if few_rows_available(dt, dev) else 0
-            if use_onednn or use_few:
-                setattr(parent, name, PackedLinear(child, onednn=use_onednn, few_rows=use_few,
-                                                   prefill=prefill and bool(use_few)))
+            settings = _settings(child, onednn, few_rows, prefill)
+            if settings is not None:
+                setattr(parent, name, PackedLinear(child, *settings))
                 n += 1
+    return n
+
+
+def _settings(lin: torch.nn.Linear, onednn: bool, few_rows: int, prefill: bool) -> tuple[bool, int, bool] | None:
+    """``PackedLinear``'s ``(onednn, few_rows, prefill)`` for ``lin`` as ``pack_linears`` asks
+    them, narrowed to what its dtype and device allow; None where nothing is available."""
+    dt, dev = lin.weight.dtype, lin.weight.device
+    use_onednn = onednn and packing_available(dt, dev)
+    use_few = few_rows if few_rows_available(dt, dev) else 0
+    if not (use_onednn or use_few):
+        return None
+    return use_onednn, use_few, prefill and bool(use_few)
+
+
+#: sibling linears of one module that multiply the same input, as transformers' Llama-family
+#: layers (and the EAGLE-3 head) call them: ``pack_linears(fuse=True)`` runs each set as one
+#: product of the concatenated weights
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _fuse_children(parent: torch.nn.Module, onednn: bool, few_rows: int, prefill: bool) -> int:
+    """Replace each ``SIBLINGS`` set among ``parent``'s children that can share one product
+    (all plain ``nn.Linear`` with one input width, dtype and device, all with or all without
+    a bias) by ``FusedPart``s; returns how many linears were replaced."""
+    n = 0
+    for names in SIBLINGS:
+        lins = [parent._modules.get(name) for name in names]
+        if not all(type(m) is torch.nn.Linear for m in lins):
+            continue
+        first = lins[0]
+        if any(m.in_features != first.in_features or m.weight.dtype != first.weight.dtype
+               or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None) for m in lins):
+            continue
+        settings = _settings(first, onednn, few_rows, prefill)
+        if settings is None:
+            continue
+        shared = _SharedProduct(lins, *settings)
+        for i, (name, lin) in enumerate(zip(names, lins)):
+            setattr(parent, name, FusedPart(lin, shared, i))
+        n += len(lins)
     return n
 
 
@@ -198,12 +330,13 @@ def unpacked(model: torch.nn.Module):
     linears (if any) for the block and pack them again after, even if it raises (the
     benchmarks time ``generate`` so, as a user without rheoplan has it)."""
     kinds = {(m.onednn, m.few_rows, m.prefill) for m in model.modules() if isinstance(m, PackedLinear)}
+    fuse = any(isinstance(m, FusedPart) for m in model.modules())
     unpack_linears(model)
     try:
         yield model
     finally:
         for onednn, few_rows, prefill in kinds:  # one kind per model as the loader packs it
-            pack_linears(model, onednn=onednn, few_rows=few_rows, prefill=prefill)
+            pack_linears(model, onednn=onednn, few_rows=few_rows, prefill=prefill, fuse=fuse)
 
 
 #: ``packing_pays``: packed may be this much slower than plain at a row count where the two
@@ -340,15 +473,84 @@ def few_rows_decision(model: torch.nn.Module, packed: bool) -> tuple[int, bool] 
     return span
 
 
+#: ``fusing_span``'s row counts: a one-token step and tree forwards
+FUSING_TIMED = (1, 2, 4, 8)
+#: ``fusing_decision``'s cache file (under ``rheoplan.costmodel.cache_dir()``)
+FUSING_CACHE = "fusing.json"
+
+
+def _sibling_sets(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
+    """Every ``SIBLINGS`` set of plain ``nn.Linear`` children in ``model``, as a forward
+    reads them (a layer's q, k, v, then its gate, up)."""
+    sets = []
+    for parent in model.modules():
+        for names in SIBLINGS:
+            lins = [parent._modules.get(name) for name in names]
+            if all(type(m) is torch.nn.Linear for m in lins):
+                sets.append(lins)
+    return sets
+
+
+def fusing_pays(model: torch.nn.Module, onednn: bool, few_rows: int, prefill: bool,
+                rows: tuple[int, ...] = FUSING_TIMED, reps: int = 5) -> bool | None:
+    """Time every ``SIBLINGS`` set of ``model`` in turn, as ``pack_linears`` would run it
+    with these settings, its parts apart and as one product (``pack_linears(fuse=True)``),
+    at each of ``rows``; True when one product is faster by ``packing_decision``'s rule,
+    None when the model has no such set or nothing is packed for its dtype."""
+    sets = _sibling_sets(model)
+    settings = _settings(sets[0][0], onednn, few_rows, prefill) if sets else None
+    if settings is None:
+        return None
+    apart = [[PackedLinear(m, *settings) for m in lins] for lins in sets]
+    shared = [_SharedProduct(lins, *settings) for lins in sets]
+
+    def run_apart(xs):
+        for parts, x in zip(apart, xs):
+            for m in parts:
+                m(x)
+
+    def run_fused(xs):
+        for sh, x in zip(shared, xs):
+            for i in range(len(sh.spans)):
+                sh.part(x, i)
+
+    # one input per set, shared by its parts
+    return packing_decision(_time_pairs([lins[0] for lins in sets], run_fused, run_apart, rows, reps))
+
+
+def fusing_decision(model: torch.nn.Module, onednn: bool, few_rows: int, prefill: bool) -> bool | None:
+    """``fusing_pays``, cached per machine, torch version, thread count, the settings and the
+    sibling sets' shapes (a second or two for SmolLM2-135M). ``RHEOPLAN_REMEASURE=1``
+    measures again."""
+    sets = _sibling_sets(model)
+    if not sets or _settings(sets[0][0], onednn, few_rows, prefill) is None:
+        return None
+    shapes = sorted({tuple(tuple(m.weight.shape) for m in lins) for lins in sets})
+    w = sets[0][0].weight
+    key = cache_key("fusing", f"{len(sets)} sets {shapes}", w.device, onednn=onednn, few_rows=few_rows,
+                    prefill=prefill, kernel=few_row_kernel.VERSION, dtype=str(w.dtype).removeprefix("torch."))
+    rec = None if remeasure_requested() else cache_read(FUSING_CACHE, key)
+    if rec is not None and type(rec.get("fuse")) is bool:
+        return rec["fuse"]
+    fuse = fusing_pays(model, onednn, few_rows, prefill)
+    if fuse is not None:
+        cache_write(FUSING_CACHE, key, {"fuse": fuse})
+    return fuse
+
+
 def pack_where_it_pays(model: torch.nn.Module) -> tuple[int, bool | None, tuple[int, bool] | None]:
-    """Measure (``packing_pays``, then ``few_rows_decision``) and pack ``model``'s linears so;
-    returns ``(linears replaced, packing pays, few_rows_decision's (first, prefill))``
-    (None: not available; first 0: the kernel pays from no row count)."""
+    """Measure (``packing_pays``, then ``few_rows_decision``, then ``fusing_decision``) and
+    pack ``model``'s linears so; returns ``(linears replaced, packing pays,
+    few_rows_decision's (first, prefill))`` (None: not available; first 0: the kernel pays
+    from no row count). Whether sibling products run as one shows in the model
+    (``FusedPart`` modules)."""
     onednn = packing_pays(model)
     span = few_rows_decision(model, packed=bool(onednn))
     first, prefill = span or (0, False)
-    n = pack_linears(model, onednn=bool(onednn), few_rows=first, prefill=prefill) if (onednn or first) else 0
-    return n, onednn, span
+    if not (onednn or first):
+        return 0, onednn, span
+    fuse = bool(fusing_decision(model, bool(onednn), first, prefill))
+    return pack_linears(model, onednn=bool(onednn), few_rows=first, prefill=prefill, fuse=fuse), onednn, span
 
 
 def pack_if_it_pays(model, what: str, log=None) -> bool:
@@ -373,4 +575,11 @@ def pack_if_it_pays(model, what: str, log=None) -> bool:
               file=log)
     elif few == 0:
         print(f"{what}: few-row products keep torch's kernels (the numba kernel measured no faster here)", file=log)
+    fused = sum(isinstance(m, FusedPart) for m in model.modules())
+    if fused:
+        print(f"{what}: {fused} sibling projections (q / k / v, gate / up) run as one product per set "
+              "(measured faster here; same outputs up to rounding)", file=log)
+    elif any(isinstance(m, PackedLinear) and name.rpartition(".")[2] == sets[0]
+             for name, m in model.named_modules() for sets in SIBLINGS):
+        print(f"{what}: sibling projections run apart (one product per set measured no faster here)", file=log)
     return n > 0

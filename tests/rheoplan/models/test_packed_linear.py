@@ -274,6 +274,7 @@ def test_pack_if_it_pays_reports_both_decisions(monkeypatch, capsys):
 
     model = _tiny_llama(torch.float32)
     monkeypatch.setattr(pl, "packing_pays", lambda m: False)
+    monkeypatch.setattr(pl, "fusing_pays", lambda m, *a: False)  # its own test: just below
     monkeypatch.setattr(pl, "few_rows_span", lambda m, packed: (1, False))
     assert pl.pack_if_it_pays(model, "tiny") is True
     err = capsys.readouterr().err
@@ -357,3 +358,125 @@ def test_records_timed_with_another_kernel_version_are_measured_again(monkeypatc
 
     pack_linears(model, onednn=False, few_rows=True)
     assert speed_tag(model) == " few-rows (another blocking)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_siblings_give_their_own_products_bit_for_bit_and_keep_the_parameters(dtype):
+    """``pack_linears(fuse=True)``: a layer's q / k / v and gate / up run as one product per
+    set (``FusedPart``); through the few-row kernel each part's columns are the bits its own
+    product gives (the kernel's sums do not depend on the weight rows beside them), the
+    parameters and ``state_dict`` are the model's own, and unpacking restores ``nn.Linear``."""
+    import rheoplan.models.packed_linear as pl
+
+    torch.manual_seed(0)
+    model = _tiny_llama(dtype)
+    names = [n for n, _ in model.named_parameters()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = [torch.randint(0, 100, (1, r)) for r in (1, 2, 3, 9)]
+    assert pack_linears(model, onednn=False, few_rows=True) == 15
+    with torch.no_grad():
+        want = [model(i).logits for i in ids]
+    unpack_linears(model)
+    assert pack_linears(model, onednn=False, few_rows=True, fuse=True) == 15
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert all(type(m) is pl.FusedPart for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+    assert type(attn.o_proj) is PackedLinear and type(mlp.down_proj) is PackedLinear
+    assert attn.q_proj._shared is attn.v_proj._shared and attn.q_proj._shared is not mlp.up_proj._shared
+    assert {m.kind for m in model.modules() if isinstance(m, PackedLinear)} == {"few-rows", "few-rows fused"}
+    with torch.no_grad():
+        for i, w in zip(ids, want):
+            assert torch.equal(model(i).logits, w), f"{i.shape[1]} tokens"
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    with pl.unpacked(model):
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert type(model.model.layers[1].mlp.gate_proj) is pl.FusedPart  # fused again after the block
+    assert unpack_linears(model) == 15 and not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_a_shared_product_runs_once_per_input_and_again_for_a_changed_one():
+    """The parts of a set share one product per input tensor; an input changed in place, or
+    another input, gets a product of its own (never a stale result), as does each part of
+    an inference tensor; where autograd records, a part runs its own product (gradients
+    reach its weight); ``repack`` follows changed weights."""
+    import threading
+
+    import rheoplan.models.packed_linear as pl
+
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(8, n, bias=True) for n in (8, 4, 4)]
+    parent = torch.nn.Module()
+    for name, lin in zip(("q_proj", "k_proj", "v_proj"), lins):
+        setattr(parent, name, lin)
+    assert pack_linears(parent, onednn=False, few_rows=True, fuse=True) == 3
+    parts = [parent.q_proj, parent.k_proj, parent.v_proj]
+    shared = parts[0]._shared
+    products = []
+    real = shared.product.forward
+    shared.product.forward = lambda x: products.append(1) or real(x)
+
+    def check(x, what):
+        for part, lin in zip(parts, lins):
+            assert_same_up_to_rounding(part(x), lin(x), what)
+
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        check(x, "one input")
+        assert len(products) == 1
+        x0, q = x.clone(), parts[0](x)
+        x.mul_(3.0)  # changed in place between two parts: a fresh product
+        assert_same_up_to_rounding(parts[1](x), lins[1](x), "after an in-place change")
+        assert len(products) == 3
+        assert_same_up_to_rounding(q, lins[0](x0), "a part taken before the change keeps its values")
+        y = torch.randn(2, 8)
+        assert_same_up_to_rounding(parts[2](y), lins[2](y), "another input")
+        other = []  # another Python thread keeps its own result
+        def in_thread():
+            with torch.no_grad():  # autograd's switch is per thread too
+                other.append(parts[0](torch.ones(1, 8)))
+
+        t = threading.Thread(target=in_thread)
+        parts[0](x)
+        n = len(products)
+        t.start(), t.join()
+        assert_same_up_to_rounding(other[0], lins[0](torch.ones(1, 8)), "another thread")
+        assert len(products) == n + 1  # the thread's own product
+        assert_same_up_to_rounding(parts[1](x), lins[1](x), "kept across the other thread's call")
+        assert len(products) == n + 1
+    with torch.inference_mode():
+        z = torch.randn(2, 8)
+        check(z, "an inference tensor")
+    parent.eval()  # not training: what sends a part to its own product is autograd alone
+    x = torch.randn(2, 8, requires_grad=True)
+    parts[1](x).sum().backward()
+    assert lins[1].weight.grad is not None and x.grad is not None
+    with torch.no_grad():
+        lins[2].weight.add_(1.0)
+        parts[2].repack()
+        check(torch.randn(4, 8), "after repack")
+
+
+def test_the_fusing_decision_is_measured_cached_and_reported(monkeypatch, tmp_path, capsys):
+    import rheoplan.models.packed_linear as pl
+
+    monkeypatch.setenv("RHEOPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("RHEOPLAN_REMEASURE", raising=False)
+    model = _tiny_llama(torch.float32)
+    assert type(pl.fusing_pays(model, False, 1, False, reps=1)) is bool  # really timed
+    calls = []
+    monkeypatch.setattr(pl, "fusing_pays", lambda m, *a: calls.append(a) or True)
+    assert pl.fusing_decision(model, False, 1, False) is True
+    assert pl.fusing_decision(model, False, 1, False) is True and len(calls) == 1  # read back
+    pl.fusing_decision(model, False, 2, True)  # other settings, another record
+    assert len(calls) == 2
+    assert pl.fusing_decision(_tiny_llama(torch.float16), False, 1, False) is None  # nothing packs float16
+    monkeypatch.setattr(pl, "packing_pays", lambda m: False)
+    monkeypatch.setattr(pl, "few_rows_span", lambda m, packed: (1, False))
+    monkeypatch.setenv("RHEOPLAN_REMEASURE", "1")
+    assert pl.pack_if_it_pays(model, "tiny") is True
+    assert "10 sibling projections (q / k / v, gate / up) run as one product" in capsys.readouterr().err
+    model = _tiny_llama(torch.float32)
+    monkeypatch.setattr(pl, "fusing_pays", lambda m, *a: False)
+    assert pl.pack_if_it_pays(model, "tiny") is True
+    assert "sibling projections run apart" in capsys.readouterr().err
+    assert not any(isinstance(m, pl.FusedPart) for m in model.modules())
