@@ -42,6 +42,13 @@ torch's products alone, which bfloat16 never promised otherwise) and, timing a
 prefill-sized product too, whether the kernel serves prompts as well (``prefill=True``;
 bfloat16 on that EPYC); ``pack_if_it_pays`` runs both measurements.
 
+Sibling products as one: a Llama layer's q, k and v projections read the same input, as
+do its gate and up projections (``SIBLINGS``). ``pack_linears(fuse=True)`` runs each set as
+one product of the concatenated weights (``FusedPart`` over a ``_SharedProduct``): one
+call and one read of the input instead of three or two; through the few-row kernel each
+part gets the bits of its own product. ``fusing_decision`` times it on the model and
+``pack_where_it_pays`` fuses where it pays.
+
 The module keeps the original ``weight`` and ``bias`` parameters (tied weights stay tied,
 ``state_dict`` is unchanged); the packed copy is an extra buffer of the same size, made
 again by ``repack`` if the weights change. Inference only: the packed path has no
