@@ -289,18 +289,11 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def _fuse_children(parent: torch.nn.Module, onednn: bool, few_rows: int, prefill: bool) -> int:
     """Replace each ``SIBLINGS`` set among ``parent``'s children that can share one product
-    (all plain ``nn.Linear`` with one input width, dtype and device, all with or all without
-    a bias) by ``FusedPart``s; returns how many linears were replaced."""
+    (``_shareable``) by ``FusedPart``s; returns how many linears were replaced."""
     n = 0
     for names in SIBLINGS:
-        lins = [parent._modules.get(name) for name in names]
-        if not all(type(m) is torch.nn.Linear for m in lins):
-            continue
-        first = lins[0]
-        if any(m.in_features != first.in_features or m.weight.dtype != first.weight.dtype
-               or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None) for m in lins):
-            continue
-        settings = _settings(first, onednn, few_rows, prefill)
+        lins = _shareable(parent, names)
+        settings = None if lins is None else _settings(lins[0], onednn, few_rows, prefill)
         if settings is None:
             continue
         shared = _SharedProduct(lins, *settings)
@@ -308,6 +301,19 @@ def _fuse_children(parent: torch.nn.Module, onednn: bool, few_rows: int, prefill
             setattr(parent, name, FusedPart(lin, shared, i))
         n += len(lins)
     return n
+
+
+def _shareable(parent: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Linear] | None:
+    """``parent``'s children ``names`` when they can run as one product: all plain
+    ``nn.Linear`` with one input width, dtype and device, all with or all without a bias."""
+    lins = [parent._modules.get(name) for name in names]
+    if not all(type(m) is torch.nn.Linear for m in lins):
+        return None
+    first = lins[0]
+    if any(m.in_features != first.in_features or m.weight.dtype != first.weight.dtype
+           or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None) for m in lins):
+        return None
+    return lins
 
 
 def few_rows_available(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -480,22 +486,17 @@ def few_rows_decision(model: torch.nn.Module, packed: bool) -> tuple[int, bool] 
     return span
 
 
-#: ``fusing_span``'s row counts: a one-token step and tree forwards
+#: ``fusing_pays``' row counts: a one-token step and tree forwards
 FUSING_TIMED = (1, 2, 4, 8)
 #: ``fusing_decision``'s cache file (under ``rheoplan.costmodel.cache_dir()``)
 FUSING_CACHE = "fusing.json"
 
 
 def _sibling_sets(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
-    """Every ``SIBLINGS`` set of plain ``nn.Linear`` children in ``model``, as a forward
-    reads them (a layer's q, k, v, then its gate, up)."""
-    sets = []
-    for parent in model.modules():
-        for names in SIBLINGS:
-            lins = [parent._modules.get(name) for name in names]
-            if all(type(m) is torch.nn.Linear for m in lins):
-                sets.append(lins)
-    return sets
+    """Every ``SIBLINGS`` set of ``model`` that can run as one product (``_shareable``), as a
+    forward reads them (a layer's q, k, v, then its gate, up)."""
+    sets = (_shareable(parent, names) for parent in model.modules() for names in SIBLINGS)
+    return [lins for lins in sets if lins is not None]
 
 
 def fusing_pays(model: torch.nn.Module, onednn: bool, few_rows: int, prefill: bool,
@@ -586,7 +587,7 @@ def pack_if_it_pays(model, what: str, log=None) -> bool:
     if fused:
         print(f"{what}: {fused} sibling projections (q / k / v, gate / up) run as one product per set "
               "(measured faster here; same outputs up to rounding)", file=log)
-    elif any(isinstance(m, PackedLinear) and name.rpartition(".")[2] == sets[0]
-             for name, m in model.named_modules() for sets in SIBLINGS):
+    elif any(isinstance(m, PackedLinear) and name.rpartition(".")[2] == names[0]
+             for name, m in model.named_modules() for names in SIBLINGS):
         print(f"{what}: sibling projections run apart (one product per set measured no faster here)", file=log)
     return n > 0

@@ -401,8 +401,6 @@ def test_a_shared_product_runs_once_per_input_and_again_for_a_changed_one():
     reach its weight); ``repack`` follows changed weights."""
     import threading
 
-    import rheoplan.models.packed_linear as pl
-
     torch.manual_seed(0)
     lins = [torch.nn.Linear(8, n, bias=True) for n in (8, 4, 4)]
     parent = torch.nn.Module()
@@ -480,3 +478,18 @@ def test_the_fusing_decision_is_measured_cached_and_reported(monkeypatch, tmp_pa
     assert pl.pack_if_it_pays(model, "tiny") is True
     assert "sibling projections run apart" in capsys.readouterr().err
     assert not any(isinstance(m, pl.FusedPart) for m in model.modules())
+
+
+def test_siblings_that_cannot_share_a_product_stay_apart():
+    """Siblings with another input width, or a bias where the others have none, are packed
+    each on its own (and ``fusing_pays`` finds nothing to time)."""
+    import rheoplan.models.packed_linear as pl
+
+    for k_proj in (torch.nn.Linear(6, 4, bias=False), torch.nn.Linear(8, 4, bias=True)):
+        parent = torch.nn.Module()
+        parent.q_proj, parent.k_proj, parent.v_proj = torch.nn.Linear(8, 8, bias=False), k_proj, \
+            torch.nn.Linear(8, 4, bias=False)
+        assert pl.fusing_pays(parent, False, 1, False) is None
+        assert pack_linears(parent, onednn=False, few_rows=True, fuse=True) == 3
+        assert not any(isinstance(m, pl.FusedPart) for m in parent.modules())
+        assert all(type(m) is PackedLinear for m in (parent.q_proj, parent.k_proj, parent.v_proj))
