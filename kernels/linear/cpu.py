@@ -47,7 +47,7 @@ MAX_ROWS = 32
 #: this kernel's blocking, part of the keys of the caches that hold timings made with it
 #: (``rheoplan.loading.speed_tag``, the dtype probes): a record timed with another version
 #: of the kernel is measured again
-VERSION = f"rows in pairs, at most {MAX_ROWS}, float32 and bfloat16"
+VERSION = f"rows in pairs, a lone row by eights, at most {MAX_ROWS}, float32 and bfloat16"
 
 _FAST = {"reassoc", "contract"}
 
@@ -176,6 +176,62 @@ def _pair_times_four(x, i, i1, w, q, out, j):
 
 
 @njit(inline="always", fastmath=_FAST)
+def _row_times_eight(x, i, w, q, out, j):
+    """``out[i, j:j+8] = x[i] . w[q:q+8]``: a lone input row against eight weight rows, eight
+    accumulators. Why: ``_pair_times_four`` with a row paired with itself does every
+    multiply twice; a one-row product (a ``generate`` step, a draft head call, one node's
+    output projection) now does each once (bfloat16 on the AVX2-only AMD EPYC: SmolLM2's
+    49152 x 576 output projection 2.98 -> 2.50 ms, the model's 211 matrices in turn
+    17.9 -> 15.9 ms; docs/results.md, "A lone row by eights"). Each accumulator is summed
+    in the same order as in ``_pair_times_four`` (LLVM vectorises both loops alike: one
+    vector lane per ``k`` modulo the vector width, the same final reduction), so a row's
+    bits do not depend on whether it came alone (``tests/kernels/linear`` holds it to that,
+    compiler and all)."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    a4 = np.float32(0.0)
+    a5 = np.float32(0.0)
+    a6 = np.float32(0.0)
+    a7 = np.float32(0.0)
+    for k in range(x.shape[1]):
+        u = x[i, k]
+        a0 += u * _widen(w[q, k])
+        a1 += u * _widen(w[q + 1, k])
+        a2 += u * _widen(w[q + 2, k])
+        a3 += u * _widen(w[q + 3, k])
+        a4 += u * _widen(w[q + 4, k])
+        a5 += u * _widen(w[q + 5, k])
+        a6 += u * _widen(w[q + 6, k])
+        a7 += u * _widen(w[q + 7, k])
+    out[i, j] = _narrow(out, a0)
+    out[i, j + 1] = _narrow(out, a1)
+    out[i, j + 2] = _narrow(out, a2)
+    out[i, j + 3] = _narrow(out, a3)
+    out[i, j + 4] = _narrow(out, a4)
+    out[i, j + 5] = _narrow(out, a5)
+    out[i, j + 6] = _narrow(out, a6)
+    out[i, j + 7] = _narrow(out, a7)
+
+
+@njit(inline="always", fastmath=_FAST)
+def _lone_row(x, w, out, jb):
+    """Block ``jb`` of eight weight rows for a one-row ``x``: ``_row_times_eight``, or at
+    the end of ``w`` a block of four (``_pair_times_four``, the row paired with itself) and
+    the last 1-3 rows (``_last_rows``), as the paired loops do them."""
+    j = jb * 8
+    n = w.shape[0]
+    if j + 8 <= n:
+        _row_times_eight(x, 0, w, j, out, j)
+        return
+    if j + 4 <= n:
+        _pair_times_four(x, 0, 0, w, j, out, j)
+        j += 4
+    _last_rows(x, w, out, j)
+
+
+@njit(inline="always", fastmath=_FAST)
 def _last_rows(x, w, out, j):
     """The last 1-3 weight rows (from ``j``), one dot product at a time."""
     for jj in range(j, w.shape[0]):
@@ -191,9 +247,14 @@ def _rows_times_weight(x, w, out):
     """``out[i, j] = sum_k x[i, k] * w[j, k]`` for float32 ``x [r, K]``, ``w [N, K]`` (both
     C-contiguous): blocks of four weight rows, each read once for all ``r`` rows, input
     rows two at a time (``_pair_times_four``; at 8 and 16 rows a forward's matrices and its
-    output projection took 36 / 47 ms against 42 / 63 one row at a time)."""
+    output projection took 36 / 47 ms against 42 / 63 one row at a time); a lone row in
+    blocks of eight weight rows (``_lone_row``)."""
     r = x.shape[0]
     n = w.shape[0]
+    if r == 1:
+        for jb in prange((n + 7) // 8):
+            _lone_row(x, w, out, jb)
+        return
     for jb in prange((n + 3) // 4):
         j = jb * 4
         if j + 4 <= n:
@@ -214,7 +275,8 @@ def _rows_times_bfloat16_weight(x_bits, w, out, shares):
     one row costs about two thirds of the float32 kernel's (the decoder stack's 210
     matrices, 1 row: 10.7 against 16.9 ms on the AVX2-only AMD EPYC).
     Beyond two rows a block of four weight rows is widened once into a float32 buffer of
-    its thread, not once per pair of rows (16 rows: 28.0 against 37.2 ms). The columns are
+    its thread, not once per pair of rows (16 rows: 28.0 against 37.2 ms); a lone row runs
+    in blocks of eight weight rows straight from the 16-bit weight (``_lone_row``). The columns are
     split in ``shares`` contiguous shares (one per thread), one buffer each (the caller
     passes the thread count: asking numba for it in here would keep the function out of
     numba's on-disk cache)."""
@@ -224,6 +286,13 @@ def _rows_times_bfloat16_weight(x_bits, w, out, shares):
         for k in range(k_len):
             x[i, k] = _bfloat16_bits_to_float32(x_bits[i, k])
     n = w.shape[0]
+    if r == 1:
+        blocks = (n + 7) // 8
+        per = (blocks + shares - 1) // shares
+        for t in prange(shares):
+            for jb in range(t * per, min(blocks, (t + 1) * per)):
+                _lone_row(x, w, out, jb)
+        return
     blocks = (n + 3) // 4
     per = (blocks + shares - 1) // shares
     for t in prange(shares):

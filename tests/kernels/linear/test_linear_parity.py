@@ -108,6 +108,31 @@ def test_a_bfloat16_rows_bits_do_not_depend_on_the_other_rows():
     assert torch.equal(cpu.linear(x[3:12], w), every[3:12])
 
 
+def test_a_bfloat16_rows_float32_sums_do_not_depend_on_the_other_rows():
+    """The bfloat16 kernel's float32 sums before its one rounding (a float32 ``out``): a
+    lone row (blocks of eight weight rows), a pair (the 16-bit weight) and rows among 16
+    (the widened buffer) get the same bits, the float32 kernel's on the widened operands.
+    Compared before rounding because the rounding to bfloat16 hides most differences in
+    summation order (a lone row summed backwards passed the test above)."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(1543, 576, generator=g).bfloat16()  # 1543 = 8 * 192 + 4 + 3: every tail
+    x = torch.randn(16, 576, generator=g).bfloat16()
+    wn, xn = cpu.weight_array(w), x.view(torch.int16).numpy().view(np.uint16)
+
+    def sums(rows):
+        out = np.empty((len(rows), wn.shape[0]), np.float32)
+        cpu._rows_times_bfloat16_weight(np.ascontiguousarray(xn[rows]), wn, out, 2)
+        return torch.from_numpy(out)
+
+    every = sums(list(range(16)))
+    assert torch.equal(every, cpu.linear(x.float(), w.float()))
+    for i in (0, 7, 15):
+        assert torch.equal(sums([i]), every[i:i + 1])
+    assert torch.equal(sums([4, 5]), every[4:6])
+
+
 def test_leading_dims_and_strided_inputs():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 40, generator=g)
