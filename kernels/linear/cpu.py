@@ -137,11 +137,12 @@ def _narrow_impl(out, v):
 
 @njit(inline="always", fastmath=_FAST)
 def _pair_times_four(x, i, i1, w, q, out, j):
-    """``out[i | i1, j:j+4] = x[i | i1] . w[q:q+4]``: the kernels' one loop, eight
+    """``out[i | i1, j:j+4] = x[i | i1] . w[q:q+4]``: the kernels' main loop, eight
     accumulators (four weight rows x two input rows), so each weight element loaded serves
-    two rows. Every row of every product goes through this loop (an odd last row paired
-    with itself), so its sums are the same bits whatever rows are beside it and whatever
-    the weight's dtype (tests/kernels/linear)."""
+    two rows. Every row of a product of two or more rows goes through this loop (an odd
+    last row paired with itself), a lone row through ``_row_times_eight``, which sums in
+    the same order; so a row's sums are the same bits whatever rows are beside it and
+    whatever the weight's dtype (tests/kernels/linear)."""
     a0 = np.float32(0.0)
     a1 = np.float32(0.0)
     a2 = np.float32(0.0)
