@@ -196,6 +196,37 @@ def chain_linear(root: int, prefix_len: int, n: int):
 #: what ``choose_dtype`` picks by: the forward each decoding step runs
 PICK_BY = {"tree": f"the {PROBE_TREE}-token verify forward a drafted step runs",
            "one": "the 1-token forward an autoregressive step runs"}
+#: dtypes whose deciding forward is within this factor of the fastest one tie, and the tie
+#: goes to the smaller sum of both forwards. Why: on the AVX2-only AMD EPYC the two
+#: dtypes' 9-token forwards came within the machine's noise of each other (float32 72.0
+#: against bfloat16 72.9 ms in a slow spell, 61.0 against 54.2 at another load) while
+#: bfloat16's 1-token forward was clearly faster (43.5 against 50.4), and the choice
+#: flipped to float32 on 0.9 ms (docs/results.md, "A lone row by eights")
+PICK_TIE = 1.05
+
+
+def pick_dtype(ms: dict[str, list[float]], pick_by: str = "tree") -> tuple[str, bool]:
+    """``(dtype name, tied)`` from ``{dtype name: [1-token ms, PROBE_TREE-token ms]}``: the
+    fastest by ``pick_by``'s forward (``PICK_BY``); dtypes within ``PICK_TIE`` of it tie,
+    and the tie goes to the smaller sum of both forwards (then the first listed).
+
+    Example:
+        >>> pick_dtype({"float32": [50.4, 72.0], "bfloat16": [43.5, 72.9]})
+        ('bfloat16', True)
+        >>> pick_dtype({"float32": [51.0, 78.0], "bfloat16": [61.0, 63.0]})
+        ('bfloat16', False)
+        >>> pick_dtype({"float32": [51.0, 78.0], "bfloat16": [61.0, 63.0]}, "one")
+        ('float32', False)
+    """
+    if pick_by not in PICK_BY:
+        raise ValueError(f"pick_by={pick_by!r} is not understood: allowed one of {sorted(PICK_BY)}")
+    if not ms:
+        raise ValueError("ms holds no dtype")
+    col = 1 if pick_by == "tree" else 0
+    names = list(ms)
+    lead = min(ms[n][col] for n in names)
+    tied = [n for n in names if ms[n][col] <= PICK_TIE * lead]
+    return min(tied, key=lambda n: (sum(ms[n]), names.index(n))), len(tied) > 1
 
 
 def choose_dtype(model, *, model_id: str | None = None, pick_by: str = "tree", reps: int = 5,
@@ -205,7 +236,8 @@ def choose_dtype(model, *, model_id: str | None = None, pick_by: str = "tree", r
     ``PROBE_TREE``-token verify forward in each supported dtype, round-robin (a few
     seconds on a slow 2-core CPU, once: the times are cached).
 
-    ``pick_by`` names the forward that decides (``PICK_BY``): ``'tree'`` (speculative
+    ``pick_by`` names the forward that decides (``PICK_BY``; a tie within ``PICK_TIE`` goes
+    to the smaller sum of both, ``pick_dtype``): ``'tree'`` (speculative
     decoding: each step verifies a tree) or ``'one'`` (autoregressive decoding). They can
     disagree: on an Intel Xeon that exposes AMX, float32 ran the 1-token forward faster
     (51 against 61 ms) while bfloat16 ran 16 tokens in barely more time than one (67 ms,
@@ -230,11 +262,10 @@ def choose_dtype(model, *, model_id: str | None = None, pick_by: str = "tree", r
     if ms is None:
         ms = _time_dtypes(model, dev, prompt_len, reps, timer)
         where = f"; cached in {cache_write(DTYPE_CACHE, key, {'ms': ms})}" if use_cache else ""
-    col = 1 if pick_by == "tree" else 0
-    names = list(ms)
-    best = min(names, key=lambda n: (ms[n][col], names.index(n)))
+    best, tied = pick_dtype(ms, pick_by)
     times = ", ".join(f"{n} {one:.1f} / {tree:.1f}" for n, (one, tree) in ms.items())
-    print(f"dtype auto: {best}, by {PICK_BY[pick_by]} (ms per 1-token / {PROBE_TREE}-token forward: "
+    tie = (f"; within {PICK_TIE:g}x of each other there, so by the sum of both forwards" if tied else "")
+    print(f"dtype auto: {best}, by {PICK_BY[pick_by]}{tie} (ms per 1-token / {PROBE_TREE}-token forward: "
           f"{times}{where})", file=log)
     return getattr(torch, best), ms
 

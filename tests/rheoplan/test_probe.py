@@ -170,6 +170,39 @@ def test_choose_dtype_picks_by_the_forward_the_decoding_runs(cache, monkeypatch)
         probe.choose_dtype(model, model_id="tiny", pick_by="both", timer=clock, log=log)
 
 
+def test_choose_dtype_breaks_a_tie_by_both_forwards(cache, monkeypatch):
+    # the AVX2-only AMD EPYC in a slow spell: the 9-token forwards within the noise of each
+    # other, bfloat16 clearly faster for one token
+    model = tiny_llama()
+    clock, seen = Clock(), []
+    costs = {torch.float32: {1: 50.4, probe.PROBE_TREE: 72.0}, torch.bfloat16: {1: 43.5, probe.PROBE_TREE: 72.9}}
+    monkeypatch.setattr(probe, "_forward", _fake_forwards(clock, costs, seen))
+    log = io.StringIO()
+    dt, _ = probe.choose_dtype(model, model_id="tiny", pick_by="tree", timer=clock, log=log)
+    assert dt is torch.bfloat16
+    assert "within 1.05x of each other there, so by the sum of both forwards" in log.getvalue()
+
+
+@pytest.mark.parametrize("ms,pick_by,want", [
+    # beyond the margin the deciding forward decides, whatever the sum says
+    ({"float32": [80.0, 70.0], "bfloat16": [40.0, 80.0]}, "tree", ("float32", False)),
+    ({"float32": [80.0, 70.0], "bfloat16": [40.0, 73.4]}, "tree", ("bfloat16", True)),
+    ({"float32": [40.0, 90.0], "bfloat16": [41.9, 60.0]}, "one", ("bfloat16", True)),
+    ({"float32": [40.0, 90.0], "bfloat16": [42.1, 60.0]}, "one", ("float32", False)),
+    # an exact tie everywhere: the first listed
+    ({"float32": [50.0, 70.0], "bfloat16": [50.0, 70.0]}, "tree", ("float32", True)),
+])
+def test_pick_dtype_ties_within_the_margin_only(ms, pick_by, want):
+    assert probe.pick_dtype(ms, pick_by) == want
+
+
+def test_pick_dtype_rejects_bad_input():
+    with pytest.raises(ValueError, match="pick_by='sum'.*allowed"):
+        probe.pick_dtype({"float32": [1.0, 2.0]}, "sum")
+    with pytest.raises(ValueError, match="ms holds no dtype"):
+        probe.pick_dtype({})
+
+
 def test_choose_dtype_measures_again_over_a_record_without_both_forwards(cache, monkeypatch):
     model = tiny_llama()
     clock, seen = Clock(), []
