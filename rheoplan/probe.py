@@ -205,6 +205,11 @@ PICK_BY = {"tree": f"the {PROBE_TREE}-token verify forward a drafted step runs",
 PICK_TIE = 1.05
 
 
+def _check_pick_by(pick_by: str) -> None:
+    if pick_by not in PICK_BY:
+        raise ValueError(f"pick_by={pick_by!r} is not understood: allowed one of {sorted(PICK_BY)}")
+
+
 def pick_dtype(ms: dict[str, list[float]], pick_by: str = "tree") -> tuple[str, bool]:
     """``(dtype name, tied)`` from ``{dtype name: [1-token ms, PROBE_TREE-token ms]}``: the
     fastest by ``pick_by``'s forward (``PICK_BY``); dtypes within ``PICK_TIE`` of it tie,
@@ -218,8 +223,7 @@ def pick_dtype(ms: dict[str, list[float]], pick_by: str = "tree") -> tuple[str, 
         >>> pick_dtype({"float32": [51.0, 78.0], "bfloat16": [61.0, 63.0]}, "one")
         ('float32', False)
     """
-    if pick_by not in PICK_BY:
-        raise ValueError(f"pick_by={pick_by!r} is not understood: allowed one of {sorted(PICK_BY)}")
+    _check_pick_by(pick_by)
     if not ms:
         raise ValueError("ms holds no dtype")
     col = 1 if pick_by == "tree" else 0
@@ -249,8 +253,7 @@ def choose_dtype(model, *, model_id: str | None = None, pick_by: str = "tree", r
     forward]})``; the times are cached per machine + model, and a later load (with either
     ``pick_by``) picks from them.
     """
-    if pick_by not in PICK_BY:
-        raise ValueError(f"pick_by={pick_by!r} is not understood: allowed one of {sorted(PICK_BY)}")
+    _check_pick_by(pick_by)
     dev = next(model.parameters()).device
     mid = model_id or model_identity(model)
     # every dtype is timed with packed linear weights and few-row products where each pays

@@ -149,14 +149,19 @@ def test_choose_dtype_measures_caches_and_reads_back(cache, monkeypatch, costs, 
     assert seen  # asked to measure again
 
 
+def _timed_dtypes(monkeypatch, one_and_tree):
+    """A tiny model, a fake clock on which each dtype's 1-token and ``PROBE_TREE``-token
+    forwards cost ``one_and_tree[dtype]`` ms, the list of dtypes timed and a log."""
+    clock, seen = Clock(), []
+    costs = {dt: {1: one, probe.PROBE_TREE: tree} for dt, (one, tree) in one_and_tree.items()}
+    monkeypatch.setattr(probe, "_forward", _fake_forwards(clock, costs, seen))
+    return tiny_llama(), clock, seen, io.StringIO()
+
+
 def test_choose_dtype_picks_by_the_forward_the_decoding_runs(cache, monkeypatch):
     # this machine's shape (an AMX-exposing Xeon): float32 is faster for one token,
     # bfloat16 for a verify tree
-    model = tiny_llama()
-    clock, seen = Clock(), []
-    costs = {torch.float32: {1: 51.0, probe.PROBE_TREE: 78.0}, torch.bfloat16: {1: 61.0, probe.PROBE_TREE: 63.0}}
-    monkeypatch.setattr(probe, "_forward", _fake_forwards(clock, costs, seen))
-    log = io.StringIO()
+    model, clock, seen, log = _timed_dtypes(monkeypatch, {torch.float32: (51.0, 78.0), torch.bfloat16: (61.0, 63.0)})
     dt, ms = probe.choose_dtype(model, model_id="tiny", pick_by="tree", timer=clock, log=log)
     assert dt is torch.bfloat16
     assert ms["float32"] == [pytest.approx(51.0), pytest.approx(78.0)]
@@ -173,11 +178,7 @@ def test_choose_dtype_picks_by_the_forward_the_decoding_runs(cache, monkeypatch)
 def test_choose_dtype_breaks_a_tie_by_both_forwards(cache, monkeypatch):
     # the AVX2-only AMD EPYC in a slow spell: the 9-token forwards within the noise of each
     # other, bfloat16 clearly faster for one token
-    model = tiny_llama()
-    clock, seen = Clock(), []
-    costs = {torch.float32: {1: 50.4, probe.PROBE_TREE: 72.0}, torch.bfloat16: {1: 43.5, probe.PROBE_TREE: 72.9}}
-    monkeypatch.setattr(probe, "_forward", _fake_forwards(clock, costs, seen))
-    log = io.StringIO()
+    model, clock, _, log = _timed_dtypes(monkeypatch, {torch.float32: (50.4, 72.0), torch.bfloat16: (43.5, 72.9)})
     dt, _ = probe.choose_dtype(model, model_id="tiny", pick_by="tree", timer=clock, log=log)
     assert dt is torch.bfloat16
     assert "within 1.05x of each other there, so by the sum of both forwards" in log.getvalue()
