@@ -145,7 +145,7 @@ def load_head(path, model, draft_dtype: str = "auto"):
         raise ValueError(f"draft_dtype={draft_dtype!r} is not one of {DRAFT_DTYPES}")
     drf = load_eagle3_checkpoint(path, model)
     if draft_dtype == "auto":
-        dt, _ = choose_head_dtype(drf.head, head_id=f"eagle3:{Path(path).resolve()}")
+        dt, _ = choose_head_dtype(drf.head, head_id=f"eagle3:{Path(path).resolve()}", target=model)
     else:
         dt = getattr(torch, draft_dtype)
     if dt != torch.float32:

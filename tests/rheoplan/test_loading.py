@@ -32,7 +32,8 @@ def test_load_head_in_the_asked_or_measured_dtype(tiny, monkeypatch, asked, pick
     model, ckpt = tiny
     seen = []
 
-    def choose(head, head_id):
+    def choose(head, head_id, target):
+        assert target is model  # timed after the target's output projection
         seen.append(head_id)
         return picked, {}
 

@@ -12,6 +12,7 @@ from _decode_models import tiny_llama
 from rheoplan import probe
 from rheoplan.config import TreeConfig
 from rheoplan.costmodel import Timings
+from rheoplan.models.eagle3.head import Eagle3Config, Eagle3Head
 from rheoplan.models.packed_linear import PackedLinear, pack_linears, packing_available
 
 
@@ -240,7 +241,13 @@ def test_choose_dtype_times_every_dtype_packed_where_packing_pays(cache, monkeyp
     assert not any(isinstance(m, PackedLinear) for m in model.modules())  # the caller's comes back plain
 
 
-def _fake_head_matmuls(clock, cost_by_dtype, seen):
+def tiny_head() -> Eagle3Head:
+    cfg = Eagle3Config(vocab_size=50, draft_vocab_size=20, hidden_size=32, intermediate_size=64,
+                       num_attention_heads=4, num_key_value_heads=2)
+    return Eagle3Head(cfg).eval()
+
+
+def _fake_head_steps(clock, cost_by_dtype, seen):
     def fake(head, rows):
         dt = next(head.parameters()).dtype
         seen.append(dt)
@@ -250,13 +257,14 @@ def _fake_head_matmuls(clock, cost_by_dtype, seen):
 
 @pytest.mark.parametrize("costs,want", [
     ({torch.float32: 6.0, torch.bfloat16: 1.5}, torch.bfloat16),   # 4x faster: taken
-    ({torch.float32: 6.0, torch.bfloat16: 5.5}, torch.float32),    # 1.09x: below the margin
+    ({torch.float32: 6.0, torch.bfloat16: 5.5}, torch.bfloat16),   # 1.09x: past the margin
+    ({torch.float32: 6.0, torch.bfloat16: 5.8}, torch.float32),    # 1.03x: a tie keeps float32
     ({torch.float32: 6.0, torch.bfloat16: 9.0}, torch.float32),
 ])
 def test_choose_head_dtype_needs_the_margin_and_caches(cache, monkeypatch, costs, want):
-    head = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    head = tiny_head()
     clock, seen = Clock(), []
-    monkeypatch.setattr(probe, "_head_matmuls", _fake_head_matmuls(clock, costs, seen))
+    monkeypatch.setattr(probe, "_head_step", _fake_head_steps(clock, costs, seen))
     log = io.StringIO()
     dt, ms = probe.choose_head_dtype(head, head_id="tiny head", timer=clock, log=log)
     assert dt is want and set(seen) == {torch.float32, torch.bfloat16}
@@ -269,16 +277,37 @@ def test_choose_head_dtype_needs_the_margin_and_caches(cache, monkeypatch, costs
     assert seen  # the key names the head
 
 
-def test_head_matmuls_times_every_linear_and_bad_arguments_are_refused():
-    head = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+def test_choose_head_dtype_times_each_step_after_the_targets_projection(cache, monkeypatch):
+    clock, order = Clock(), []
+    monkeypatch.setattr(probe, "_head_step", lambda head, rows: lambda: order.append(
+        str(next(head.parameters()).dtype)))
+    monkeypatch.setattr(probe, "output_projection_gap", lambda model: lambda: order.append("gap"))
+    log = io.StringIO()
+    probe.choose_head_dtype(tiny_head(), head_id="tiny head", target=tiny_llama(), reps=2, timer=clock, log=log)
+    assert order == ["gap", "torch.float32", "gap", "torch.bfloat16"] * 3  # a warm-up round, then reps
+    assert "after the target's output projection" in log.getvalue()
+    order.clear()  # timed without the gap, the record is another one: measured again
+    probe.choose_head_dtype(tiny_head(), head_id="tiny head", reps=2, timer=clock, log=log)
+    assert order == ["torch.float32", "torch.bfloat16"] * 3
+
+
+def test_head_step_makes_a_root_call_and_a_call_of_the_nodes():
+    head = tiny_head()
     calls = []
-    for m in head.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.register_forward_hook(lambda mod, i, o: calls.append(tuple(i[0].shape)))
-    probe._head_matmuls(head, 3)()
-    assert calls == [(3, 8), (3, 16)]
-    with pytest.raises(ValueError, match="no Linear"):
-        probe._head_matmuls(torch.nn.ReLU(), 3)
+    head.register_forward_hook(lambda mod, args, out: calls.append(
+        (tuple(args[1].shape), tuple(args[3][0].shape), tuple(args[4].shape), tuple(out[0].shape))))
+    probe._head_step(head, 3, context=10)()
+    # the root call fuses two pairs of target features (3 x 32 wide) over 10 cached pairs;
+    # the three nodes read the root's hidden and see the cache, the pairs and themselves
+    assert calls == [((2, 96), (2, 10, 8), (2, 12), (2, 32)), ((3, 32), (2, 12, 8), (3, 15), (3, 32))]
+
+
+def test_choose_head_dtype_refuses_bad_arguments():
+    head = tiny_head()
+    with pytest.raises(TypeError, match="head is a Sequential: allowed an Eagle3Head"):
+        probe._head_step(torch.nn.Sequential(torch.nn.Linear(8, 16)), 3)
+    with pytest.raises(TypeError, match="head is a Sequential: allowed an Eagle3Head"):
+        probe.choose_head_dtype(torch.nn.Sequential(torch.nn.Linear(8, 16)), head_id="x")
     with pytest.raises(ValueError, match="margin=0.5 is out of range"):
         probe.choose_head_dtype(head, head_id="x", margin=0.5)
     with pytest.raises(ValueError, match="rows=0 is out of range"):
