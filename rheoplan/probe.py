@@ -36,7 +36,7 @@ from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, 
 from rheoplan.models.base import DraftModel
 from rheoplan.models.eagle3.head import Eagle3Head
 from rheoplan.models.hf_target import HFTarget
-from rheoplan.models.packed_linear import PACKING_RULE, PackedLinear, pack_where_it_pays, unpack_linears
+from rheoplan.models.packed_linear import PACKING_RULE, pack_where_it_pays, unpack_linears
 from rheoplan.pipeline import PassContext
 from rheoplan.plan import plan_tree
 from rheoplan.planner.linearize import linearize
