@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.costmodel import Timings, cache_dir, cache_key, cache_read, cache_write, remeasure_requested
+from rheoplan.costmodel import Timings, cache_dir, cache_key, cache_read, cache_write, interp, remeasure_requested
 from rheoplan.decode import plan_and_decode
 from rheoplan.ir import empty_tree
 from rheoplan.models import as_draft, as_target, hashed_context_lm
@@ -652,7 +652,8 @@ def timings_key(model_id: str, device, dtype: str, draft_id: str, tree, batch_si
                      overhead="by-depth-1",  # one row: c_o at one depth + per further depth (older: one c_o)
                      kv="in-place",  # KV appends without a copy of the cache (growing_cache.GrowingLayer)
                      gap="projection",  # c_v timed after an output projection (older records: back to back)
-                     scales="anchored")  # batched scales against the grid timed right after (older: its own)
+                     scales="anchored",  # batched scales against the grid timed right after (older: its own)
+                     grid="checked")  # a grid row off its anchors timed again (older records could keep a spike)
 
 
 def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=None,
@@ -764,11 +765,28 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
             (ms, n), = measure_batch_tree_verify(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=[B])
             k = max(2, int(round(n)))
             tree_now = round_robin_ms(batch_forwards(model, B, (k,), ctx[0]), reps=reps, timer=timer)[0]
+            i = list(batch_sizes).index(B)
+            fresh = {1: ar_now, k: tree_now}
+            if grid_disagrees(batch_row_sizes, grid[i], fresh):
+                # one point of the row came from another spell of the machine (a 4-row
+                # one-token forward once read 65.6 ms in the grid and 37.5 when timed again):
+                # the row once more, each point keeping the lower of its two timings
+                again = measure_batch_verify(model, batch_sizes=(B,), row_sizes=batch_row_sizes, ctx=ctx[0],
+                                             reps=reps, timer=timer)[0]
+                print(f"cost model: the batched verify latency of {B} rows ({_fmt_row(batch_row_sizes, grid[i])}) "
+                      f"was off the same forwards timed again ({_fmt_row(list(fresh), list(fresh.values()))}): "
+                      f"timed its row again ({_fmt_row(batch_row_sizes, again)})", file=log)
+                grid = grid[:i] + (_curve(batch_row_sizes, retimed(grid[i], again),
+                                          f"the batched verify latency of {B} rows", log),) + grid[i + 1:]
+            # each anchor: the lower of the grid's point and its timing right after the real
+            # forward (load only slows a forward)
+            a1 = min(interp(batch_row_sizes, grid[i], 1), ar_now)
+            ak = min(interp(batch_row_sizes, grid[i], k), tree_now)
             d += bd
             o += bo
             a += ba
-            tree_scale.append(max(ms, 1e-3) / max(tree_now, 1e-3))
-            ar_scale.append(max(bfw[0], 1e-3) / max(ar_now, 1e-3))
+            tree_scale.append(max(ms, 1e-3) / max(ak, 1e-3))
+            ar_scale.append(max(bfw[0], 1e-3) / max(a1, 1e-3))
             bar.update()
         one = [b for b in batch_sizes if b == 1]  # batch 1: the batch-1 decodes above
         pick = lambda first, rest: tuple([first] * len(one) + list(rest))  # noqa: E731
@@ -936,6 +954,39 @@ def jumps(sizes: Sequence[int], ms: Sequence[float], tolerance: float = DIP_TOLE
         return False
     first, rest = float(ms[1]) - float(ms[0]), float(ms[-1]) - float(ms[1])
     return first > tolerance * float(ms[0]) and first > share * rest
+
+
+#: a batched grid point this far (either way) from the same forward timed again beside the
+#: real batched steps came from another spell of the machine (``grid_disagrees``)
+GRID_ANCHOR_TOLERANCE = 1.2
+
+
+def grid_disagrees(row_sizes: Sequence[int], row: Sequence[float], fresh: Mapping[int, float],
+                   tolerance: float = GRID_ANCHOR_TOLERANCE) -> bool:
+    """Whether any forward of ``fresh`` ({tokens per row: ms}, timed again beside the real
+    batched steps) is more than ``tolerance`` times off the grid row's value at its size
+    (interpolated), either way. The grid's prices are its row times a real forward over its
+    fresh timing, so a grid point from a busy spell priced plain 4-row steps at 69 ms where
+    they took 38, and the cost model drafted trees that lost (docs/results.md, "Twenty-fifth
+    measurement").
+
+    Example:
+        >>> grid_disagrees((1, 2, 4), (65.6, 47.4, 61.1), {1: 37.5, 3: 55.0})
+        True
+        >>> grid_disagrees((1, 2, 4), (37.5, 47.4, 61.1), {1: 40.0, 3: 55.0})
+        False
+    """
+    if len(row_sizes) != len(row):
+        raise ValueError(f"grid_disagrees: {len(row_sizes)} sizes and {len(row)} latencies: allowed one per size")
+    for n, ms in fresh.items():
+        at = interp(row_sizes, row, n)
+        if max(at, ms) > tolerance * max(min(at, ms), 1e-9):
+            return True
+    return False
+
+
+def _fmt_row(sizes: Sequence[int], ms: Sequence[float]) -> str:
+    return ", ".join(f"{n}: {v:.1f}" for n, v in zip(sizes, ms)) + " ms"
 
 
 def retimed(first: Sequence[float], again: Sequence[float]) -> list[float]:

@@ -585,7 +585,9 @@ def test_batched_scales_set_each_real_forward_against_the_grid_timed_right_after
         return fn
 
     busy = ((20.0, 40.0, 80.0), (40.0, 80.0, 160.0))  # rows 1 and 4 at 1, 2, 4 tokens per row
-    monkeypatch.setattr(probe, "measure_batch_verify", lambda *a, **k: busy)
+    # (4 rows timed again, off their anchors: busy once more, so the row stays)
+    monkeypatch.setattr(probe, "measure_batch_verify",
+                        lambda *a, batch_sizes, **k: tuple(busy[(1, 4).index(b)] for b in batch_sizes))
 
     def steps(model, draft, ids, *, batch_sizes, **kw):
         order.append(("decode", tuple(batch_sizes)))
@@ -612,6 +614,64 @@ def test_batched_scales_set_each_real_forward_against_the_grid_timed_right_after
     assert tm.batch_ar_scale[1] == pytest.approx(1.0, rel=0.05)
     assert tm.batch_tree_scale[1] == pytest.approx(1.0, rel=0.05)
     assert tm.batch_verify == busy and tm.batch_overhead_ms[1] == 9.0
+
+
+def _batched_timings(monkeypatch, grids, plain_ms, tree_ms, log):
+    """``measure_timings`` of a tiny model at rows (1, 4) x (1, 2, 4) tokens per row: the
+    grid timings come from ``grids`` in turn (one per ``measure_batch_verify`` call, as
+    {rows: row}); a real 4-row plain forward takes ``plain_ms``, a real 4-row tree forward
+    with 3 tokens in its widest row ``tree_ms``, and so do their shapes timed again."""
+    import time
+
+    extra, calls = [0.0], []
+
+    def grid(*a, batch_sizes, **k):
+        calls.append(tuple(batch_sizes))
+        g = grids[len(calls) - 1]
+        return tuple(g[b] for b in batch_sizes)
+
+    def spend(ms):
+        def fn():
+            extra[0] += ms / 1e3
+        return fn
+
+    monkeypatch.setattr(probe, "measure_batch_verify", grid)
+    monkeypatch.setattr(probe, "measure_batch_steps", lambda *a, **k: ((3.0,), (9.0,), (4.0,), (plain_ms,)))
+    monkeypatch.setattr(probe, "measure_batch_tree_verify", lambda *a, **k: ((tree_ms, 3.0),))
+    monkeypatch.setattr(probe, "batch_forwards", lambda model, B, ns, ctx, gen=None:
+                        [spend(plain_ms if n == 1 else tree_ms) for n in ns])
+    model, draft = tiny_llama(seed=1, vocab=16), tiny_llama(seed=2, vocab=16)
+    tree = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8)
+    tm = probe.measure_timings(model, draft, [1, 2, 3], tree=tree, ctx=(4, 12), sizes=(1, 2), reps=3, steps=4,
+                               model_id="tiny-grid-check", batch_sizes=(1, 4), batch_row_sizes=(1, 2, 4),
+                               timer=lambda: time.perf_counter() + extra[0], log=log)
+    if probe.batched_decode_unavailable() is not None:
+        pytest.skip("this install decodes one prompt at a time")
+    return tm, calls
+
+
+def test_a_grid_point_off_its_anchor_has_its_row_timed_again(cache, monkeypatch):
+    """The grid's 4-row one-token forward came from a busy spell (65.6 ms; it takes 37.5,
+    and the rest of the row is right): its row is timed again, each point keeps the lower
+    timing, and a plain 4-row step is priced at what it took, not at 65.6 x 37.5 / 37.5."""
+    first = {1: (30.0, 33.0, 36.0), 4: (65.6, 48.0, 61.0)}
+    again = {4: (38.0, 49.0, 60.0)}
+    log = io.StringIO()
+    tm, calls = _batched_timings(monkeypatch, [first, again], plain_ms=37.5, tree_ms=55.0, log=log)
+    assert calls == [(1, 4), (4,)]
+    assert tm.batch_verify[1] == pytest.approx((38.0, 48.0, 60.0))
+    assert tm.verify_batch(4, 1, 4) == pytest.approx(37.5, rel=0.05)
+    assert tm.verify_batch(4, 3, 4) == pytest.approx(55.0, rel=0.05)
+    assert "batched verify latency of 4 rows (1: 65.6, 2: 48.0, 4: 61.0 ms) was off" in log.getvalue()
+
+
+def test_a_grid_row_that_agrees_with_its_anchors_is_kept(cache, monkeypatch):
+    first = {1: (30.0, 33.0, 36.0), 4: (40.0, 49.0, 60.0)}
+    log = io.StringIO()
+    tm, calls = _batched_timings(monkeypatch, [first], plain_ms=37.5, tree_ms=55.0, log=log)
+    assert calls == [(1, 4)] and tm.batch_verify[1] == pytest.approx((40.0, 49.0, 60.0))
+    assert tm.verify_batch(4, 1, 4) == pytest.approx(40.0, rel=0.01)  # within the tolerance the grid's level stands
+    assert "timed its row again" not in log.getvalue()
 
 
 def test_bookkeeping_by_depth_from_the_fixed_tree_and_its_one_depth_cut():
