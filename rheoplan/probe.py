@@ -44,7 +44,7 @@ from rheoplan.planner.linearize import linearize
 DTYPE_CACHE = "dtype.json"
 HEAD_DTYPE_CACHE = "head_dtype.json"
 #: how much faster than float32 another dtype must run a step's draft calls to be chosen: a
-#: tie keeps float32, the precision heads are trained and evaluated in. (It was 1.2, on the
+#: tie keeps float32 (no reason to round a head's weights further). (It was 1.2, on the
 #: belief that a bfloat16 head accepts less: 1.84 against 1.93 and 1.78 against 1.84 tokens per
 #: step in decodes of 10-12 prompts, within their sampling noise. The trainer's held-out
 #: evaluation, which samples nothing, scores SmolLM2's shipped head alike in both dtypes:
@@ -378,10 +378,11 @@ def choose_head_dtype(head: Eagle3Head, *, head_id: str, target: torch.nn.Module
     as in a decode, where each step's verify forward streams the target's weights through
     the caches. Cached per machine + ``head_id``. Returns ``(dtype, {dtype name: median ms})``.
 
-    Why the cold caches: timed back to back, the head's weights (20-39 MB) stay in the
-    caches and both dtypes ran a call in 2.8 ms here, where inside decodes bfloat16, half
-    the bytes, ran the root call 19% faster (docs/results.md, "The draft head's dtype timed
-    as a decode runs it").
+    Why whole calls and cold caches: the head's ``Linear`` layers alone, timed back to back
+    (the weights, 20-39 MB, staying in the caches), read 2.8 ms in both dtypes on the
+    AVX2-only AMD EPYC, while whole calls after a target forward, as in a decode, ran 10-19%
+    faster in bfloat16, half the bytes to read (docs/results.md, "The draft head's dtype
+    timed as a decode runs it").
     """
     if not (isinstance(margin, (int, float)) and margin >= 1.0):
         raise ValueError(f"margin={margin!r} is out of range: allowed a number >= 1")
