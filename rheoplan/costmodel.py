@@ -154,12 +154,14 @@ class Timings:
     #: ... and per plain autoregressive step of the whole batch
     batch_ar_overhead_ms: tuple[float, ...] = ()
     #: per ``batch_sizes`` entry: a real batched verify forward of a small tree over the
-    #: grid's forward of that shape timed right after it (``probe.measure_batch_tree_verify``,
-    #: ``probe.batch_forwards``); multiplies the grid for rows of more than one token (empty: 1)
+    #: lower of the grid's forward of that shape and the same forward timed right after it
+    #: (``probe.measure_batch_tree_verify``, ``probe.batch_forwards``); multiplies the grid
+    #: for rows of more than one token (empty: 1)
     batch_tree_scale: tuple[float, ...] = ()
     #: per ``batch_sizes`` entry: the real batched forward of one token per row (a plain
-    #: autoregressive step's, ``probe.measure_batch_steps``) over the grid's one-token
-    #: forward timed right after it; multiplies the grid for rows of one token (empty: 1)
+    #: autoregressive step's, ``probe.measure_batch_steps``) over the lower of the grid's
+    #: one-token forward and that forward timed right after it; multiplies the grid for rows
+    #: of one token (empty: 1)
     batch_ar_scale: tuple[float, ...] = ()
     #: the bookkeeping each drafted depth past the first adds to a tree step of one row (ms):
     #: a deeper tree runs more passes and its walk visits more nodes (measured by decodes of
