@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import types
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,7 +32,8 @@ _ROOT = Path(__file__).resolve().parent
 def _hand_over_the_name() -> None:
     """Run when this folder was imported as the top-level ``kernels``: make that name
     Hugging Face's ``kernels`` package, found on ``sys.path`` without the checkout's root,
-    or a ``ModuleNotFoundError`` where it is not installed.
+    or, where it is not installed, an empty stand-in that reads as a namespace-package
+    shadow (no ``__file__``, no ``__version__``).
 
     ``python -m pytest`` (or any ``python -m``) from a checkout's root puts the working
     directory first on ``sys.path``, so ``import kernels`` finds this folder. transformers
@@ -39,7 +41,16 @@ def _hand_over_the_name() -> None:
     hub-kernels integration); getting this folder instead, it failed with "cannot import
     name 'CUDAProperties' from 'kernels'". The import system returns whatever
     ``sys.modules["kernels"]`` holds once this module's code has run, so putting the real
-    package there hands the import over."""
+    package there hands the import over.
+
+    Where Hugging Face's ``kernels`` is not installed, transformers still finds this folder
+    (``importlib.util.find_spec``), finds no version metadata for it, and imports it to read
+    its version; it counts a module with neither ``__file__`` nor ``__version__`` as a
+    namespace package shadowing the name, not an install, and carries on without hub
+    kernels. Raising ``ModuleNotFoundError`` here instead broke every model class import
+    (transformers 5.17 on the GPU machine: "Could not import module 'LlamaConfig'"), so the
+    stand-in is such a module: ``from kernels import x`` still fails, as for a namespace
+    package."""
     import importlib.machinery
     import importlib.util
 
@@ -47,9 +58,12 @@ def _hand_over_the_name() -> None:
     path = [p for p in sys.path if Path(p or ".").resolve() != checkout]
     spec = importlib.machinery.PathFinder.find_spec("kernels", path)
     if spec is None or spec.loader is None:
-        sys.modules.pop("kernels", None)
-        raise ModuleNotFoundError(f"No module named 'kernels' (the folder {_ROOT} of a rheoplan checkout is "
-                                  "rheoplan.kernels, not a top-level package)", name="kernels")
+        shadow = types.ModuleType("kernels", f"Not Hugging Face's kernels (not installed): the folder {_ROOT} "
+                                             "of a rheoplan checkout is rheoplan.kernels, not a top-level package.")
+        shadow.__file__ = None
+        shadow.__path__ = []
+        sys.modules["kernels"] = shadow
+        return
     module = importlib.util.module_from_spec(spec)
     sys.modules["kernels"] = module
     try:
