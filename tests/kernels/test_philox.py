@@ -31,8 +31,15 @@ def test_uniform_rows_match_streams(device, backend, seed, step, n):
     got = uniform_rows(s, step, trees.to(dev), nodes.to(dev), Purpose.VERIFY_RESIDUAL, n, backend).cpu()
     assert torch.equal(got, want)
     g = gumbel_rows(s, step, trees.to(dev), nodes.to(dev), Purpose.VERIFY_RESIDUAL, n, backend).cpu()
-    assert torch.equal(g, torch.stack([s.gumbel(step, b, v, Purpose.VERIFY_RESIDUAL, n)
-                                       for b, v in zip(trees.tolist(), nodes.tolist())]))
+    want_g = torch.stack([s.gumbel(step, b, v, Purpose.VERIFY_RESIDUAL, n) for b, v in zip(trees.tolist(),
+                                                                                        nodes.tolist())])
+    if torch.device(dev).type == "cuda":
+        # the uniforms are bit-identical (above); -log(-log(u)) runs torch's float64 log on the
+        # device, not the CPU's: on an H200, 67 of 7,400 draws differed, by at most 4.1e-15
+        # relative (30 ulp where g is near 0; scripts/gpu_diagnose.py)
+        torch.testing.assert_close(g, want_g, rtol=1e-13, atol=1e-14)
+    else:
+        assert torch.equal(g, want_g)
 
 
 @pytest.mark.interpreter
