@@ -267,6 +267,17 @@ def slot_expansion_kernel(logits_ptr, ctok_ptr, cq_ptr, parent_score_ptr, noise_
     tl.store(child_score_ptr + row * K + slot, score, mask=keep)
 
 
+#: compile options of every launch here. No mul + add contraction (FMA): in a reduction
+#: with one entry per lane (a 16-entry block, the chunks' statistics in
+#: ``_row_stats``) the compiler fused the lane's own product into the first butterfly
+#: step, fma(own product, partner's rounded product), so lanes i and i ^ 8 got sums
+#: rounded differently and equal logits got q 1-2 ulp apart: ties were broken by lane,
+#: not by id (an H200, docs/gpu.md; ``tests/kernels/slot_expansion/test_sm90_ptx.py``
+#: finds the pattern in the compiled code). These kernels are memory-bound: the unfused
+#: multiplies cost nothing measurable.
+LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
+
+
 def vocab_chunks(n: int, V: int, support: int, block: int, programs: int) -> int:
     """How many chunks to split each row's vocabulary into so that about ``programs``
     programs run (two per SM on a GPU), at least one block of ``block`` entries each.
@@ -339,12 +350,12 @@ def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torc
         part_mx, part_s = (f32(n, chunks), f32(n, chunks)) if not probs else (empty, empty)
         if not probs:
             softmax_partials_kernel[(n, chunks)](logits, part_mx, part_s, V, chunk, 1.0 / temperature,
-                                                 BLOCK=block, num_warps=4)
+                                                 BLOCK=block, num_warps=4, **LAUNCH_OPTIONS)
         ctok = torch.empty(n, chunks * s, dtype=torch.int64, device=dev)  # every entry written
         cq = torch.empty(n, chunks * s, dtype=torch.float32, device=dev)
         chunk_topk_kernel[(n, chunks)](logits, part_mx, part_s, ctok, cq, V, chunk, 1.0 / temperature,
                                        S=s, S_BLOCK=s_block, C_BLOCK=triton.next_power_of_2(chunks), BLOCK=block,
-                                       PROBS=probs, num_warps=4)
+                                       PROBS=probs, num_warps=4, **LAUNCH_OPTIONS)
     slot_expansion_kernel[(n,)](
         logits, ctok, cq, parent_score.to(device=dev, dtype=torch.float32).contiguous(), noise, cand_tok, cand_q,
         out.sup_token, out.sup_q, out.z, out.y_rank, out.y_token, out.y_qtilde,
@@ -352,5 +363,5 @@ def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torc
         V, chunks * s, noise.shape[1], 1.0 / temperature, S=s, S_BLOCK=s_block,
         S_TILE=min(s_block, 32 if s_block <= 128 else 16), M=m, K=K, PROXY=PROXY_CODES[proxy],
         BLOCK=min(block, triton.next_power_of_2(chunks * s)) if chunks > 1 else block, PROBS=probs,
-        MERGE=chunks > 1, num_warps=warps)
+        MERGE=chunks > 1, num_warps=warps, **LAUNCH_OPTIONS)
     return out
