@@ -101,6 +101,11 @@ def cases():
                        attn.tree_attention_kernel, ptrs, {"SCALE": "fp32"},
                        dict(GROUP=4, D=d, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn,
                             PREC="ieee" if name == "fp32" else "tf32", SPLIT=split), nw)
+    for name in ("bf16", "fp32"):
+        for d_pad in (64, 128, 256):
+            yield (f"tree_attention combine_splits {name} d={d_pad}", attn.combine_splits_kernel,
+                   {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "out_ptr": "*" + name}, {},
+                   dict(D=d_pad, D_PAD=d_pad, BLOCK_R=max(1, min(64, 4096 // d_pad))), 4)
     f32 = {n: "*fp32" for n in ("parent_score_ptr", "cand_q_ptr", "cq_ptr", "sup_q_ptr", "z_ptr", "y_qtilde_ptr",
                                 "child_q_ptr", "child_weight_ptr", "child_score_ptr", "part_mx_ptr", "part_s_ptr")}
     for S, logit in ((128, "*bf16"), (128, "*fp32"), (256, "*bf16")):

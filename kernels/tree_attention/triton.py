@@ -52,7 +52,7 @@ def tree_attention_kernel(q_ptr, kc_ptr, vc_ptr, kt_ptr, vt_ptr, prefix_ptr, bit
                           BLOCK_N: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
     """SPLIT: program axis 2 splits the prefix into ``split_len``-column chunks (the last split
     also takes the tree block) and each program writes its unnormalised (max, sum, acc) to
-    the ``part_*`` scratch; ``_combine_splits`` merges them. Without SPLIT one program
+    the ``part_*`` scratch; ``combine_splits`` merges them. Without SPLIT one program
     covers the whole prefix and writes the output."""
     # int64 only in the per-(batch, head) base pointers; offsets inside one head's slice are
     # int32 (the wrapper checks that a slice spans < 2**31 elements): int64 [BLOCK, D] offset
@@ -145,9 +145,53 @@ def launch_config(dtype: torch.dtype, d_pad: int) -> tuple[int, int, int]:
     return (64, 32, 8) if d_pad <= 128 else (32, 32, 8)
 
 
-def _combine_splits(part_m, part_l, part_acc, out, d: int) -> None:
+@triton.jit
+def combine_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, NS, R, Hq, L, so_b, so_h, so_l, so_d,
+                          D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``combine_splits_reference`` in one launch: program ``i`` merges rows ``i * BLOCK_R``..
+    of the ``R = B * Hq * L`` query rows (row ``r``: batch ``r // (Hq L)``, head
+    ``r // L % Hq``, query ``r % L``) over the ``NS`` splits, two passes over them (the
+    largest max, then the weighted sums)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    dd = tl.arange(0, D_PAD)
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for sp in range(0, NS):
+        top = tl.maximum(top, tl.load(part_m_ptr + sp * R + rows, mask=rmask, other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D_PAD], tl.float32)
+    for sp in range(0, NS):
+        w = tl.exp(tl.load(part_m_ptr + sp * R + rows, mask=rmask, other=float("-inf")) - top)  # -inf: 0
+        total += tl.load(part_l_ptr + sp * R + rows, mask=rmask, other=0.0) * w
+        a = tl.load(part_acc_ptr + (sp * R + rows.to(tl.int64))[:, None] * D_PAD + dd[None, :],
+                    mask=rmask[:, None], other=0.0)
+        acc += a * w[:, None]
+    res = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
+    b = rows // (Hq * L)
+    h = (rows // L) % Hq
+    qi = rows % L
+    off = b.to(tl.int64) * so_b + h * so_h + qi * so_l
+    tl.store(out_ptr + off[:, None] + dd[None, :] * so_d, res.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (dd[None, :] < D))
+
+
+def combine_splits(part_m, part_l, part_acc, out, d: int) -> None:
     """Merge per-split online-softmax partials ``[S, B, Hq, L]`` (max, sum) and ``[..., D_PAD]``
-    (unnormalised output) into ``out [B, Hq, L, d]``; rows that see nothing get 0.
+    (unnormalised output, contiguous) into ``out [B, Hq, L, d]`` (any strides) in one launch;
+    rows that see nothing get 0. Same result as ``combine_splits_reference``, whose dozen
+    torch ops each cost a launch: on the H200 of docs/gpu.md a launch cost the host tens of
+    microseconds, and a 47 us tree-attention call took 706 us of wall time."""
+    NS, B, Hq, L = part_m.shape
+    R = B * Hq * L
+    d_pad = part_acc.shape[-1]
+    block_r = max(1, min(64, 4096 // d_pad))  # acc tile [BLOCK_R, D_PAD] <= 4096 floats
+    combine_splits_kernel[(triton.cdiv(R, block_r),)](
+        part_m, part_l, part_acc, out, NS, R, Hq, L, *out.stride(), D=d, D_PAD=d_pad, BLOCK_R=block_r, num_warps=4)
+
+
+def combine_splits_reference(part_m, part_l, part_acc, out, d: int) -> None:
+    """The merge ``combine_splits`` launches, in torch (its test's reference).
 
     Example: two splits with maxima (0, 1), sums (1, 1), outputs (2, 4) give
     ``(2 e^-1 + 4) / (e^-1 + 1)``.
@@ -188,7 +232,7 @@ def tree_attention(q, k_cache, v_cache, k_tree, v_tree, prefix_len, ancestor_bit
     ``out.transpose(1, 2)`` is the ``[B, L, Hq, d]`` layout a transformers attention returns,
     with no copy. ``allow_tf32`` lets float32 inputs use TF32 dots (faster, ~1e-3 relative).
     ``num_splits`` programs share each prefix (``default_splits`` when None: 1 off CUDA); their
-    partial softmax states are merged by ``_combine_splits``.
+    partial softmax states are merged by ``combine_splits`` (one more launch).
     """
     if q.dim() != 4 or k_cache.dim() != 4:
         raise ValueError(f"q and k_cache must be 4-D [B, H, len, d], got {tuple(q.shape)}, {tuple(k_cache.shape)}")
@@ -253,5 +297,5 @@ def tree_attention(q, k_cache, v_cache, k_tree, v_tree, prefix_len, ancestor_bit
         GROUP=group, D=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PREC=prec, SPLIT=split,
         num_warps=num_warps)
     if split:
-        _combine_splits(*parts, out, d)
+        combine_splits(*parts, out, d)
     return out

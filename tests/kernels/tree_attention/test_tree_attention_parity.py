@@ -171,6 +171,33 @@ def test_combine_splits_example():
     lsum = torch.ones(2, 1, 1, 1)
     acc = torch.tensor([2.0, 4.0]).view(2, 1, 1, 1, 1)
     out = torch.empty(1, 1, 1, 1)
-    tk._combine_splits(m, lsum, acc, out, 1)
+    tk.combine_splits_reference(m, lsum, acc, out, 1)
     e = torch.exp(torch.tensor(-1.0))
     assert torch.allclose(out.flatten(), ((2 * e + 4) / (e + 1)).flatten())
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("splits,d,d_pad", [(3, 24, 32), (1, 16, 16), (5, 64, 64)])
+def test_combine_splits_kernel_matches_reference(device, splits, d, d_pad):
+    """The one-launch merge equals the torch one: splits that saw nothing (max -inf, sum 0)
+    weigh 0, rows no split saw come out 0, the padded head lanes are not written, and the
+    output is the transposed view of a ``[B, L, Hq, d]`` buffer, as ``tree_attention`` uses."""
+    from rheoplan.kernels.tree_attention import triton as tk
+
+    g = torch.Generator().manual_seed(splits + d)
+    B, Hq, L = 2, 3, 5
+    m = torch.randn(splits, B, Hq, L, generator=g) * 3
+    lsum = torch.rand(splits, B, Hq, L, generator=g) + 0.1
+    acc = torch.randn(splits, B, Hq, L, d_pad, generator=g)
+    m[0, 0, 1] = float("-inf")  # one split saw nothing for these rows
+    lsum[0, 0, 1], acc[0, 0, 1] = 0.0, 0.0
+    m[:, 1, 2, 3] = float("-inf")  # a row no split saw
+    lsum[:, 1, 2, 3], acc[:, 1, 2, 3] = 0.0, 0.0
+    want = torch.empty(B, Hq, L, d)
+    tk.combine_splits_reference(m, lsum, acc, want, d)
+    buf = torch.full((B, L, Hq, d + 3), float("nan"), device=device)
+    got = buf[..., :d].transpose(1, 2)
+    tk.combine_splits(*(t.to(device) for t in (m, lsum, acc)), got, d)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[1, 2, 3].cpu(), torch.zeros(d))
+    assert torch.isnan(buf[..., d:]).all()  # nothing past the head dim written
