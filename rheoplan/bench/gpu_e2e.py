@@ -24,6 +24,7 @@ the traceback in ``DIR/gpu_e2e.log``), 2 when there is no CUDA device (and not `
 from __future__ import annotations
 
 import argparse
+import collections
 import inspect
 import json
 import os
@@ -72,6 +73,9 @@ class Row:
     host_syncs_per_step: float | None = None
     triton_launches_per_step: float | None = None
     launches_by_kernel: dict = field(default_factory=dict)
+    #: where the counted syncs happen, per step, the most frequent first ("file:line": n):
+    #: on CUDA the count covers transformers' forwards too, not only rheoplan's own code
+    sync_sites: dict = field(default_factory=dict)
     note: str = ""
     error: str = ""
     token_ids: list = field(default_factory=list)  #: the timed decode's tokens (seed 2)
@@ -210,6 +214,8 @@ class Runner:
                 row.host_syncs_per_step = syncs.count / steps
                 row.triton_launches_per_step = launches.total / steps
                 row.launches_by_kernel = {k: v / steps for k, v in sorted(launches.by_kernel.items())}
+                sites = collections.Counter(where for where, _ in syncs.where)
+                row.sync_sites = {k: v / steps for k, v in sites.most_common(12)}
             elif self.counters is None:
                 row.note += ("; " if row.note else "") + "counters n/a (rheoplan.testing.device missing)"
             row.ok = True

@@ -35,6 +35,11 @@ def test_smoke_rows(tmp_path, capsys):
         if r["impl"] != "generate":
             assert set(r["phase_ms_per_step"]) >= {"draft", "plan", "verify_forward", "walk", "commit"}
             assert r["same_tokens_as_numba"] in (None, True), r  # float32: the kernels change no token
+            # the 12 most frequent sites: all of the count where there are fewer
+            total = sum(r["sync_sites"].values())
+            assert total <= r["host_syncs_per_step"] + 1e-9, r
+            assert len(r["sync_sites"]) == 12 or abs(total - r["host_syncs_per_step"]) < 1e-9, r
+            assert all(":" in site for site in r["sync_sites"]), r
     assert "token check vs numba rows" in capsys.readouterr().out
 
 
