@@ -3,7 +3,10 @@
     python3 scripts/gpu_diagnose.py            # needs CUDA; run from the repository root
     TRITON_INTERPRET=1 python scripts/gpu_diagnose.py --smoke   # parts 1-2 on the CPU
 
-Three things the first GPU run (docs/gpu.md, "The first GPU run") left open:
+Three things the first GPU run (docs/gpu.md, "The first GPU run") left open; their
+answers are in that section. Run it again on the next GPU: part 1 should now show every
+row equal to the reference at ``block=16`` (the fix, no FMA contraction, was found in the
+compiled code, not yet on a GPU).
 
 1. slot expansion on tied logits: the parity case that failed (V = 40, support 16, row 1
    of exact ties), run five times: do the outputs move between runs (a race), and does q
@@ -65,7 +68,7 @@ def tied_slot_expansion() -> None:
         f"{t}:{t % 16}:{float.hex(q)}" for t, q in zip(got.sup_token[row].tolist(), got.sup_q[row].cpu().tolist())))
     # q of every token of the row as the kernel's formula gives it, to see lane effects
     probs = torch.softmax(logits.to(DEV), -1)
-    print(f"[slot] torch softmax on CUDA, row 1 tokens 2, 7, 10, 13, 20, 22, 30: "
+    print(f"[slot] torch softmax on {DEV}, row 1 tokens 2, 7, 10, 13, 20, 22, 30: "
           f"{[float.hex(probs[row, t].item()) for t in (2, 7, 10, 13, 20, 22, 30)]}")
 
 

@@ -272,9 +272,9 @@ def slot_expansion_kernel(logits_ptr, ctok_ptr, cq_ptr, parent_score_ptr, noise_
 #: ``_row_stats``) the compiler fused the lane's own product into the first butterfly
 #: step, fma(own product, partner's rounded product), so lanes i and i ^ 8 got sums
 #: rounded differently and equal logits got q 1-2 ulp apart: ties were broken by lane,
-#: not by id (an H200, docs/gpu.md; ``tests/kernels/slot_expansion/test_sm90_ptx.py``
-#: finds the pattern in the compiled code). These kernels are memory-bound: the unfused
-#: multiplies cost nothing measurable.
+#: not by id (an H200, docs/gpu.md; ``scripts/aot_sm90.py`` finds the pattern in the
+#: compiled code, ``tests/scripts/test_aot_sm90.py`` runs it). What the unfused multiplies
+#: cost on a GPU is not measured yet.
 LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
 
 

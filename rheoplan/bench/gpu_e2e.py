@@ -358,7 +358,7 @@ def main(argv=None) -> int:
                     for impl in [i for i in args.impls if i != "generate"]:
                         runner.run_decode_row(name, model, head, draft_kind, impl, T, prompt)
                 if "generate" in args.impls:  # bracket the decode rows: the first H200 run read
-                    # 13.5 tok/s for a model's first generate row and 79.1 for its next one
+                    # 13.5 tok/s for a model's first generate row (T = 0) and 79.1 for its next (T = 1)
                     runner.run_generate_row(name, model, T, prompt, again=True)
             del model, head
             if runner.device.type == "cuda":
