@@ -278,6 +278,14 @@ def slot_expansion_kernel(logits_ptr, ctok_ptr, cq_ptr, parent_score_ptr, noise_
 LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
 
 
+def _written(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An output or scratch the kernels write in full: no fill. On a GPU each ``zeros`` /
+    ``full`` is a launch the host pays for (on the H200 of docs/gpu.md launches, not the
+    GPU, set a call's time: 588 us of wall time for 388 us of device time at 10 rows).
+    The tests poison these (``test_every_unfilled_output_is_written``)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def vocab_chunks(n: int, V: int, support: int, block: int, programs: int) -> int:
     """How many chunks to split each row's vocabulary into so that about ``programs``
     programs run (two per SM on a GPU), at least one block of ``block`` entries each.
@@ -337,22 +345,25 @@ def slot_expansion(logits: torch.Tensor, parent_score: torch.Tensor, noise: torc
     noise = noise.to(device=dev, dtype=torch.float64).contiguous()
     ilong = lambda *sh: torch.full(sh, -1, dtype=torch.int64, device=dev)  # noqa: E731
     f32 = lambda *sh: torch.zeros(sh, dtype=torch.float32, device=dev)  # noqa: E731
-    out = SlotExpansion(ilong(n, s), f32(n, s), torch.full((n,), s, dtype=torch.int64, device=dev), f32(n),
-                        ilong(n), ilong(n), f32(n), ilong(n, K), f32(n, K), f32(n, K), f32(n, K))
+    wlong = lambda *sh: _written(*sh, dtype=torch.int64, device=dev)  # noqa: E731
+    wf32 = lambda *sh: _written(*sh, dtype=torch.float32, device=dev)  # noqa: E731
+    # filled: the support (ranks are written by a scatter), Y (not written when m >= K);
+    # the kernel writes z, every child slot (slots <= support) and the candidates in full
+    out = SlotExpansion(ilong(n, s), f32(n, s), torch.full((n,), s, dtype=torch.int64, device=dev), wf32(n),
+                        ilong(n), ilong(n), f32(n), wlong(n, K), wf32(n, K), wf32(n, K), wf32(n, K))
     if n == 0:
         return out
-    cand_tok, cand_q = ilong(n, s), f32(n, s)
+    cand_tok, cand_q = wlong(n, s), wf32(n, s)
     s_block = triton.next_power_of_2(s)
     warps = 4 if s_block <= 128 else 8  # spill-free on sm_90 at S = 128 and 256 (scripts/aot_sm90.py)
     ctok, cq = cand_tok, cand_q  # unsplit: the kernel selects from the vocabulary directly
     if chunks > 1:
         empty = torch.empty(0, dtype=torch.float32, device=dev)
-        part_mx, part_s = (f32(n, chunks), f32(n, chunks)) if not probs else (empty, empty)
+        part_mx, part_s = (wf32(n, chunks), wf32(n, chunks)) if not probs else (empty, empty)
         if not probs:
             softmax_partials_kernel[(n, chunks)](logits, part_mx, part_s, V, chunk, 1.0 / temperature,
                                                  BLOCK=block, num_warps=4, **LAUNCH_OPTIONS)
-        ctok = torch.empty(n, chunks * s, dtype=torch.int64, device=dev)  # every entry written
-        cq = torch.empty(n, chunks * s, dtype=torch.float32, device=dev)
+        ctok, cq = wlong(n, chunks * s), wf32(n, chunks * s)
         chunk_topk_kernel[(n, chunks)](logits, part_mx, part_s, ctok, cq, V, chunk, 1.0 / temperature,
                                        S=s, S_BLOCK=s_block, C_BLOCK=triton.next_power_of_2(chunks), BLOCK=block,
                                        PROBS=probs, num_warps=4, **LAUNCH_OPTIONS)

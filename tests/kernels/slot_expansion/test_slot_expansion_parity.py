@@ -84,6 +84,34 @@ def test_triton_matches_reference(logit_rows, device, V, S, m, K, proxy, T):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("m,K,chunks,probs", [(1, 4, 1, False), (4, 4, 1, False), (1, 4, 3, False),
+                                              (2, 5, 2, True)])
+def test_every_unfilled_output_is_written(monkeypatch, logit_rows, device, m, K, chunks, probs):
+    """The outputs and scratch allocated without a fill (``_written``: z, the child slots,
+    the candidates, the chunk statistics) come back the same when they start as poison
+    (NaN, an id past any vocabulary): the kernels write every entry, with and without Y
+    (m < K, m = K), the vocabulary split, and the planner's law as input."""
+    from rheoplan.kernels.slot_expansion import triton as tk
+
+    V, S = 48, 16
+    logits = logit_rows(5, V, seed=3)
+    if probs:
+        logits = torch.softmax(logits, -1)
+    parent = -torch.rand(5, generator=torch.Generator().manual_seed(0))
+    args = (logits.to(device), parent.to(device), _noise(5, S, m).to(device))
+    kw = dict(temperature=1.0, support=S, rheostat=m, slots=K, block=16, chunks=chunks, probs=probs)
+    want = tk.slot_expansion(*args, **kw)
+
+    def poison(*shape, dtype, device):
+        return torch.full(shape, float("nan") if dtype.is_floating_point else 2 ** 40, dtype=dtype, device=device)
+
+    monkeypatch.setattr(tk, "_written", poison)
+    got = tk.slot_expansion(*args, **kw)
+    for name, a, b in zip(want._fields, want, got):
+        assert torch.equal(a.cpu(), b.cpu()), name
+
+
+@pytest.mark.interpreter
 def test_triton_first_block_all_minus_inf(device):
     """A row whose first BLOCK logits are all -inf (readiness item 7): exp(-inf - -inf) must
     not turn the softmax sum into NaN (the whole support came back as token -1)."""
