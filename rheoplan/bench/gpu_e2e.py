@@ -76,6 +76,8 @@ class Row:
     #: where the counted syncs happen, per step, the most frequent first ("file:line": n):
     #: on CUDA the count covers transformers' forwards too, not only rheoplan's own code
     sync_sites: dict = field(default_factory=dict)
+    #: Triton specialisations first met during the (first) timed decode; > 0: timed again
+    compiles_in_timing: int | None = None
     note: str = ""
     error: str = ""
     token_ids: list = field(default_factory=list)  #: the timed decode's tokens (seed 2)
@@ -131,10 +133,10 @@ def build_eagle3(target, shape: dict, device, dtype, seed: int):
 
 def _counters():
     try:
-        from rheoplan.testing.device import count_host_syncs, count_triton_launches
+        from rheoplan.testing.device import count_host_syncs, count_triton_compiles, count_triton_launches
     except ImportError:
         return None
-    return count_host_syncs, count_triton_launches
+    return count_host_syncs, count_triton_launches, count_triton_compiles
 
 
 class Runner:
@@ -182,6 +184,19 @@ class Runner:
             target.close()
         return res
 
+    def _timed_decode(self, model, head, draft_kind, impl, T, prompt):
+        """The row's timed decode (seed 2) and how many Triton specialisations it met first
+        (compiled or loaded from disk: the warm-up's shorter decode need not meet every tree
+        size). In the first H200 run three Triton rows (a model's first, the first at T = 1)
+        spent 57-69 ms per step in the walk against 1.3-1.8 in the other five: compiles
+        inside the timing, likely; this count says."""
+        count = self.counters[2] if self.counters is not None else None
+        if count is None:
+            return self._decode(model, head, draft_kind, impl, T, self.args.tokens, prompt, seed=2), None
+        with count() as compiles:
+            res = self._decode(model, head, draft_kind, impl, T, self.args.tokens, prompt, seed=2)
+        return res, compiles.total
+
     def run_decode_row(self, name, model, head, draft_kind, impl, T, prompt):
         row = Row(name, draft_kind, T, impl)
         if not self.backend_arg:
@@ -195,7 +210,14 @@ class Runner:
         try:
             # warm-up: compiles Triton / numba kernels for these shapes before the clock starts
             self._decode(model, head, draft_kind, impl, T, self.args.warmup_tokens, prompt, seed=1)
-            res = self._decode(model, head, draft_kind, impl, T, self.args.tokens, prompt, seed=2)
+            res, compiles = self._timed_decode(model, head, draft_kind, impl, T, prompt)
+            row.compiles_in_timing = compiles
+            if compiles and self.left() > 30:  # not a steady state: once more, now compiled
+                first = res.seconds
+                res, again = self._timed_decode(model, head, draft_kind, impl, T, prompt)
+                row.note += ("; " if row.note else "") + (
+                    f"timed again: {compiles} Triton specialisations first met in the first timing "
+                    f"({len(res.tokens) / first:.1f} tok/s), {again} in this one")
             row.tokens = len(res.tokens)
             row.token_ids = list(res.tokens)
             row.seconds = res.seconds
@@ -207,7 +229,7 @@ class Runner:
                     if hasattr(res.steps[0], f):
                         row.phase_ms_per_step[f[2:]] = 1e3 * statistics.mean(getattr(s, f) for s in res.steps)
             if self.counters is not None and self.left() > 10:
-                count_host_syncs, count_triton_launches = self.counters
+                count_host_syncs, count_triton_launches, _ = self.counters
                 with count_triton_launches() as launches, count_host_syncs() as syncs:
                     counted = self._decode(model, head, draft_kind, impl, T, self.args.count_tokens, prompt, seed=3)
                 steps = max(1, len(counted.steps))

@@ -5,6 +5,7 @@
   ``InterpretedFunction.run``, through which every launch goes); any kernel counts,
   tree attention included.
 * ``count_host_syncs()``: device-to-host transfers.
+* ``count_triton_compiles()``: Triton specialisations first met (compiled or loaded).
 
   - On CUDA, torch's own sync debug mode (``torch.cuda.set_sync_debug_mode``) reports
     every synchronising call, explicit (``.item()``, ``.tolist()``, ``.cpu()``) or
@@ -77,6 +78,32 @@ def count_triton_launches():
     finally:
         for cls, orig in originals.items():
             cls.run = orig
+
+
+@contextlib.contextmanager
+def count_triton_compiles():
+    """Count the Triton specialisations first met inside the block (``.total``): each is a
+    compile, or a load from Triton's on-disk cache, and either costs far more than a launch.
+    Through ``triton.knobs.runtime.jit_cache_hook`` (chained to a hook already set); under
+    the interpreter nothing compiles and the count stays 0. A timing with compiles in it
+    is not a steady state (``rheoplan.bench.gpu_e2e`` times such a row again)."""
+    out = LaunchCount()
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - Triton without knobs: nothing counted
+        yield out
+        return
+    before = knobs.runtime.jit_cache_hook
+
+    def hook(*args, **kwargs):
+        out.by_kernel[getattr(kwargs.get("fn"), "name", "kernel")] += 1  # a JitFunctionInfo
+        return before(*args, **kwargs) if before else False
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield out
+    finally:
+        knobs.runtime.jit_cache_hook = before
 
 
 @dataclass

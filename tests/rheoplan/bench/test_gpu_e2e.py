@@ -40,6 +40,7 @@ def test_smoke_rows(tmp_path, capsys):
             assert total <= r["host_syncs_per_step"] + 1e-9, r
             assert len(r["sync_sites"]) == 12 or abs(total - r["host_syncs_per_step"]) < 1e-9, r
             assert all(":" in site for site in r["sync_sites"]), r
+            assert r["compiles_in_timing"] == 0, r  # interpreted kernels compile nothing
     assert "token check vs numba rows" in capsys.readouterr().out
 
 
