@@ -195,7 +195,7 @@ class Runner:
             return self._decode(model, head, draft_kind, impl, T, self.args.tokens, prompt, seed=2), None
         with count() as compiles:
             res = self._decode(model, head, draft_kind, impl, T, self.args.tokens, prompt, seed=2)
-        return res, compiles.total
+        return res, compiles.total if compiles.supported else None
 
     def run_decode_row(self, name, model, head, draft_kind, impl, T, prompt):
         row = Row(name, draft_kind, T, impl)

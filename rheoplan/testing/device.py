@@ -80,6 +80,11 @@ def count_triton_launches():
             cls.run = orig
 
 
+@dataclass
+class CompileCount(LaunchCount):
+    supported: bool = True  #: False: this Triton has no cache hook, ``total`` means nothing
+
+
 @contextlib.contextmanager
 def count_triton_compiles():
     """Count the Triton specialisations first met inside the block (``.total``): each is a
@@ -87,10 +92,13 @@ def count_triton_compiles():
     Through ``triton.knobs.runtime.jit_cache_hook`` (chained to a hook already set); under
     the interpreter nothing compiles and the count stays 0. A timing with compiles in it
     is not a steady state (``rheoplan.bench.gpu_e2e`` times such a row again)."""
-    out = LaunchCount()
+    out = CompileCount()
     try:
         from triton import knobs
-    except ImportError:  # pragma: no cover - Triton without knobs: nothing counted
+    except ImportError:  # pragma: no cover - a Triton without knobs
+        knobs = None
+    if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
+        out.supported = False  # nothing to count with: callers report "unknown", not 0
         yield out
         return
     before = knobs.runtime.jit_cache_hook

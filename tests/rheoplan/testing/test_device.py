@@ -39,4 +39,13 @@ def test_nothing_compiles_under_the_interpreter_or_outside_the_block():
     before = knobs.runtime.jit_cache_hook
     with count_triton_compiles() as compiles:
         pass
-    assert compiles.total == 0 and knobs.runtime.jit_cache_hook is before
+    assert compiles.total == 0 and compiles.supported and knobs.runtime.jit_cache_hook is before
+
+
+def test_a_triton_without_the_hook_reports_unknown(monkeypatch):
+    knobs = pytest.importorskip("triton").knobs
+    monkeypatch.delattr(type(knobs.runtime), "jit_cache_hook", raising=False)
+    monkeypatch.delattr(knobs.runtime, "jit_cache_hook", raising=False)
+    with count_triton_compiles() as compiles:
+        pass
+    assert not compiles.supported
