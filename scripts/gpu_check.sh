@@ -13,6 +13,8 @@
 #   3 parity        pytest -m interpreter with TRITON_INTERPRET unset: every Triton kernel
 #                   compiled for this GPU against its torch reference, and the tree-attention
 #                   kernel inside tiny transformers Llama/Qwen2/Mistral verify forwards
+#   3b diagnose     python3 scripts/gpu_diagnose.py: the slot-expansion tie case, CUDA Gumbel
+#                   ulps, host against device time of a kernel call (docs/gpu.md, first run)
 #   4 e2e           python3 -m rheoplan.bench.gpu_e2e: random-weight SmolLM2-135M (EAGLE-3
 #                   head, self-draft) and Llama-1B shapes, bf16, backend triton / numba /
 #                   generate, T = 0 and 1: tokens/s, ms per phase, syncs and launches per step
@@ -148,6 +150,9 @@ fi
 # 3. parity: Triton kernels compiled for this GPU vs their references ----------------------
 stage parity 170 python3 -m pytest -q -p no:cacheprovider -m interpreter -rfEs \
   --junitxml="$OUT_DIR/parity.xml" tests/kernels tests/rheoplan/models/test_tree_attention.py
+
+# 3b. follow-ups of the first GPU run: slot-expansion ties, CUDA Gumbel ulps, host time per call
+stage diagnose 60 python3 scripts/gpu_diagnose.py
 
 # 4. end-to-end decode ---------------------------------------------------------------------
 E2E_BUDGET=$(( $(left) - 75 ))  # keep ~75 s for the kernel benchmarks
