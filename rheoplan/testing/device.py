@@ -1,11 +1,10 @@
-"""Count what a device step costs the host: Triton launches and device-to-host syncs.
+"""Count what a device step costs the host: Triton launches, device-to-host syncs, compiles.
 
 * ``count_triton_launches()``: every ``kernel[grid](...)`` launch, by kernel name, compiled
   or interpreted (it wraps ``JITFunction.run`` and the interpreter's
   ``InterpretedFunction.run``, through which every launch goes); any kernel counts,
   tree attention included.
 * ``count_host_syncs()``: device-to-host transfers.
-* ``count_triton_compiles()``: Triton specialisations first met (compiled or loaded).
 
   - On CUDA, torch's own sync debug mode (``torch.cuda.set_sync_debug_mode``) reports
     every synchronising call, explicit (``.item()``, ``.tolist()``, ``.cpu()``) or
@@ -16,6 +15,7 @@
     ``index()`` of a tensor, called from anywhere but the torch, numpy and Triton
     packages themselves (the interpreter reads its arguments on the host). Implicit
     syncs inside torch ops (boolean-mask indexing) are not seen on the CPU.
+* ``count_triton_compiles()``: Triton specialisations first met (compiled or loaded).
 
 Example:
     >>> import torch
