@@ -241,12 +241,16 @@ def warm_up(model, pad_id: int, draft, prompts: list[list[int]], sizes, temperat
 
 def summarise(records: list[dict]) -> list[dict]:
     """Median over seeds per (dtype, temperature, batch size, method), with the speed-up
-    against ``generate``'s median at the same dtype, temperature and batch size."""
+    against ``generate``'s median at the same dtype, temperature and batch size, and per
+    seed against ``generate``'s run of that seed (``speedup_seeds``, in seed order: the
+    same batches, timed interleaved with it)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((r["dtype"], r["temperature"], r["batch_size"], r["method"]), []).append(r)
     gen = {k[:3]: statistics.median(x["tokens_per_second"] for x in rs)
            for k, rs in groups.items() if k[3] == "generate"}
+    gen_seed = {(*k[:3], x["seed"]): x["tokens_per_second"]
+                for k, rs in groups.items() if k[3] == "generate" for x in rs}
     order = {m: i for i, m in enumerate(METHODS)}
     rows = []
     for (d, t, b, m), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2], order[kv[0][3]])):
@@ -255,6 +259,9 @@ def summarise(records: list[dict]) -> list[dict]:
                      "tokens_per_second": tps, "tps_min": min(x["tokens_per_second"] for x in rs),
                      "tps_max": max(x["tokens_per_second"] for x in rs),
                      "speedup": tps / gen[d, t, b] if (d, t, b) in gen else float("nan"),
+                     "speedup_seeds": tuple(x["tokens_per_second"] / gen_seed[d, t, b, x["seed"]]
+                                            for x in sorted(rs, key=lambda x: x["seed"])
+                                            if (d, t, b, x["seed"]) in gen_seed),
                      "mean_accepted_length": statistics.median(x["mean_accepted_length"] for x in rs),
                      "kept_per_row": statistics.median(x["kept_per_row"] for x in rs),
                      "drafted_share": statistics.median(x["drafted_share"] for x in rs),
@@ -282,6 +289,9 @@ def report(rows: list[dict], machine: dict | None = None) -> str:
             planned = f"{p['depth']} / {p['budget']}" if p else "–"
             kept = f"{r['kept_per_row']:.2f} ({100 * r['drafted_share']:.0f}% of steps)"
         speed = "–" if r["speedup"] != r["speedup"] else f"{r['speedup']:.2f}x"
+        seeds = r.get("speedup_seeds") or ()
+        if len(seeds) > 1 and r["method"] != "generate":
+            speed += " (per seed " + ", ".join(f"{x:.2f}" for x in seeds) + ")"
         lines.append(f"| {r['dtype']} | {r['temperature']} | {r['batch_size']} | {r['method']} | {r['seeds']} | "
                      f"{tps} | {speed} | {r['mean_accepted_length']:.2f} | {planned} | {kept} |")
     return "\n".join(lines)

@@ -178,13 +178,17 @@ def _rec(method, b, t, seed, tps, tau=1.0, kept=0.0, share=0.0):
 
 def test_summary_speedup_is_against_generate_at_the_same_batch_size(tmp_path):
     recs = [_rec("generate", 1, 1.0, 0, 20.0), _rec("generate", 1, 1.0, 1, 30.0), _rec("generate", 4, 1.0, 0, 60.0),
-            _rec("batched", 1, 1.0, 0, 40.0, 2.5, 4.0, 1.0), _rec("batched", 1, 1.0, 1, 50.0, 2.7, 4.0, 1.0),
+            _rec("batched", 1, 1.0, 1, 50.0, 2.7, 4.0, 1.0), _rec("batched", 1, 1.0, 0, 40.0, 2.5, 4.0, 1.0),
             _rec("batched", 4, 1.0, 0, 90.0, 1.2, 1.0, 0.25), _rec("rowwise", 4, 1.0, 0, 45.0, 2.6, 4.0, 1.0)]
     rows = {(r["batch_size"], r["method"]): r for r in bench.summarise(recs)}
     assert rows[1, "batched"]["speedup"] == pytest.approx(45.0 / 25.0)  # median over median, same B
     assert rows[4, "batched"]["speedup"] == pytest.approx(1.5) and rows[4, "rowwise"]["speedup"] == 0.75
     table = bench.report(bench.summarise(recs))
-    assert "| bfloat16 | 1.0 | 1 | batched | 2 | 45.0 (40.0–50.0) | 1.80x | 2.60 | 3 / 3 | 4.00 (100% of steps) |" in table
+    # per seed, each run against generate's run of its own seed (seed order, whatever the record order)
+    assert rows[1, "batched"]["speedup_seeds"] == pytest.approx((2.0, 50.0 / 30.0))
+    assert ("| bfloat16 | 1.0 | 1 | batched | 2 | 45.0 (40.0–50.0) | 1.80x (per seed 2.00, 1.67) | 2.60 | 3 / 3 "
+            "| 4.00 (100% of steps) |") in table
+    assert "| bfloat16 | 1.0 | 1 | generate | 2 | 25.0 (20.0–30.0) | 1.00x |" in table
     assert "| bfloat16 | 1.0 | 4 | batched | 1 | 90.0 | 1.50x | 1.20 | 0 / 0 | 1.00 (25% of steps) |" in table
     assert "| bfloat16 | 1.0 | 4 | generate | 1 | 60.0 | 1.00x | 1.00 | – | – |" in table
     png = bench.plot(bench.summarise(recs), tmp_path / "img" / "batch.png")
