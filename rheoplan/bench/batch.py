@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from rheoplan.bench.decode import load_prompts, machine_info
+from rheoplan.bench.decode import load_prompts, machine_info, per_seed_note
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.decode import plan_and_decode
 from rheoplan.loading import DRAFT_DTYPES, auto_tree, encode_prompt, load_cost_model, load_default, model_dtype
@@ -289,9 +289,8 @@ def report(rows: list[dict], machine: dict | None = None) -> str:
             planned = f"{p['depth']} / {p['budget']}" if p else "–"
             kept = f"{r['kept_per_row']:.2f} ({100 * r['drafted_share']:.0f}% of steps)"
         speed = "–" if r["speedup"] != r["speedup"] else f"{r['speedup']:.2f}x"
-        seeds = r.get("speedup_seeds") or ()
-        if len(seeds) > 1 and r["method"] != "generate":
-            speed += " (per seed " + ", ".join(f"{x:.2f}" for x in seeds) + ")"
+        if r["method"] != "generate":
+            speed += per_seed_note(r.get("speedup_seeds"))
         lines.append(f"| {r['dtype']} | {r['temperature']} | {r['batch_size']} | {r['method']} | {r['seeds']} | "
                      f"{tps} | {speed} | {r['mean_accepted_length']:.2f} | {planned} | {kept} |")
     return "\n".join(lines)

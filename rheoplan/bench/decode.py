@@ -391,13 +391,12 @@ def _fmt(v, spread=None, pct=False):
     return f(v) if spread is None or spread[0] == spread[1] else f"{f(v)} ({f(spread[0])}–{f(spread[1])})"
 
 
-def _per_seed(row: dict) -> str:
-    """`` (per seed 1.28, 1.31)`` after a speed-up of several seeds (``summarise``'s
-    ``speedup_seeds``); nothing for one seed or a generate row."""
-    xs = row.get("speedup_seeds") or ()
-    if len(xs) < 2 or row["method"].startswith("ar-hf"):
-        return ""
-    return " (per seed " + ", ".join(f"{x:.2f}" for x in xs) + ")"
+def per_seed_note(speedups) -> str:
+    """`` (per seed 1.28, 1.31)``: what the tables put after a median speed-up of several
+    seeds (``summarise``'s ``speedup_seeds``, also ``rheoplan bench batch``'s); nothing
+    for fewer than two."""
+    xs = tuple(speedups or ())
+    return "" if len(xs) < 2 else " (per seed " + ", ".join(f"{x:.2f}" for x in xs) + ")"
 
 
 def report(records: list[dict], out_md: Path, plot_dir: Path) -> str:
@@ -426,7 +425,8 @@ def report(records: list[dict], out_md: Path, plot_dir: Path) -> str:
         lines.append(f"| {r['dtype']} | {r['temperature']} | {r['method']} | {r['seeds']} | "
                      f"{_fmt(r['tau'][0], r['tau'][1:])}{pred} | "
                      f"{_fmt(r['acceptance'][0], r['acceptance'][1:], pct=True)} | {_fmt(r['tps'][0], r['tps'][1:])} | "
-                     f"{_fmt(r['speedup'])}x{_per_seed(r)} | {_fmt(r['speedup_any'])}x |")
+                     f"{_fmt(r['speedup'])}x{'' if r['method'].startswith('ar-hf') else per_seed_note(r['speedup_seeds'])} | "
+                     f"{_fmt(r['speedup_any'])}x |")
     table = "\n".join(lines)
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text(table + "\n")
