@@ -46,7 +46,6 @@ def test_summarise_median_spread_and_speedup():
     assert rows["eagle"]["speedup"] == pytest.approx(9.0 / 12.0)  # median over median
 
 
-
 def test_per_seed_speedups_pair_each_run_with_its_own_seeds_generate(tmp_path):
     """Seed 1 ran in a slow spell (every method at half speed) and there the static
     generate was the fastest: per seed the method is 1.5x and 1.25x its own seed's fastest
@@ -59,6 +58,7 @@ def test_per_seed_speedups_pair_each_run_with_its_own_seeds_generate(tmp_path):
     table = bench.report(recs, tmp_path / "t.md", tmp_path)
     assert "| 45.00 (30.00–60.00) | 1.50x (per seed 1.50, 1.25) |" in table
     assert "| ar-hf | 2 | 1.00 | – | 30.00 (20.00–40.00) | 1.00x | 1.00x |" in table  # no per-seed for generate
+
 
 def test_report_table_and_plots(tmp_path):
     recs = [_rec("ar-hf", 0.6, 0, 1.0, float("nan"), 10.0), _rec("eagle", 0.6, 0, 1.5, 0.25, 8.0),
