@@ -44,6 +44,7 @@ TARGETS = [
     ("rheoplan.rng", "Streams.uniform"),
     ("rheoplan.decode", "_plan"),
     ("rheoplan.models.eagle3.head", "Eagle3Head.forward"),
+    ("rheoplan.models.eagle3.head", "Eagle3Attention.forward"),
     ("rheoplan.models.eagle3.draft", "Eagle3Draft._project"),
     ("rheoplan.models.hf_target", "HFTreeLogits.all_logits"),
     ("rheoplan.kernels.verify.cpu", "NodeDrawer.__call__"),
