@@ -254,10 +254,14 @@ class Eagle3Attention(nn.Module):
         # ``rep`` times per call (``repeat_interleave``). On the 2-core CPU in bfloat16 the
         # attention of one query over 400 cached entries took 0.08 ms against 0.19, a whole
         # head call of 16 queries over 1200 entries 2.08 against 2.42 (docs/results.md).
+        # The inputs get a leading batch axis: torch's CPU attention takes its fused (flash)
+        # kernel only for 4-D inputs, 3-D ones go to the unfused math path. In bfloat16 on
+        # the 2-core AMD EPYC, 3 queries over 150 entries took 29 us against 77 (docs/results.md,
+        # "Lean steps, twenty-first round").
         rep = self.n_heads // self.n_kv
         out = F.scaled_dot_product_attention(
-            q.reshape(self.n_kv, rep * n, self.head_dim), k, v,
-            attn_mask=allowed if rep == 1 else allowed.repeat(rep, 1))  # rows (group member, query)
+            q.reshape(1, self.n_kv, rep * n, self.head_dim), k[None], v[None],
+            attn_mask=(allowed if rep == 1 else allowed.repeat(rep, 1))[None, None])  # rows (group member, query)
         out = out.view(self.n_heads, n, self.head_dim).transpose(0, 1).reshape(n, self.n_heads * self.head_dim)
         return self.o_proj(out), (k, v)
 
