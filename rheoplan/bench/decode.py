@@ -56,6 +56,7 @@ import torch
 
 from tqdm.auto import tqdm
 
+from rheoplan.bench.phases import PHASES, breakdown
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import machine_name
 from rheoplan.decode import plan_and_decode
@@ -337,6 +338,27 @@ def run_one(model, tok, draft, method: Method, prompts, temperature: float, seed
     return run_group(model, tok, [(method, draft)], prompts, temperature, seed, tokens, cost_model)[0]
 
 
+def _groups(records: list[dict]) -> dict[tuple, list[dict]]:
+    """The records by (method, temperature, dtype)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        # records from before the dtype field were all float32
+        groups.setdefault((r["method"], r["temperature"], r.get("dtype", "float32")), []).append(r)
+    return groups
+
+
+def _generate_per_seed(groups: dict[tuple, list[dict]]) -> dict[tuple, float]:
+    """(temperature, dtype, seed) -> tokens/s of the fastest ``generate`` variant run in
+    that dtype with that seed: the baseline a run of the same seed was interleaved with."""
+    out: dict[tuple, float] = {}
+    for (m, t, d), rs in groups.items():
+        if m.startswith("ar-hf") and not any(x.get("error") for x in rs) and (rs[0].get("generate_dtype") or d) == d:
+            for x in rs:
+                key = (t, d, x.get("seed"))
+                out[key] = max(out.get(key, 0.0), x["tokens_per_second"])
+    return out
+
+
 def summarise(records: list[dict]) -> list[dict]:
     """Median and spread (min-max) over seeds for each (method, temperature), and the
     speed-ups: the median's against the fastest ``generate`` median (``speedup``,
@@ -344,24 +366,18 @@ def summarise(records: list[dict]) -> list[dict]:
     seed (``speedup_seeds``, in seed order): the runs of one seed share their prompts and
     were timed interleaved, prompt by prompt, so that ratio does not mix two spells of the
     machine, as a ratio of medians over seeds can."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        # records from before the dtype field were all float32
-        groups.setdefault((r["method"], r["temperature"], r.get("dtype", "float32")), []).append(r)
+    groups = _groups(records)
     # the baselines: the FASTEST generate variant of the same temperature and dtype, and
     # the fastest of any dtype at that temperature (what a user without rheoplan could pick)
     ar: dict[tuple, float] = {}
     ar_any: dict[float, float] = {}
-    ar_seed: dict[tuple, float] = {}
     for (m, t, d), rs in groups.items():
         if m.startswith("ar-hf") and not any(x.get("error") for x in rs):
             med = statistics.median(x["tokens_per_second"] for x in rs)
             if (rs[0].get("generate_dtype") or d) == d:
                 ar[t, d] = max(ar.get((t, d), 0.0), med)
-                for x in rs:
-                    key = (t, d, x.get("seed"))
-                    ar_seed[key] = max(ar_seed.get(key, 0.0), x["tokens_per_second"])
             ar_any[t] = max(ar_any.get(t, 0.0), med)
+    ar_seed = _generate_per_seed(groups)
     rows = []
     for (m, t, d), rs in sorted(groups.items(), key=lambda kv: (kv[0][2] != "float32", kv[0][2], kv[0][1], kv[0][0])):
         def stat(key):
@@ -382,6 +398,62 @@ def summarise(records: list[dict]) -> list[dict]:
                      "predicted_tau": statistics.median(pred) if pred else float("nan"),
                      "compile_seconds": max((x.get("compile_seconds") or 0.0) for x in rs)})
     return rows
+
+
+#: ``step_rows``' quantities (``rheoplan.bench.phases.breakdown``), in the table's order
+STEP_COLUMNS = ("step_ms", "draft", "plan", "verify_forward", "walk", "projection_ms", "commit", "loop_other_ms",
+                "bookkeeping_ms", "bookkeeping_no_projection_ms", "depth_vs_head_forward", "break_even_tau",
+                "tau_for_1_3x")
+
+
+def step_rows(records: list[dict]) -> list[dict]:
+    """Where the speculative runs' steps go: per (method, temperature, dtype), the median
+    over seeds of each ``STEP_COLUMNS`` quantity of ``breakdown`` (ms per step by phase,
+    the per-step bookkeeping and a drafted depth against its draft call, and the accepted
+    length that would break even with, or run 1.3x, the fastest ``generate`` of the same
+    seed). Runs without phase times (``generate``) or without a ``generate`` of their seed
+    are left out."""
+    groups = _groups(records)
+    ar_seed = _generate_per_seed(groups)
+    rows = []
+    for (m, t, d), rs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        bs = []
+        for x in rs:
+            base = ar_seed.get((t, d, x.get("seed")))
+            if x.get("error") or not x.get("phase_seconds") or not x.get("steps") or not base:
+                continue
+            b = breakdown(x, 1e3 / base)
+            b.update({k: b["phase_ms"][k] for k in PHASES})
+            if "bookkeeping_ms" in b:
+                b["bookkeeping_no_projection_ms"] = b["bookkeeping_ms"] - b["projection_ms"]
+            bs.append(b)
+        if not bs or m.startswith("ar-hf"):
+            continue
+        med = {}
+        for k in STEP_COLUMNS:  # a quantity some run lacks (no draft calls: no depth ratio) stays out
+            vals = [b[k] for b in bs if k in b]
+            if len(vals) == len(bs):
+                med[k] = statistics.median(vals)
+        rows.append({"method": m, "temperature": t, "dtype": d, "seeds": len(bs), **med})
+    return rows
+
+
+def step_table(records: list[dict]) -> str:
+    """``step_rows`` as a markdown table (empty when no run has phase times)."""
+    rows = step_rows(records)
+    if not rows:
+        return ""
+    f = lambda r, k, fmt="{:.2f}": fmt.format(r[k]) if k in r else "–"  # noqa: E731
+    lines = ["| dtype | T | method | seeds | ms/step | draft | plan | verify forward | walk (output projection) | "
+             "commit | loop | plan + walk + commit + loop (without the projection) | drafted depth / draft call | "
+             "tau to break even / for 1.3x |", "|---" * 14 + "|"]
+    for r in rows:
+        book = f"{f(r, 'bookkeeping_ms')} ({f(r, 'bookkeeping_no_projection_ms')})"
+        lines.append(f"| {r['dtype']} | {r['temperature']} | {r['method']} | {r['seeds']} | {f(r, 'step_ms')} | "
+                     f"{f(r, 'draft')} | {f(r, 'plan')} | {f(r, 'verify_forward')} | {f(r, 'walk')} "
+                     f"({f(r, 'projection_ms')}) | {f(r, 'commit')} | {f(r, 'loop_other_ms')} | {book} | "
+                     f"{f(r, 'depth_vs_head_forward', '{:.2f}x')} | {f(r, 'break_even_tau')} / {f(r, 'tau_for_1_3x')} |")
+    return "\n".join(lines)
 
 
 def _fmt(v, spread=None, pct=False):
@@ -427,6 +499,10 @@ def report(records: list[dict], out_md: Path, plot_dir: Path) -> str:
                      f"{_fmt(r['acceptance'][0], r['acceptance'][1:], pct=True)} | {_fmt(r['tps'][0], r['tps'][1:])} | "
                      f"{_fmt(r['speedup'])}x{'' if r['method'].startswith('ar-hf') else per_seed_note(r['speedup_seeds'])} | "
                      f"{_fmt(r['speedup_any'])}x |")
+    steps = step_table(records)
+    if steps:
+        lines += ["", "Where a step goes (ms per step, medians over seeds; `rheoplan.bench.phases.breakdown`; "
+                  "the prompt's forward is in ms/step, not in the phases):", "", steps]
     table = "\n".join(lines)
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text(table + "\n")

@@ -18,24 +18,6 @@ def _record(**kw):
     return rec
 
 
-def test_breakdown_break_even_tau():
-    b = cost.breakdown(_record(), ar_ms_per_token=50.0)
-    assert b["step_ms"] == pytest.approx(150.0)
-    assert b["phase_ms"]["verify_forward"] == pytest.approx(90.0)
-    assert b["phase_ms"]["other"] == pytest.approx(150.0 - 135.0)  # wall time outside the phases
-    assert sum(b["phase_ms"].values()) == pytest.approx(b["step_ms"])
-    assert b["ms_per_token"] == pytest.approx(75.0)
-    assert b["break_even_tau"] == pytest.approx(3.0)  # 150 ms per step / 50 ms per AR token
-    assert b["tau_for_1_3x"] == pytest.approx(3.9)
-
-
-def test_breakdown_rejects_empty_runs():
-    with pytest.raises(ValueError, match="steps >= 1"):
-        cost.breakdown(_record(steps=0), 50.0)
-    with pytest.raises(ValueError, match="ar_ms_per_token > 0"):
-        cost.breakdown(_record(), 0.0)
-
-
 def test_forward_curve_reports_each_size():
     # forward_curve asserts itself that every timed forward is cropped back off the cache
     rows = cost.forward_curve(tiny_llama(0), list(range(1, 21)), [1, 3, 8], repeats=2)

@@ -60,6 +60,57 @@ def test_per_seed_speedups_pair_each_run_with_its_own_seeds_generate(tmp_path):
     assert "| ar-hf | 2 | 1.00 | – | 30.00 (20.00–40.00) | 1.00x | 1.00x |" in table  # no per-seed for generate
 
 
+
+def _stepped(seed, tps, steps, seconds, draft, plan, verify, walk, project, commit, step):
+    rec = _rec("default", 1.0, seed, 2.0, 0.5, tps)
+    rec.update(steps=steps, seconds=seconds,
+               phase_seconds={"draft": draft, "plan": plan, "verify_forward": verify, "walk": walk,
+                              "project": project, "commit": commit, "step": step})
+    return rec
+
+
+def test_step_table_takes_medians_over_seeds_against_each_seeds_generate(tmp_path):
+    """Where a step goes: ms per step by phase, the lean-step quantities and the accepted
+    length to break even, each seed's run against the fastest generate of its own seed,
+    then the median over seeds. Seed 1 ran in a slow spell (generate at 20 tok/s, its
+    static variant at 10): against the median generate over seeds (30 tok/s) its
+    break-even tau would read 3.0, against its slower generate 1.0, instead of 100 / 50."""
+    recs = [_rec("ar-hf", 1.0, 0, 1.0, float("nan"), 40.0), _rec("ar-hf", 1.0, 1, 1.0, float("nan"), 20.0),
+            _rec("ar-hf-static", 1.0, 1, 1.0, float("nan"), 10.0),
+            # seed 0: 10 steps, 50 ms each (0.5 s), 40 ms of them in the steps
+            _stepped(0, 40.0, 10, 0.5, draft=0.04, plan=0.02, verify=0.25, walk=0.06, project=0.03,
+                     commit=0.01, step=0.40),
+            # seed 1: 10 steps of 100 ms, 90 ms in the steps
+            _stepped(1, 20.0, 10, 1.0, draft=0.10, plan=0.06, verify=0.60, walk=0.10, project=0.04,
+                     commit=0.02, step=0.90)]
+    rows = bench.step_rows(recs)
+    assert [r["method"] for r in rows] == ["default"]  # generate has no steps to split
+    r = rows[0]
+    assert r["seeds"] == 2
+    assert r["step_ms"] == pytest.approx(75.0)  # median of 50 and 100
+    assert r["draft"] == pytest.approx(7.0) and r["plan"] == pytest.approx(4.0)
+    # plan + walk + commit + the loop's own time (the steps' wall time less the phases)
+    book0 = 2.0 + 6.0 + 1.0 + (40.0 - 4.0 - 2.0 - 25.0 - 6.0 - 1.0)
+    book1 = 6.0 + 10.0 + 2.0 + (90.0 - 10.0 - 6.0 - 60.0 - 10.0 - 2.0)
+    assert r["bookkeeping_ms"] == pytest.approx((book0 + book1) / 2)
+    assert r["bookkeeping_no_projection_ms"] == pytest.approx((book0 - 3.0 + book1 - 4.0) / 2)
+    assert r["depth_vs_head_forward"] == pytest.approx((6.0 / 4.0 + 16.0 / 10.0) / 2)
+    # break-even tau: ms per step / generate's ms per token of the same seed (40 and 20 tok/s)
+    assert r["break_even_tau"] == pytest.approx((50.0 / 25.0 + 100.0 / 50.0) / 2)
+    assert r["tau_for_1_3x"] == pytest.approx(1.3 * 2.0)
+    table = bench.report(recs, tmp_path / "t.md", tmp_path)
+    assert "| float32 | 1.0 | default | 2 | 75.00 | 7.00 | 4.00 | 42.50 | 8.00 (3.50) | 1.50 | " in table
+    assert "| 1.55x | 2.00 / 2.60 |" in table
+    header, rule = bench.step_table(recs).splitlines()[:2]
+    assert header.count("|") == rule.count("|")  # a well-formed markdown table
+
+
+def test_step_table_leaves_out_runs_without_their_seeds_generate():
+    recs = [_rec("ar-hf", 1.0, 0, 1.0, float("nan"), 40.0),
+            _stepped(1, 20.0, 10, 1.0, draft=0.1, plan=0.06, verify=0.6, walk=0.1, project=0.04, commit=0.02,
+                     step=0.9)]
+    assert bench.step_rows(recs) == [] and bench.step_table(recs) == ""
+
 def test_report_table_and_plots(tmp_path):
     recs = [_rec("ar-hf", 0.6, 0, 1.0, float("nan"), 10.0), _rec("eagle", 0.6, 0, 1.5, 0.25, 8.0),
             _rec("eagle", 0.6, 1, 1.7, 0.35, 9.0)]
