@@ -417,6 +417,8 @@ def step_rows(records: list[dict]) -> list[dict]:
     ar_seed = _generate_per_seed(groups)
     rows = []
     for (m, t, d), rs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        if m.startswith("ar-hf"):  # generate: the baseline, no phases
+            continue
         bs = []
         for x in rs:
             base = ar_seed.get((t, d, x.get("seed")))
@@ -427,7 +429,7 @@ def step_rows(records: list[dict]) -> list[dict]:
             if "bookkeeping_ms" in b:
                 b["bookkeeping_no_projection_ms"] = b["bookkeeping_ms"] - b["projection_ms"]
             bs.append(b)
-        if not bs or m.startswith("ar-hf"):
+        if not bs:
             continue
         med = {}
         for k in STEP_COLUMNS:  # a quantity some run lacks (no draft calls: no depth ratio) stays out
