@@ -1,5 +1,6 @@
 """A tiny random Llama and a character tokenizer, so the benchmark code runs end to end
-in milliseconds without SmolLM2 (the numbers are meaningless; the bookkeeping is not)."""
+in milliseconds without SmolLM2 (the numbers are meaningless; the bookkeeping is not),
+and a made-up run record with phase times (``phase_record``)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,14 @@ class CharTokenizer:
 
     def __call__(self, text: str) -> dict:
         return {"input_ids": [1 + ord(c) % (VOCAB - 1) for c in text[:12]]}
+
+
+def phase_record(**kw) -> dict:
+    """A run record as ``rheoplan.bench.decode.run_group`` writes it: 10 steps in 1.5 s,
+    0.2 s of them in draft calls, 0.1 planning, 0.9 verifying, 0.1 walking, 0.05 committing;
+    ``kw`` overrides fields."""
+    rec = {"method": "rheo-m1-ot", "steps": 10, "seconds": 1.5, "mean_accepted_length": 2.0,
+           "tokens_per_second": 20 / 1.5,
+           "phase_seconds": {"draft": 0.2, "plan": 0.1, "verify_forward": 0.9, "walk": 0.1, "commit": 0.05}}
+    rec.update(kw)
+    return rec

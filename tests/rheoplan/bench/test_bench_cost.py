@@ -1,4 +1,4 @@
-"""``rheoplan bench cost``: the break-even arithmetic, the forward-cost curve (on a tiny
+"""``rheoplan bench cost``: its tables, the forward-cost curve (on a tiny
 random Llama: it must leave the cache as it found it) and argument checks that run
 before any model loads."""
 
@@ -6,16 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from _bench_models import tiny_llama
+from _bench_models import phase_record, tiny_llama
 from rheoplan.bench import cost
-
-
-def _record(**kw):
-    rec = {"method": "rheo-m1-ot", "steps": 10, "seconds": 1.5, "mean_accepted_length": 2.0,
-           "tokens_per_second": 20 / 1.5,
-           "phase_seconds": {"draft": 0.2, "plan": 0.1, "verify_forward": 0.9, "walk": 0.1, "commit": 0.05}}
-    rec.update(kw)
-    return rec
 
 
 def test_forward_curve_reports_each_size():
@@ -43,7 +35,7 @@ def test_bad_arguments_fail_before_the_model_loads(monkeypatch, tmp_path, argv, 
 
 
 def test_report_tables():
-    rows = [cost.breakdown(_record(), 50.0)]
+    rows = [cost.breakdown(phase_record(), 50.0)]
     text = cost.report(rows, [{"tokens": 1, "stack_ms": 40.0, "head_ms": 10.0},
                               {"tokens": 8, "stack_ms": 80.0, "head_ms": 30.0}], 50.0)
     assert "| rheo-m1-ot | 2.00 | 20.0 | 10.0 | 90.0 | 10.0 | 5.0 | 15.0 | 150.0 | 75.0 | 3.00 | 3.90 |" in text
@@ -53,7 +45,7 @@ def test_report_tables():
 
 
 def test_lean_checks_split_prefill_from_the_loop_and_compare_with_generate():
-    rec = _record()
+    rec = phase_record()
     rec["phase_seconds"]["step"] = 1.4  # the steps' wall time: 0.1 s of the 1.5 s was prefill
     rec["phase_seconds"]["project"] = 0.04  # of the walk's 0.1 s
     b = cost.breakdown(rec, ar_ms_per_token=50.0)
@@ -62,7 +54,7 @@ def test_lean_checks_split_prefill_from_the_loop_and_compare_with_generate():
     assert b["prefill_ms_per_step"] == pytest.approx(10.0)
     assert b["bookkeeping_ms"] == pytest.approx(10.0 + 10.0 + 5.0 + 5.0)  # plan + walk + commit + loop
     assert b["depth_vs_head_forward"] == pytest.approx((20.0 + 10.0) / 20.0)
-    ar = cost.breakdown(dict(_record(method="autoregressive", mean_accepted_length=1.0),
+    ar = cost.breakdown(dict(phase_record(method="autoregressive", mean_accepted_length=1.0),
                              phase_seconds={"verify_forward": 0.5, "walk": 0.01, "commit": 0.01, "step": 0.52}),
                         ar_ms_per_token=50.0)
     table = cost.lean_checks([ar, b], ar_ms=50.0)

@@ -6,19 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from _bench_models import phase_record
 from rheoplan.bench import phases
 
 
-def _record(**kw):
-    rec = {"method": "rheo-m1-ot", "steps": 10, "seconds": 1.5, "mean_accepted_length": 2.0,
-           "tokens_per_second": 20 / 1.5,
-           "phase_seconds": {"draft": 0.2, "plan": 0.1, "verify_forward": 0.9, "walk": 0.1, "commit": 0.05}}
-    rec.update(kw)
-    return rec
-
-
 def test_breakdown_break_even_tau():
-    b = phases.breakdown(_record(), ar_ms_per_token=50.0)
+    b = phases.breakdown(phase_record(), ar_ms_per_token=50.0)
     assert b["step_ms"] == pytest.approx(150.0)
     assert b["phase_ms"]["verify_forward"] == pytest.approx(90.0)
     assert b["phase_ms"]["other"] == pytest.approx(150.0 - 135.0)  # wall time outside the phases
@@ -30,6 +23,6 @@ def test_breakdown_break_even_tau():
 
 def test_breakdown_rejects_empty_runs():
     with pytest.raises(ValueError, match="steps >= 1"):
-        phases.breakdown(_record(steps=0), 50.0)
+        phases.breakdown(phase_record(steps=0), 50.0)
     with pytest.raises(ValueError, match="ar_ms_per_token > 0"):
-        phases.breakdown(_record(), 0.0)
+        phases.breakdown(phase_record(), 0.0)
