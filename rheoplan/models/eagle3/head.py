@@ -225,21 +225,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Eagle3Attention(nn.Module):
-    """Self-attention whose q/k/v read the 2H concatenation and whose output is H."""
+    """Self-attention whose q/k/v read the 2H concatenation and whose output is H.
+    ``in_width``: another input width (default 2H; H for a plain decoder layer stacked on
+    the midlayer, as ``examples/measure_head_layers.py`` tries)."""
 
-    def __init__(self, cfg: Eagle3Config) -> None:
+    def __init__(self, cfg: Eagle3Config, in_width: int | None = None) -> None:
         super().__init__()
         H, hd = cfg.hidden_size, cfg.head_dim
+        W = 2 * H if in_width is None else in_width
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(2 * H, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.n_kv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.n_kv * hd, bias=False)
+        self.q_proj = nn.Linear(W, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(W, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(W, self.n_kv * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, H, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None,
                 allowed: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """``x [n, 2H]``, ``cos/sin [n, hd]``, ``past`` k/v ``[kv, S, hd]``, ``allowed [n, S+n]``."""
+        """``x [n, in_width]``, ``cos/sin [n, hd]``, ``past`` k/v ``[kv, S, hd]``, ``allowed [n, S+n]``."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.n_heads, self.head_dim).transpose(0, 1)
         k = self.k_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
