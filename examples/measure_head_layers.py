@@ -102,10 +102,12 @@ def main() -> None:
     from rheoplan.models.eagle3 import read_eagle3
     from rheoplan.models.packed_linear import pack_if_it_pays
     from rheoplan.models.smollm import DTYPES
-    from rheoplan.train import features as ft, selfdistill as sd, tokens as tk, train as tr
+    from rheoplan.train import cli as train_cli, features as ft, selfdistill as sd, tokens as tk, train as tr
 
+    # the trainer's own defaults (top-k of the soft targets, prompt weight, scale rows, ...)
+    d = train_cli.build_parser().parse_args(["--work-dir", "unused"])
     torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
+    torch.manual_seed(d.seed)
     data = sd.data_file("selfdistill_tokens")
     shipped = str(SHIPPED_HEAD)
     t0 = time.time()
@@ -115,20 +117,20 @@ def main() -> None:
         seen = set(f.read().split())
     names = [n for n in tk.list_shards(data, "train") if n not in seen]
     rows = tk.load_rows(data, names)
-    random.Random(0).shuffle(rows)
+    random.Random(d.seed).shuffle(rows)
     rows = rows[:a.rows]
     held = tk.load_rows(data, tk.list_shards(data, "heldout"))
     shared = tr.common_prefix_len(rows + held)
     print(f"{len(rows)} rows of {len(names)} shards the shipped head never saw: "
           f"{sum(int(r['tokens'].numel()) - 1 for r in rows)} pairs", flush=True)
-    calib = random.Random(0).sample(rows, min(64, len(rows)))
-    src = ft.RowExamples(model, calib, topk=1, shared_prefix=0, prompt_weight=1.0, batch_tokens=2048)
-    scale = tr.feature_scale({"feats": e.feats} for e in src.get(range(len(calib))))
-    train_src = ft.RowExamples(model, rows, topk=32, shared_prefix=shared, prompt_weight=0.3, batch_tokens=2048,
-                               cache_gb=10, cache_dir=a.feature_dir)
-    held_src = ft.RowExamples(model, held, topk=256, shared_prefix=shared, prompt_weight=0.3, cache=True)
-    sub_src = ft.RowExamples(model, random.Random(1).sample(rows, min(60, len(rows))), topk=256,
-                             shared_prefix=shared, prompt_weight=0.3, cache=True)
+    batch = 2 * d.chunk_tokens  # as the trainer makes features
+    scale = ft.calibration_scale(model, rows, n_rows=d.calib_rows, seed=d.seed, batch_tokens=batch)
+    train_src = ft.RowExamples(model, rows, topk=d.topk, shared_prefix=shared, prompt_weight=d.prompt_weight,
+                               batch_tokens=batch, cache_gb=10, cache_dir=a.feature_dir)
+    held_src = ft.RowExamples(model, held, topk=d.heldout_topk, shared_prefix=shared, prompt_weight=d.prompt_weight,
+                              cache=True)
+    sub_src = ft.RowExamples(model, random.Random(1).sample(rows, min(60, len(rows))), topk=d.heldout_topk,
+                             shared_prefix=shared, prompt_weight=d.prompt_weight, cache=True)
     embed = model.get_input_embeddings().weight.detach().float()
     results = {}
     for arm in a.arms:
@@ -140,10 +142,12 @@ def main() -> None:
         t2d = tr.target_to_draft_index(ids, head.config.vocab_size)
 
         def ev(s):
-            return tr.evaluate(head, embed, s, steps=3, chunk_tokens=1024, draft_ids=ids, t2d_index=t2d, scale=scale)
+            return tr.evaluate(head, embed, s, steps=3, chunk_tokens=d.chunk_tokens, draft_ids=ids, t2d_index=t2d,
+                               scale=scale)
 
         r = {"params": sum(p.numel() for p in head.parameters()), "heldout_before": ev(held_src)}
-        cfg = tr.TrainConfig(epochs=a.epochs, lr=a.lr, seed=0, ckpt_every=10**9)
+        cfg = tr.TrainConfig(epochs=a.epochs, lr=a.lr, chunk_tokens=d.chunk_tokens, ttt_steps=d.ttt_steps,
+                             step_decay=d.step_decay, prompt_weight=d.prompt_weight, seed=d.seed, ckpt_every=10**9)
         t = time.time()
         summary = tr.train_head(head, embed, train_src, cfg, progress=False, on_epoch_end=lambda e: ev(held_src),
                                 scale=scale)

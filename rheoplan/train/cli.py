@@ -432,10 +432,8 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     if a.resume and os.path.exists(scale_path):
         scale = torch.load(scale_path)
     else:
-        calib = random.Random(a.seed).sample(train_rows, min(a.calib_rows, len(train_rows)))
-        src = ft.RowExamples(model, calib, topk=1, shared_prefix=0, prompt_weight=1.0,
-                             batch_tokens=2 * a.chunk_tokens)  # batched: 64 rows at once would not fit
-        scale = tr.feature_scale({"feats": e.feats} for e in src.get(range(len(calib))))
+        scale = ft.calibration_scale(model, train_rows, n_rows=a.calib_rows, seed=a.seed,
+                                     batch_tokens=2 * a.chunk_tokens)
         torch.save(scale, scale_path)
     if init is not None:
         # the exported head reads raw features (its fc holds the scale it was trained with);

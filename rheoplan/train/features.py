@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 from dataclasses import replace
 from typing import Sequence
 
@@ -209,3 +210,14 @@ class RowExamples:
             self._keep(made)
             made = {**made, **{i: self._cache[i] for i in indices if i in self._cache}}
         return [made[i] for i in indices if made[i] is not None]
+
+
+def calibration_scale(model: torch.nn.Module, rows: Sequence[dict], *, n_rows: int, seed: int,
+                      batch_tokens: int) -> torch.Tensor:
+    """``train.feature_scale`` of ``n_rows`` of ``rows`` drawn with ``seed`` (all of them
+    when fewer), their features made by teacher-forced forwards of ``model`` in batches of
+    ``batch_tokens`` (64 rows at once would not fit): the per-channel preconditioner a
+    training run feeds its head with."""
+    calib = random.Random(seed).sample(list(rows), min(n_rows, len(rows)))
+    src = RowExamples(model, calib, topk=1, shared_prefix=0, prompt_weight=1.0, batch_tokens=batch_tokens)
+    return tr.feature_scale({"feats": e.feats} for e in src.get(range(len(calib))))

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head
-from rheoplan.train.train import ttt_mask
+from rheoplan.train.train import Batch, ttt_forward
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "measure_head_layers.py"
 
@@ -25,18 +25,16 @@ def _head() -> Eagle3Head:
 
 
 def _ttt(head, steps: int = 2):
-    """Two training-time-test steps over one packed row of 5 pairs: the shapes and masks
-    the trainer runs, the second step fed the first step's hiddens."""
+    """The trainer's training-time test (``ttt_forward``) over two packed rows of 3 and 4
+    pairs: the logits of each step, as the example's training sees them."""
     torch.manual_seed(1)
-    n = 5
-    emb, feats = torch.randn(n, 32), torch.randn(n, 3 * 32)
-    seq, local = torch.zeros(n, dtype=torch.long), torch.arange(n)
-    past, hidden, outs = None, feats, []
-    for k in range(1, steps + 1):
-        h, past = head(emb, hidden, local + 1, past, ttt_mask(seq, local, k))
-        outs.append(head.draft_logits(h))
-        hidden = torch.cat([torch.zeros(1, 32), h[:-1]])
-    return outs
+    seq = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    local = torch.tensor([0, 1, 2, 0, 1, 2, 3])
+    n = seq.numel()
+    b = Batch(tokens=torch.randint(0, 40, (n,)), feats=torch.randn(n, 3 * 32), positions=local + 1, seq=seq,
+              local=local, topk_ids=torch.zeros(n, 1, dtype=torch.long), topk_logp=torch.zeros(n, 1),
+              weight=torch.ones(n), response=torch.ones(n, dtype=torch.bool))
+    return [head.draft_logits(h) for h in ttt_forward(head, torch.randn(40, 32), b, steps)]
 
 
 def test_two_layer_arm_starts_as_the_one_layer_head():
