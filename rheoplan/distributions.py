@@ -43,8 +43,8 @@ _NEG_INF = -float("inf")
 BROKEN_TARGET = ("target logits contain NaN or +inf, or a row with no finite entry: "
                  "the target model's output is broken")
 #: the message of a broken draft output (raised at once, or after planning on a device)
-BROKEN_DRAFT = ("draft logits contain NaN or +inf, or a row with no finite entry: "
-                "the draft model's output is broken")
+BROKEN_DRAFT = ("draft logits contain NaN or +inf (or overflow to +inf when divided by the temperature), "
+                "or a row with no finite entry: the draft model's output is broken")
 
 #: residual mass at or below this is treated as zero (acceptance is then certain); every
 #: verifier implementation (torch, numba, Triton) imports it from here
@@ -200,10 +200,23 @@ def process_scores(logits: torch.Tensor, sampling: SamplingConfig, input_ids=Non
     # nothing processed the checked scores (no processor, no warper: T = 1 sampling or
     # greedy with no context rule): they are still the checked tensor, no second pass over V
     if check and x is not checked and bool(broken_rows(x)):
-        names = [_name(p) for p in custom_penalty[:1] + processors]
-        raise ValueError("the processed target scores contain NaN or +inf, or no token is left: "
-                         f"check the logits processors {names}")
+        raise ValueError("the processed target scores contain NaN or +inf, or no token is left, after "
+                         + ", ".join(_processing_steps(sampling, custom_penalty[:1] + processors))
+                         + (" (finite logits overflow to +inf when divided by a temperature below 1)"
+                            if not sampling.greedy and sampling.temperature < 1.0 else ""))
     return x.reshape(logits.shape)
+
+
+def _processing_steps(sampling: SamplingConfig, processors: Sequence[LogitsProcessor]) -> list[str]:
+    """What ``process_scores`` applied to the checked logits, in its order (for its error)."""
+    steps = [] if processors and _is_repetition_penalty(processors[0]) else (
+        [f"repetition_penalty={sampling.repetition_penalty}"] if sampling.repetition_penalty != 1.0 else [])
+    steps += [f"logits processor {_name(p)}" for p in processors]
+    if not sampling.greedy:
+        steps += [f"{k}={v}" for k, v, off in (("temperature", sampling.temperature, 1.0), ("top_k", sampling.top_k, 0),
+                                                ("top_p", sampling.top_p, 1.0), ("min_p", sampling.min_p, 0.0),
+                                                ("typical_p", sampling.typical_p, 1.0)) if v != off]
+    return steps
 
 
 def target_probs(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None,
@@ -284,17 +297,26 @@ class SubsetLogits:
         return out
 
 
+def draft_scores(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """``logits / T_d`` in float32 (``T_d = T``, 1 when greedy), whose softmax is the draft law."""
+    x = logits.to(torch.float32)
+    T = sampling.draft_temperature
+    return x if T == 1.0 else x / T  # x / 1 is exact: skipping it changes no bit
+
+
 def draft_probs(logits: torch.Tensor, sampling: SamplingConfig, check: bool = True) -> torch.Tensor:
     """Draft law ``softmax(logits / T_d)`` in float32, ``T_d = T`` (1 when greedy).
 
-    ``check=False`` skips the broken-output check (a host sync); the caller then checks
-    ``broken_rows`` itself (the Triton planner defers it to the end of planning).
+    The check reads the scores after the division: finite logits that overflow to +inf
+    when divided by a temperature below 1 would give a NaN law (and no tree) as surely as
+    a NaN logit. ``check=False`` skips it (a host sync); the caller then checks
+    ``broken_rows(draft_scores(...))`` itself (the Triton planner defers it to the end of
+    planning).
     """
-    x = logits.to(torch.float32)
+    x = draft_scores(logits, sampling)
     if check and bool(broken_rows(x)):
         raise ValueError(BROKEN_DRAFT)
-    T = sampling.draft_temperature
-    return torch.softmax(x if T == 1.0 else x / T, dim=-1)  # x / 1 is exact: skipping it changes no bit
+    return torch.softmax(x, dim=-1)
 
 
 def rank_support(q: torch.Tensor, support: int) -> tuple[torch.Tensor, torch.Tensor]:

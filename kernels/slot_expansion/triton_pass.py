@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from rheoplan.distributions import BROKEN_DRAFT, broken_rows, draft_probs, tail_law, tail_law_rows, tail_mass
+from rheoplan.distributions import (BROKEN_DRAFT, broken_rows, draft_probs, draft_scores, tail_law, tail_law_rows,
+                                    tail_mass)
 from rheoplan.ir import DraftTree, NodeKind
 from rheoplan.kernels.philox_triton import streams_uniform
 from rheoplan.kernels.plan.triton import frontier_topk
@@ -43,7 +44,7 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     logits, ids = draft_columns(ctx.draft(tree, nodes))
     V = check_draft_logits(logits, B, width, K, cfg.support)
     rows = logits.reshape(B * width, V).to(dev)
-    bad = broken_rows(rows.to(torch.float32))
+    bad = broken_rows(draft_scores(rows, ctx.sampling))  # after the division, as draft_probs checks
     ctx.deferred_checks.append((bad, BROKEN_DRAFT))  # raised at the end of planning, no sync here
     q = torch.where(bad, 1.0 / V, draft_probs(rows, ctx.sampling, check=False)).contiguous()
     s = min(cfg.support, V)

@@ -114,18 +114,21 @@ def test_triton_without_cuda_or_interpreter_is_refused_first(monkeypatch):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("who", ["target", "draft"])
-def test_broken_logits_triton(who):
+@pytest.mark.parametrize("who,value", [("target", float("nan")), ("draft", float("nan")), ("draft", 3e38)],
+                         ids=["target", "draft", "draft-overflow"])
+def test_broken_logits_triton(who, value):
     """The device checks are deferred (no sync) but still raise the reference's message:
-    the draft's at the end of planning, the target's with the walk's tokens."""
+    the draft's at the end of planning, the target's with the walk's tokens. The draft's
+    reads its scores after the division by T = 0.5, where 3e38 overflows."""
     from rheoplan.models.functional import FunctionalLM
 
     good = hashed_context_lm(8, seed=1)
-    bad = FunctionalLM(lambda paths: torch.full((len(paths), 8), float("nan")), vocab_size=8)
+    bad = FunctionalLM(lambda paths: torch.full((len(paths), 8), value), vocab_size=8)
     tgt, drf = (bad, good) if who == "target" else (good, bad)
     cfg = TreeConfig(depth=2, frontier=2, slots=2, budget=3, support=8)
     with pytest.raises(ValueError, match=rf"{who} logits contain NaN or \+inf.*{who} model's output is broken"):
-        plan_and_decode(tgt, drf, [0, 1], max_new_tokens=3, tree=cfg, seed=0, backend="triton")
+        plan_and_decode(tgt, drf, [0, 1], max_new_tokens=3, tree=cfg, seed=0, backend="triton",
+                        sampling=SamplingConfig(temperature=0.5))
 
 
 @pytest.mark.interpreter

@@ -302,6 +302,41 @@ def test_broken_logits(who, value):
     assert bad.n_calls >= 1  # necessarily after model work: the values exist only then
 
 
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("who", ["target", "draft"])
+def test_finite_logits_that_overflow_at_the_temperature(who, backend):
+    """Finite logits of 3e38 are +inf once divided by T = 0.5: the law would be NaN (the
+    numba planner's top-S crashed the process on it). Both sides say so before using it."""
+    from rheoplan.models.functional import FunctionalLM
+
+    def huge(paths):
+        x = torch.zeros(len(paths), V)
+        x[:, 2] = 3e38
+        return x
+
+    good, bad = hashed_context_lm(V, seed=1), FunctionalLM(huge, V)
+    tgt, drf = (bad, good) if who == "target" else (good, bad)
+    exc = ValueError if who == "target" else PassError
+    msg = (r"processed target scores contain NaN or \+inf.*after temperature=0.5 \(finite logits overflow"
+           if who == "target" else r"draft logits contain NaN or \+inf \(or overflow to \+inf when divided by the temperature")
+    with pytest.raises(exc, match=msg):
+        plan_and_decode(tgt, drf, [0, 1], max_new_tokens=4, tree=TREE, seed=0, backend=backend,
+                        sampling=SamplingConfig(temperature=0.5))
+    # at T = 1 the same logits are a valid (one-hot) law
+    r = plan_and_decode(tgt, drf, [0, 1], max_new_tokens=4, tree=TREE, seed=0, backend=backend,
+                        sampling=SamplingConfig(temperature=1.0))
+    assert len(r.tokens) == 4
+
+
+def test_a_logits_processor_that_breaks_the_scores_is_named():
+    lm = hashed_context_lm(V, seed=1)
+    with pytest.raises(ValueError, match=r"processed target scores contain NaN.*after logits processor nan_out$"):
+        def nan_out(ids, scores):
+            return scores * float("nan")
+
+        plan_and_decode(lm, None, [0, 1], max_new_tokens=2, seed=0, logits_processors=[nan_out])
+
+
 def test_target_row_of_all_minus_inf():
     bad = nan_lm(V, float("-inf"))
     with pytest.raises(ValueError, match="no finite entry"):
