@@ -185,17 +185,22 @@ class DraftTree:
         return out[::-1]
 
 
-def empty_tree(batch: int, capacity: int, max_expanded: int, support: int,
-               root_tokens: torch.Tensor, prefix_len: torch.Tensor,
-               rheostat: int, slots: int, device: torch.device | str | None = None) -> DraftTree:
-    """A tree holding only its root (node 0, depth 0, score 0, kept), on ``device``
-    (default CPU; the Triton planner keeps its trees on the target's device)."""
-    B, M, E, S = batch, capacity, max_expanded, support
-    dev = torch.device(device if device is not None else "cpu")
+#: the last few root-only templates by shape (``empty_tree`` clones one instead of
+#: building 25 tensors and writing the root into each: a decode plans one tree per step)
+_TEMPLATES: dict[tuple, "DraftTree"] = {}
+
+
+def _root_template(B: int, M: int, E: int, S: int, rheostat: int, slots: int, dev: torch.device) -> DraftTree:
+    """A root-only tree of this shape with root token -1 and prefix 0 (never handed out:
+    ``empty_tree`` clones it)."""
+    key = (B, M, E, S, rheostat, slots, str(dev))
+    t = _TEMPLATES.get(key)
+    if t is not None:
+        return t
     ilong = lambda *s: torch.full(s, -1, dtype=torch.int64, device=dev)  # noqa: E731
     f32 = lambda *s: torch.zeros(s, dtype=torch.float32, device=dev)  # noqa: E731
     t = DraftTree(
-        prefix_len=prefix_len.to(device=dev, dtype=torch.int64).clone(),
+        prefix_len=torch.zeros(B, dtype=torch.int64, device=dev),
         n_nodes=torch.ones(B, dtype=torch.int64, device=dev),
         n_expanded=torch.zeros(B, dtype=torch.int64, device=dev),
         cur_depth=0,
@@ -222,11 +227,29 @@ def empty_tree(batch: int, capacity: int, max_expanded: int, support: int,
         y_node=ilong(B, E),
     )
     t.depth[:, 0] = 0
-    t.token[:, 0] = root_tokens.to(device=dev, dtype=torch.int64)
     t.kind[:, 0] = int(NodeKind.ROOT)
     t.q[:, 0] = 1.0
     t.weight[:, 0] = 1.0
     t.kept[:, 0] = True
+    if len(_TEMPLATES) >= 8:  # a few shapes at a time (batch sizes of a continuous batch)
+        _TEMPLATES.pop(next(iter(_TEMPLATES)))
+    _TEMPLATES[key] = t
+    return t
+
+
+def empty_tree(batch: int, capacity: int, max_expanded: int, support: int,
+               root_tokens: torch.Tensor, prefix_len: torch.Tensor,
+               rheostat: int, slots: int, device: torch.device | str | None = None) -> DraftTree:
+    """A tree holding only its root (node 0, depth 0, score 0, kept), on ``device``
+    (default CPU; the Triton planner keeps its trees on the target's device): fresh
+    tensors, cloned from a cached root-only tree of the same shape."""
+    dev = torch.device(device if device is not None else "cpu")
+    tpl = _root_template(batch, capacity, max_expanded, support, rheostat, slots, dev)
+    out = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in tpl.__dict__.items()}
+    out["prefix_len"] = prefix_len.to(device=dev, dtype=torch.int64).clone()
+    t = object.__new__(DraftTree)  # as DraftTree.replace: the fields as built, no __init__
+    t.__dict__.update(out)
+    t.token[:, 0] = root_tokens.to(device=dev, dtype=torch.int64)
     return t
 
 

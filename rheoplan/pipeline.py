@@ -16,6 +16,7 @@ verify-after-each-pass) in the style of TVM's pass instruments.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -119,6 +120,7 @@ def builtin_pass(name: str, fn: Callable[[DraftTree, PassContext], DraftTree], *
     return FnPass(name, fn, tuple(sorted(impls.items())), reference=fn)
 
 
+@functools.lru_cache(maxsize=None)
 def _load(spec: str) -> Callable:
     module, _, attr = spec.partition(":")
     return getattr(importlib.import_module(module), attr)
@@ -153,7 +155,9 @@ def lower(passes: Sequence, backend: str) -> list:
             else:
                 raise ValueError(f"pass {p.name!r} has no {backend!r} implementation: it has "
                                  f"{('reference',) + tuple(impls)}")
-            out.append(FnPass(p.name, fn, p.impls, p.reference))
+            # a pass already lowered to this backend is kept as it is (a decode lowers
+            # every step's cost-aware list, whose built-in passes are lowered already)
+            out.append(p if p.fn is fn else FnPass(p.name, fn, p.impls, p.reference))
         else:
             out.append(p)
     return out
