@@ -155,3 +155,81 @@ def test_triton_backend_runs_the_tree_attention_kernel_on_a_transformers_target(
     assert attn == 2 * (steps - 1)  # two layers, one verify forward per step but step 0 (the prompt's)
     assert runs[True][1] == 0
     assert runs[True][0] == tokens  # same law, same seed: the kernel only changes float rounding here
+
+
+# --------------------------------------------------------------------------------------
+# Extreme models: the host backends agree, token for token or error for error
+# --------------------------------------------------------------------------------------
+
+def _extreme_lm(V: int, seed: int):
+    """Logits that are a pure function of the path, drawn from the edges a real model's
+    output reaches: magnitudes from 1e-30 to 1e37, ties, bfloat16 rounding, rows of -inf
+    with one finite entry, and entries of +-3e38 that overflow once divided by T < 1."""
+    import random
+
+    from rheoplan.models.functional import FunctionalLM
+
+    def fn(paths):
+        out = torch.zeros(len(paths), V)
+        for i, p in enumerate(paths):
+            h = hash((seed,) + p) % (2**31)
+            r, g = random.Random(h), torch.Generator().manual_seed(h)
+            x = torch.randn(V, generator=g) * r.choice([1e-30, 1e-3, 1.0, 10.0, 80.0, 1e4, 1e30])
+            kind = r.randrange(6)
+            if kind == 1:
+                x = torch.round(x)
+            elif kind == 2:
+                x[torch.rand(V, generator=g) < r.random()] = float("-inf")
+                x[h % V] = r.choice([0.0, -1e30, 1e30])
+            elif kind == 3:
+                x[:] = r.choice([0.0, -80.0, 1e37, -3e38])
+                x[h % V] = r.choice([60.0, 1e37, -1e37, 0.0, 3e38])
+            elif kind == 4:
+                x[:] = float("-inf")
+                x[h % V] = 0.0
+            elif kind == 5:
+                x = x.to(torch.bfloat16).float()
+            out[i] = x
+        return out
+
+    return FunctionalLM(fn, V)
+
+
+def _decode_or_error(tgt, drf, prompt, n, cfg, s, seed, backend):
+    try:
+        return plan_and_decode(tgt, drf, prompt, max_new_tokens=n, tree=cfg, sampling=s, seed=seed,
+                               backend=backend).tokens
+    except (ValueError, RuntimeError) as e:  # PassError is a RuntimeError
+        return f"{type(e).__name__}: {e}"
+
+
+def test_host_backends_agree_on_extreme_models():
+    """For random small trees, sampling settings and models with extreme logits, the numba
+    decode emits the reference decode's tokens, or raises its error word for word. Finite
+    logits that overflow at T < 1 crashed the numba planner's top-S (a segfault) until the
+    draft law was checked after the division by the temperature."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(st.data())
+    def check(data):
+        V = data.draw(st.sampled_from([2, 3, 5, 17, 64]), label="V")
+        K = data.draw(st.integers(1, min(V, 4)), label="slots")
+        cfg = TreeConfig(depth=data.draw(st.integers(1, 3)), frontier=data.draw(st.integers(1, 3)), slots=K,
+                         budget=data.draw(st.integers(1, 8)), rheostat=data.draw(st.integers(0, K)),
+                         support=data.draw(st.integers(K, max(K, min(V + 3, 24)))),
+                         proxy=data.draw(st.sampled_from(["default", "true_q"])),
+                         verifier=data.draw(st.sampled_from(["onehot", "rheo", "ot"])))
+        s = SamplingConfig(temperature=data.draw(st.sampled_from([0.0, 0.3, 1.0, 1.7])),
+                           top_k=data.draw(st.sampled_from([0, 1, 3])),
+                           top_p=data.draw(st.sampled_from([1.0, 0.5])))
+        seed = data.draw(st.integers(0, 2**20), label="seed")
+        models = [(_extreme_lm if data.draw(st.booleans()) else
+                   (lambda v, sd: hashed_context_lm(v, seed=sd, style="mixed")))(V, 2 * seed + i) for i in (0, 1)]
+        prompt = data.draw(st.lists(st.integers(0, V - 1), min_size=1, max_size=3), label="prompt")
+        n = data.draw(st.integers(1, 6), label="max_new_tokens")
+        ref, got = (_decode_or_error(*models, prompt, n, cfg, s, seed, b) for b in ("reference", "numba"))
+        assert got == ref
+
+    check()
