@@ -5,7 +5,9 @@ tiny transformers Llama, at T = 0 and T = 1, for the verifiers onehot / rheo / o
 rheostat m = 0, 1, K-1; and the tree of every step is equal tensor for tensor.
 
 The interpreter is slow (~2 s per step here): a covering subset runs by default, the rest
-of the grid is marked slow."""
+of the grid is marked slow. A property test at the end drives the two host backends with
+models whose logits sit at the edges of float32 (huge, tiny, tied, -inf rows, overflow at
+T < 1): the same tokens, or the same error."""
 
 from __future__ import annotations
 
