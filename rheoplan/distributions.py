@@ -313,10 +313,14 @@ def draft_probs(logits: torch.Tensor, sampling: SamplingConfig, check: bool = Tr
     ``broken_rows(draft_scores(...))`` itself (the Triton planner defers it to the end of
     planning).
     """
-    x = draft_scores(logits, sampling)
-    if check and bool(broken_rows(x)):
+    q = torch.softmax(draft_scores(logits, sampling), dim=-1)
+    # A broken row's softmax is NaN in every entry: its sum is NaN (a NaN entry, or the
+    # NaN of inf - inf where its max is +inf, or of -inf - -inf where nothing is finite),
+    # and every entry is divided by it; a row without NaN or +inf and with a finite entry
+    # sums to >= 1. So its first column tells, with no second pass over V.
+    if check and q.shape[-1] and bool(torch.isnan(q[..., 0]).any()):
         raise ValueError(BROKEN_DRAFT)
-    return torch.softmax(x, dim=-1)
+    return q
 
 
 def rank_support(q: torch.Tensor, support: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,10 +29,13 @@ from rheoplan.planner.expand import check_can_expand, check_draft_logits, draft_
 _DET, _SAMPLED, _PAD = int(NodeKind.DET), int(NodeKind.SAMPLED), int(NodeKind.PAD)
 
 
-def _clone(tree: DraftTree, names: tuple[str, ...]) -> DraftTree:
+def _clone(tree: DraftTree, names: tuple[str, ...]) -> tuple[DraftTree, list[np.ndarray]]:
     """A new tree whose ``names`` tensors are fresh copies (the others are shared and
-    not written: passes stay pure without copying all ~25 tensors)."""
-    return tree.replace(**{n: getattr(tree, n).clone() for n in names})
+    not written: passes stay pure without copying all ~25 tensors), and the copies as
+    numpy arrays, in ``names`` order, for the kernels to write (one numpy copy per field
+    instead of a torch clone and a ``.numpy()`` view of it)."""
+    arrays = [getattr(tree, n).numpy().copy() for n in names]
+    return tree.replace(**{n: torch.from_numpy(a) for n, a in zip(names, arrays)}), arrays
 
 
 @njit(cache=True)
@@ -150,11 +153,10 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     sup_q_t = torch.from_numpy(sup_q)
     z64 = tail_mass(sup_q_t, m, s)
     pi = proxy_weights(cfg.proxy, sup_q_t, z64, m) if m < K else torch.full((R,), float("nan"), dtype=torch.float64)
-    t = _clone(tree, _EXPAND_FIELDS)
+    t, a = _clone(tree, _EXPAND_FIELDS)
     out_b = np.empty(R * K, dtype=np.int64)
     out_c = np.empty(R * K, dtype=np.int64)
     wbuf = np.empty(R * K, dtype=np.float32)
-    a = [getattr(t, f).numpy() for f in _EXPAND_FIELDS]
     ns = _expand_write(rows_b[:R], rows_v[:R], sup_tok, sup_q, s, z64.numpy(), pi.numpy(), m, K,
                        tree.cur_depth, *a, out_b, out_c, wbuf)
     _score_children(t, out_b, out_c, wbuf, ns)
@@ -254,13 +256,12 @@ def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
     sq = tree.sup_q[torch.from_numpy(bi), torch.from_numpy(ri)]
     y_tail, y_qt = draw_rows(ctx.sampler, sq, torch.from_numpy(bi), torch.from_numpy(nodes), m,
                              torch.from_numpy(n_tail))
-    t = _clone(tree, _ASSIGN_FIELDS)
+    t, (token, q, weight, _, y_token, y_qtilde) = _clone(tree, _ASSIGN_FIELDS)
     out_b = np.empty(R * K, dtype=np.int64)
     out_c = np.empty(R * K, dtype=np.int64)
     wbuf = np.empty(R * K, dtype=np.float32)
     ns = _assign_write(bi, ri, y_tail.numpy(), y_qt.numpy(), m, K, ctx.tree_cfg.proxy == "true_q",
-                       tree.sup_token.numpy(), tree.sup_q.numpy(), tree.y_node.numpy(), t.token.numpy(),
-                       t.q.numpy(), t.weight.numpy(), t.y_token.numpy(), t.y_qtilde.numpy(),
-                       out_b, out_c, wbuf)
+                       tree.sup_token.numpy(), tree.sup_q.numpy(), tree.y_node.numpy(), token, q, weight,
+                       y_token, y_qtilde, out_b, out_c, wbuf)
     _score_children(t, out_b, out_c, wbuf, ns)
     return t

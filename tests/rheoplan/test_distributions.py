@@ -172,3 +172,33 @@ def test_greedy_tokens_is_where_the_greedy_law_puts_its_mass():
         y[row, :len(bad)] = torch.tensor(bad)
         with pytest.raises(ValueError, match="NaN or \\+inf, or a row with no finite entry"):
             greedy_tokens(y, SamplingConfig(temperature=0))
+
+
+@pytest.mark.parametrize("V", [1, 17, 8192])
+@pytest.mark.parametrize("T", [1.0, 0.5])
+@pytest.mark.parametrize("kind", ["nan", "inf", "no_finite", "overflow"])
+def test_draft_probs_refuses_a_broken_row_wherever_it_breaks(V, T, kind):
+    """The draft law's check reads only the softmax's first column: a broken row is NaN in
+    every entry. Checked with the break at the first, a middle and the last column, in the
+    middle row of three, and for logits that overflow only once divided by T < 1."""
+    from rheoplan.distributions import draft_probs
+
+    s = SamplingConfig(temperature=T)
+    for pos in sorted({0, V // 2, V - 1}):
+        x = torch.randn(3, V, generator=torch.Generator().manual_seed(pos))
+        if kind == "nan":
+            x[1, pos] = float("nan")
+        elif kind == "inf":
+            x[1, pos] = float("inf")
+        elif kind == "no_finite":
+            x[1] = float("-inf")
+        else:
+            x[1, pos] = 3e38
+        if kind == "overflow" and T == 1.0:
+            assert torch.isfinite(draft_probs(x, s)).all()  # finite at T = 1: a valid law
+            continue
+        with pytest.raises(ValueError, match="draft logits contain NaN or \\+inf"):
+            draft_probs(x, s)
+    ok = torch.randn(3, V)
+    ok[:, 1:] = float("-inf")  # one finite entry per row is a valid (one-hot) law
+    assert torch.equal(draft_probs(ok, s)[:, 0], torch.ones(3))
