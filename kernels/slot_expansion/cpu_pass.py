@@ -226,10 +226,11 @@ def draw_rows(sampler, sup_q: torch.Tensor, trees: torch.Tensor, nodes: torch.Te
     """
     R = sup_q.shape[0]
     stream_rows = getattr(sampler, "stream_rows", None)
-    if stream_rows is not None and R > 0 and bool((n_tail == n_tail[0]).all()):
+    nt = n_tail.numpy()  # a host check: no torch op for a few rows
+    if stream_rows is not None and R > 0 and (nt == nt[0]).all():
         seed, steps, ids, purpose = stream_rows(trees, nodes)
         steps = steps if isinstance(steps, int) else steps.numpy()
-        return tail_draws(sup_q, m, int(n_tail[0]), seed, counter_rows(steps, ids.numpy(), nodes.numpy(), purpose))
+        return tail_draws(sup_q, m, int(nt[0]), seed, counter_rows(steps, ids.numpy(), nodes.numpy(), purpose))
     i = torch.empty(R, dtype=torch.int64)
     y_qt = torch.empty(R, dtype=torch.float64)
     for r in range(R):
