@@ -16,7 +16,6 @@ verify-after-each-pass) in the style of TVM's pass instruments.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 import sys
@@ -120,7 +119,6 @@ def builtin_pass(name: str, fn: Callable[[DraftTree, PassContext], DraftTree], *
     return FnPass(name, fn, tuple(sorted(impls.items())), reference=fn)
 
 
-@functools.lru_cache(maxsize=None)
 def _load(spec: str) -> Callable:
     module, _, attr = spec.partition(":")
     return getattr(importlib.import_module(module), attr)
