@@ -88,6 +88,55 @@ def test_functional_rows_equal_batch_of_one(backend, with_draft):
             assert len(r.tokens) == n or r.tokens[-1] == 4
 
 
+def test_rows_equal_batch_of_one_on_extreme_models():
+    """Row b of a batch is row b decoded alone with stream id b, for random small trees,
+    sampling settings, backends, EOS and per-row limits, on models whose logits sit at the
+    edges of float32 (``test_backends._extreme_lm``) or hashed-context models; or both
+    raise the same error (a broken output of one row stops the batch). Not with a cost
+    model: it plans the batch as a whole, so a row's trees, and with them its tokens (never
+    its law), differ from the row's alone."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    settings(max_examples=80, deadline=None, derandomize=True)(given(st.data())(_batch_matches_rows_alone))()
+
+
+def _batch_matches_rows_alone(data) -> None:
+    from hypothesis import strategies as st
+
+    from test_backends import _extreme_lm
+
+    V = data.draw(st.sampled_from([3, 5, 17]), label="V")
+    K = data.draw(st.integers(1, min(V, 3)), label="slots")
+    tree = TreeConfig(depth=data.draw(st.integers(1, 3)), frontier=data.draw(st.integers(1, 2)), slots=K,
+                      budget=data.draw(st.integers(1, 6)), rheostat=data.draw(st.integers(0, K)),
+                      support=data.draw(st.integers(K, V + 2)), verifier=data.draw(st.sampled_from(["rheo", "ot"])))
+    kw = dict(tree=tree, seed=data.draw(st.integers(0, 2**20), label="seed"),
+              sampling=SamplingConfig(temperature=data.draw(st.sampled_from([0.0, 0.5, 1.0]))),
+              backend=data.draw(st.sampled_from(["reference", "numba"])),
+              eos_token_id=data.draw(st.sampled_from([None, 0, V - 1])))
+    extreme = data.draw(st.booleans(), label="extreme")
+    tgt, drf = ((_extreme_lm(V, 2 * kw["seed"] + i) if extreme else hashed_context_lm(V, seed=2 * kw["seed"] + i))
+                for i in (0, 1))
+    B = data.draw(st.integers(2, 4), label="rows")
+    prompts = [data.draw(st.lists(st.integers(0, V - 1), min_size=1, max_size=4)) for _ in range(B)]
+    limits = [data.draw(st.integers(1, 6)) for _ in range(B)]
+
+    def run(f):
+        try:
+            return f()
+        except (ValueError, RuntimeError) as e:  # PassError is a RuntimeError
+            return f"{type(e).__name__}: {e}"
+
+    batch = run(lambda: [r.tokens for r in plan_and_decode(tgt, drf, prompts, max_new_tokens=limits, **kw)])
+    alone = [run(lambda b=b: plan_and_decode(tgt, drf, [prompts[b]], max_new_tokens=limits[b], stream_ids=[b],
+                                             **kw)[0].tokens) for b in range(B)]
+    if isinstance(batch, str):  # a broken output of one row stops the batch; that row alone raises it too
+        assert batch in alone
+    else:
+        assert batch == alone
+
+
 def test_batched_loop_equals_the_oracles_reference_loop():
     """``rheoplan.testing.functional_decode_batch`` (the loop the statistical oracle tests
     check against the exact law) gives run ``r`` stream id ``r``, as the batched loop gives
