@@ -34,8 +34,13 @@ def test_shipped_heads_shard_list_matches_its_report():
         data = json.load(f)["data"]
     gen = data["generation"]
     assert len(names) == len(set(names)) == data["train"]["shards"]
-    for split in ("train_fu", "train_r1"):
+    # every training split the data set had when the head was trained (train_fu, train_r1 and,
+    # once --more-prompts grew it, train_x_fu, train_x_r1), each counted whole
+    splits = [s for s in gen if s != "heldout"]
+    assert {"train_fu", "train_r1"} <= set(splits)
+    assert sum(gen[s]["shards"] for s in splits) == len(names)
+    for split in splits:
         assert sum(n.startswith(split + "_") for n in names) == gen[split]["shards"]
     tokens = os.path.join(ASSET, "..", "..", "data", "selfdistill_tokens")
     rows = sum(tk.read_shard(tokens, n)[0]["rows"] for n in names)
-    assert rows == gen["train_fu"]["rows"] + gen["train_r1"]["rows"]
+    assert rows == sum(gen[s]["rows"] for s in splits)
