@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
-from rheoplan.distributions import rank_support, target_probs
+from rheoplan.distributions import RESIDUAL_EPS, rank_support, target_probs
 from rheoplan.kernels.verify import cpu, reference
 from rheoplan.verify import node_y
 
@@ -258,6 +258,45 @@ def test_walk_node_draw_reads_the_walks_streams(verifier, V, S, m, K):
         assert not law.any()  # the scratch law comes back zeroed
         outcomes.add("accepted" if yr >= 0 and want == yr else "drawn")
     assert outcomes == {"accepted", "drawn"} or verifier == "onehot"
+
+
+@pytest.mark.parametrize("verifier", ["rheo", "ot"])
+@pytest.mark.parametrize("V,S,m,K", [(30, 16, 1, 4), (3000, 64, 1, 3), (64, 32, 2, 6), (20, 8, 0, 4)])
+def test_walk_node_draw_decides_the_residual_from_the_support(verifier, V, S, m, K):
+    """The per-node draw decides from the support alone that the residual has mass
+    (``_mass_certain``) only where the sum over every token (``_mass_and_top``) agrees, and
+    that sum's most likely token is the residual's first maximum. Rows: the test laws
+    above, laws inside the support equal to the proposal (no residual: ``_mass_certain``
+    must not decide) and laws inside the support with one token above it."""
+    import numpy as np
+
+    p, tok, q, n, y, _, _ = _rows(40, V, S, m, K, seed=V + 3 * m)
+    code = cpu.VERIFIER_CODES[verifier]
+    law = np.zeros(V)
+    decided = set()
+    for r in range(p.shape[0]):
+        t_r, q_r, n_r = tok[r].numpy(), q[r].numpy(), int(n[r])
+        yr = int(y[r]) if int(y[r]) >= 0 else int(t_r[m])
+        e = cpu._write_proposal(t_r, q_r, n_r, m, K, yr, code, law)
+        for kind in ("row", "equal", "above"):
+            pr = p[r].numpy().copy()
+            if kind != "row":  # the target law is the proposal itself, then one token above it
+                pr = law.copy()
+                if kind == "above":
+                    pr[e] += 0.25
+                    pr /= pr.sum()
+            certain = cpu._mass_certain(pr, law, t_r, n_r)
+            mass, top = cpu._mass_and_top(pr, law)
+            resid = np.maximum(pr - law, 0.0)
+            assert mass == pytest.approx(resid.sum(), rel=1e-12, abs=1e-300), (r, kind)
+            assert top == (int(np.argmax(resid)) if resid.max() > 0 else -1), (r, kind)
+            if certain:
+                assert mass > RESIDUAL_EPS, (r, kind)
+            decided.add((kind, bool(certain)))
+        for i in range(n_r):
+            law[t_r[i]] = 0.0
+    # both ways are taken, and a law equal to the proposal is never decided from the support
+    assert ("row", True) in decided and ("equal", False) in decided and ("equal", True) not in decided
 
 
 @pytest.mark.parametrize("V", [30, 3001, 4096])
