@@ -12,7 +12,7 @@ import inspect
 import torch
 
 from rheoplan.models.gqa_attention import gqa_attention_active, one_query_mask_pays
-from rheoplan.models.growing_cache import capacity, grow_in_place
+from rheoplan.models.growing_cache import capacity, grow_in_place, narrow_layer
 
 
 def forward_memory(cfg, elem: int, vocab: int, batch: int, width: int, queries: int) -> int:
@@ -180,8 +180,7 @@ def crop_cache(cache, length: int) -> None:
             keys = getattr(holder, k)
             if keys is None or keys.numel() == 0:
                 continue
-            setattr(holder, k, keys.narrow(-2, 0, length))
-            setattr(holder, v, getattr(holder, v).narrow(-2, 0, length))
+            narrow_layer(holder, length)
 
 
 def commit_cache(cache, prefix: int, path: "list[int] | torch.Tensor") -> None:
@@ -215,5 +214,4 @@ def commit_cache(cache, prefix: int, path: "list[int] | torch.Tensor") -> None:
             dst, src = on[keys.device]
             keys.index_copy_(-2, dst, keys.index_select(-2, src))
             vals.index_copy_(-2, dst, vals.index_select(-2, src))
-        setattr(holder, k, keys.narrow(-2, 0, prefix + n))
-        setattr(holder, v, vals.narrow(-2, 0, prefix + n))
+        narrow_layer(holder, prefix + n)

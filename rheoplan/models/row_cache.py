@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from rheoplan.models._hf_common import _layer_tensors, new_cache, run_base_rows
+from rheoplan.models.growing_cache import narrow_layer
 from rheoplan.mutation import active
 
 
@@ -114,8 +115,7 @@ class RowCache:
                 # gathered into copies first, so overlapping moves cannot read a moved entry
                 keys[:, :, start:start + m] = keys.gather(2, idx)
                 vals[:, :, start:start + m] = vals.gather(2, idx)
-            setattr(holder, k, keys.narrow(2, 0, start + m))
-            setattr(holder, v, vals.narrow(2, 0, start + m))
+            narrow_layer(holder, start + m)
         lens = torch.tensor([len(p) for p in paths], dtype=torch.int64, device=self.device)
         tail = torch.arange(m, device=self.device)[None, :] < lens[:, None]
         self.valid = torch.cat([self.valid[:, :start], tail], dim=1)

@@ -56,6 +56,38 @@ def test_growing_layer_equals_dynamic_layer_through_every_rewrite():
     assert all(torch.equal(x, y) for x, y in zip(grow.layers[0].update(k, v), plain.layers[0].update(k, v)))
 
 
+def test_a_commit_or_crop_keeps_the_fast_append(monkeypatch):
+    """After ``commit_cache`` or ``crop_cache`` narrowed a ``GrowingLayer``, its next
+    ``update`` writes into the buffer without ``append`` (the narrowed views are the
+    buffer's prefixes); after ``select_cache`` replaced its tensors it goes through
+    ``append`` once. The values equal ``DynamicLayer``'s all along."""
+    import rheoplan.models.growing_cache as gc
+
+    calls = []
+    real = gc.append
+    monkeypatch.setattr(gc, "append", lambda *a: calls.append(1) or real(*a))
+    rng = random.Random(1)
+    grow, plain = _Holder(GrowingLayer()), _Holder(DynamicLayer())
+
+    def step(q: int) -> int:
+        calls.clear()
+        k, v = _kv(rng, 2, q)
+        for x, y in zip(grow.layers[0].update(k, v), plain.layers[0].update(k, v)):
+            assert torch.equal(x, y)
+        return len(calls)
+
+    assert step(5) == 2  # the first update makes the buffers
+    commit_cache(grow, 0, [0, 2, 3]), commit_cache(plain, 0, [0, 2, 3])
+    assert step(4) == 0
+    crop_cache(grow, 5), crop_cache(plain, 5)
+    assert step(1) == 0
+    keep = torch.tensor([0, 2, 4, 5])
+    select_cache(grow, keep), select_cache(plain, keep)
+    crop_cache(grow, 3), crop_cache(plain, 3)  # a replaced tensor narrowed: still not the buffer's
+    assert step(2) == 2
+    assert step(1) == 0
+
+
 def test_append_writes_into_spare_columns_and_grows_only_when_full():
     buf = None
     cur = torch.empty(0)
