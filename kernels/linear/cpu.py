@@ -28,15 +28,14 @@ torch's own bfloat16 products are slow and grow with the rows (the 210 matrices 
 
 from __future__ import annotations
 
-import threading
-
-import numba
 import numpy as np
 import torch
 from llvmlite import ir as llvm_ir
 from numba import njit, prange
 from numba.core import types
 from numba.extending import intrinsic, overload
+
+from rheoplan.kernels import parallel
 
 #: rows up to which ``linear`` runs the kernel; more rows (a prompt's prefill) go to torch,
 #: whose blocked float32 products win there (on the AVX2-only AMD EPYC, a forward's matrices
@@ -50,14 +49,6 @@ MAX_ROWS = 32
 VERSION = f"rows in pairs, a lone row by eights, at most {MAX_ROWS}, float32 and bfloat16"
 
 _FAST = {"reassoc", "contract"}
-
-# numba's ``workqueue`` threading layer (where neither OpenMP nor TBB is found) aborts the
-# process when two Python threads launch parallel kernels at once (a server decoding in
-# threads would): there the calls take turns. Which layer numba uses is known only after
-# its first parallel launch, so the first call takes the lock too.
-_LOCK = threading.Lock()
-_one_at_a_time = [True]
-
 
 @intrinsic
 def _bfloat16_bits_to_float32(typingctx, bits):
@@ -361,11 +352,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return rows_times(x, weight_array(weight), bias)
 
 
-# per Python thread (numba's setting is per thread): torch's thread count when numba's was
-# last set (``torch``) and what it was set to (``n``)
-_threads = threading.local()
-
-
 def rows_times(x: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ w.T (+ bias)`` -> ``[..., N]`` for ``x`` as ``rows_served`` serves it
     and ``w`` a ``weight_array`` of the same dtype, without ``linear``'s checks and
@@ -375,10 +361,7 @@ def rows_times(x: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None = None)
     through ``linear`` once cost 26 us per call around a 2-4 us launch; docs/results.md).
     In bfloat16 the sums (and a bias) are float32 and the result is rounded to bfloat16
     once, as torch's bfloat16 product rounds."""
-    threads = torch.get_num_threads()
-    if getattr(_threads, "torch", 0) != threads:  # the same share of the cores as torch's products
-        _threads.torch, _threads.n = threads, min(threads, numba.config.NUMBA_NUM_THREADS)
-        numba.set_num_threads(_threads.n)
+    n_threads = parallel.threads()  # the same share of the cores as torch's products
     bf16 = w.dtype == np.uint16  # bfloat16: the kernel reads and writes the 16-bit patterns
     xn = x.view(torch.int16).numpy().view(np.uint16) if bf16 else x.numpy()
     if not xn.flags.c_contiguous:
@@ -387,13 +370,8 @@ def rows_times(x: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None = None)
     out = np.empty(xn.shape[:-1] + (w.shape[0],), np.uint16 if rounded else np.float32)
     x2, out2 = xn.reshape(-1, xn.shape[-1]), out.reshape(-1, w.shape[0])
     kernel = _rows_times_bfloat16_weight if bf16 else _rows_times_weight
-    args = (x2, w, out2, _threads.n) if bf16 else (x2, w, out2)
-    if _one_at_a_time[0]:
-        with _LOCK:
-            kernel(*args)
-            _one_at_a_time[0] = numba.threading_layer() == "workqueue"
-    else:
-        kernel(*args)
+    args = (x2, w, out2, n_threads) if bf16 else (x2, w, out2)
+    parallel.launch(kernel, *args)
     y = torch.from_numpy(out)
     if rounded:
         return y.view(torch.bfloat16)

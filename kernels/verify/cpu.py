@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 
+from rheoplan.kernels import parallel
 from rheoplan.kernels.noise import counter_rows
 from rheoplan.kernels.gumbel import NO_LAW, gumbel_max_stream, stream_at
 from rheoplan.kernels.verify import VERIFIER_CODES
@@ -194,12 +195,14 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
     return x
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def _root_draws_kernel(p, top, k0, counters, out):
     """``out[r]``: X ~ ``p[r]`` (most likely token ``top[r]``) with the residual stream of
-    counter row ``r``, as ``walk_node_draw`` draws at a node with nothing drafted below it."""
-    buf = np.empty(4, dtype=np.uint64)
-    for r in range(p.shape[0]):
+    counter row ``r``, as ``walk_node_draw`` draws at a node with nothing drafted below it.
+    Rows are independent (each reads only its own stream), so they run on the threads
+    (``kernels.parallel``): the same tokens in any order."""
+    for r in prange(p.shape[0]):
+        buf = np.empty(4, dtype=np.uint64)
         out[r] = gumbel_max_stream(p[r], NO_LAW, 1.0, k0, counters[r, 1], counters[r, 2], counters[r, 3], buf,
                                     top[r])
 
@@ -214,8 +217,8 @@ def root_draws(p: torch.Tensor, seed: int, steps, keys, nodes, residual: int) ->
     reference (the last-bit caveat of this module's docstring)."""
     pn = _f64(p)
     out = np.empty(pn.shape[0], dtype=np.int64)
-    _root_draws_kernel(pn, p.argmax(dim=-1).cpu().numpy(), np.uint64(seed), counter_rows(steps, keys, nodes, residual),
-                       out)
+    parallel.launch(_root_draws_kernel, pn, p.argmax(dim=-1).cpu().numpy(), np.uint64(seed),
+                    counter_rows(steps, keys, nodes, residual), out)
     return out.tolist()
 
 
