@@ -120,7 +120,7 @@ def narrow_layer(layer, length: int) -> None:
     Why: a commit or a crop narrows every layer after each tree step, and ``update`` then
     took ``append``'s checks (two calls a layer) on every layer of the next
     forward: 7,500 of 7,800 ``append`` calls over four T = 1 decodes, at ~8 us each
-    (docs/results.md, "Lean steps, twenty-second round")."""
+    (docs/results.md, "Twenty-fourth round")."""
     keys, values = layer.keys, layer.values
     fast = isinstance(layer, GrowingLayer) and keys is layer._views[0] and values is layer._views[1]
     layer.keys, layer.values = keys.narrow(2, 0, length), values.narrow(2, 0, length)
