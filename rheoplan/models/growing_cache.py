@@ -73,9 +73,10 @@ class GrowingLayer(DynamicLayer):
 
     Why the fast path: a step calls ``update`` twice per layer (60 times for SmolLM2), so
     its Python overhead matters as much as the copy it saves at short contexts. While
-    ``keys`` / ``values`` are still the views the last ``update`` handed out (nothing
-    narrowed or replaced them: a plain step's commit moves nothing) and the new columns
-    fit, it writes them and hands out the longer views without ``append``'s checks."""
+    ``keys`` / ``values`` are still the views the last ``update`` handed out, or those
+    views narrowed by ``narrow_layer`` (a commit, a crop: still the buffer's prefixes), and
+    the new columns fit, it writes them and hands out the longer views without
+    ``append``'s checks; a tensor replaced from outside goes through ``append`` once."""
 
     # class defaults: a layer that something else initialised (``RowCache.extend`` sets
     # ``keys`` / ``values`` and ``is_initialized`` directly) has no buffer yet
