@@ -431,12 +431,18 @@ def _hf_batch_law_pvalues(target, prompts, limits, eos, samples, s, mutations) -
 
 @pytest.mark.slow
 @pytest.mark.no_ir_lint
-@pytest.mark.parametrize("mutations", [(), ("batch_shift_rows",)], ids=["exact", "batch_shift_rows"])
-def test_hf_batch_of_4_matches_the_target_law(mutations, record_property):
+@pytest.mark.parametrize("mutations, fold", [((), False), ((), True), (("batch_shift_rows",), False)],
+                         ids=["exact", "exact-folded", "batch_shift_rows"])
+def test_hf_batch_of_4_matches_the_target_law(mutations, fold, record_property, monkeypatch):
     """Batch 4 through HFTarget/HFDraft's batched caches: rows of different prompt lengths,
     EOS (token 5) ends some rows early; each row's law is the target's own (a plain full-path
     forward, ``hf_as_functional``), truncated at EOS. Mutation control: every row attends to
-    its neighbour's cache entries (``batch_shift_rows``)."""
+    its neighbour's cache entries (``batch_shift_rows``). ``exact-folded``: the masked
+    forwards fold each group's query heads (``gqa_attention.sdpa_fold_forward``) whatever
+    this machine measured; ``exact``: they keep ``enable_gqa``."""
+    import rheoplan.models.gqa_attention as gqa
+
+    monkeypatch.setattr(gqa, "fold_pays", lambda model, rows: fold)
     # hidden 32 and a scaled head: the neighbour's entries move a row's next-token law by a
     # total variation of up to ~0.2 (about 0.05 with the 16-wide model), which 600 runs detect
     # (the first token of each row comes from the prompts' forward, which has no neighbour's

@@ -101,3 +101,14 @@ def test_one_row_cost_model_reads_one_rows_record_then_a_batched_one_then_measur
     assert load(batched=False).timings is full and calls == [("one", True), ("full", True)]  # then a batched one
     with pytest.raises(TypeError, match="batched='no'"):
         load(batched="no")
+
+
+def test_speed_tag_names_the_attention_fold_so_latencies_timed_without_it_are_measured_again(tiny, monkeypatch):
+    model, ckpt = tiny
+    for one_row, batches, want in ((False, False, ""), (False, True, " fold-batches"),
+                                   (True, True, " fold-rows fold-batches")):
+        monkeypatch.setattr(loading, "fold_pays", lambda m, rows, o=one_row, b=batches: o if rows == 1 else b)
+        assert loading.speed_tag(model) == want
+    head = loading.load_head(ckpt, model, "float32").head
+    monkeypatch.setattr(loading, "fold_pays", lambda m, rows: True)
+    assert "fold" not in loading.speed_tag(head)  # the head attends its own way
