@@ -168,6 +168,11 @@ class Timings:
     #: the fixed tree and of a one-depth tree; 0: one bookkeeping cost for every tree, as
     #: records before it had)
     overhead_depth_ms: float = 0.0
+    #: per ``batch_sizes`` entry: the same for a tree step of the whole batch (ms; batched
+    #: decodes of the fixed tree and of a one-depth tree, ``probe.measure_batch_steps``).
+    #: Given, ``batch_overhead_ms`` is the one-depth price; empty (records before it):
+    #: ``batch_overhead_ms`` is the fixed tree's, at every depth
+    batch_overhead_depth_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.sizes or len(self.sizes) != len(self.verify_lo) or len(self.sizes) != len(self.verify_hi):
@@ -194,6 +199,9 @@ class Timings:
         if any(steps) and (not self.batch_sizes or any(len(x) != len(self.batch_sizes) for x in steps)):
             raise ValueError(f"Timings: batch_draft_ms, batch_overhead_ms and batch_ar_overhead_ms must hold one "
                              f"latency per batch size ({len(self.batch_sizes)}), all three or none")
+        if self.batch_overhead_depth_ms and len(self.batch_overhead_depth_ms) != len(self.batch_overhead_ms):
+            raise ValueError(f"Timings: batch_overhead_depth_ms must hold one latency per batch size "
+                             f"({len(self.batch_sizes)}), with batch_overhead_ms")
         for name in ("batch_tree_scale", "batch_ar_scale"):
             f = getattr(self, name)
             if f and (len(f) != len(self.batch_sizes) or any(not (v > 0 and math.isfinite(v)) for v in f)):
@@ -204,6 +212,7 @@ class Timings:
         vals = list(self.verify_lo) + list(self.verify_hi) + list(self.draft_ms) + [self.overhead_ms, self.ar_overhead_ms]
         vals += [v for r in self.batch_verify for v in r] + [v for x in steps for v in x]
         vals.append(self.overhead_depth_ms)
+        vals += list(self.batch_overhead_depth_ms)
         if any(not (v >= 0 and math.isfinite(v)) for v in vals):
             raise ValueError("Timings: every latency must be finite and >= 0 ms")
 
@@ -281,9 +290,11 @@ class Timings:
         return max(v, 1e-3)
 
     def overhead_batch(self, batch: int) -> float:
-        """``c_o`` of a tree step with ``batch`` rows (ms): measured (``batch_overhead_ms``,
-        interpolated in ``B``), else ``batch * c_o`` (each row planned, walked and committed
-        on its own: an upper bound where the loop vectorises some of it)."""
+        """``c_o`` of a tree step with ``batch`` rows (ms), at one drafted depth where the
+        bookkeeping was measured by depth (``batch_overhead_depth_ms``), else at the fixed
+        tree's: measured (``batch_overhead_ms``, interpolated in ``B``), else ``batch * c_o``
+        (each row planned, walked and committed on its own: an upper bound where the loop
+        vectorises some of it)."""
         if batch == 1:
             return self.overhead_ms
         if self.batch_overhead_ms:
@@ -295,23 +306,32 @@ class Timings:
         drafted ``depth`` deep (ms).
 
         One row: ``overhead_ms`` (one depth) plus ``overhead_depth_ms`` for each depth past
-        the first. Several rows with measured bookkeeping (``batch_overhead_ms``): that
-        measurement, made with the fixed tree, at every depth. Why not by depth there: at 4
-        rows and T = 0 on the 2-core machine, pricing shallow trees by their own bookkeeping
-        let some steps draft, and the batch ran at 0.92x ``generate`` against 0.96-0.985x
-        with the flat price (plain steps only): the tree steps took 16% longer than
-        predicted (their batched forward over rows of different lengths costs more than the
-        grid says) and the plain steps between them 8% longer than in a batch that never
-        drafts (the holes rejected nodes leave in the rows' cache); docs/results.md, "Lean
-        steps, twelfth round".
+        the first. Several rows, measured by depth (``batch_overhead_depth_ms``): the same
+        rule with the batch's measurements (interpolated in ``B``). Several rows measured
+        with the fixed tree only (older records): that measurement at every depth.
+
+        Why by depth at several rows now, and not before: at 4 rows and T = 0 on the 2-core
+        machine, pricing shallow trees by their own bookkeeping once let some steps draft,
+        and the batch ran at 0.92x ``generate`` against 0.96-0.985x with the flat price
+        (plain steps only): the tree steps took 16% longer than predicted (their batched
+        forward over rows of different lengths costs more than the grid says; since then
+        ``batch_tree_scale``) and the plain steps between them 8% longer (the holes rejected
+        nodes leave in the rows' cache; since then compacted); docs/results.md, "Lean steps,
+        twelfth round". With the leaner steps since, fixed one-depth trees ran at 1.15x
+        against the flat price's plain steps at 1.03x at 4 rows and T = 0 (1.17x against
+        1.14x at T = 1), and the flat price, the fixed tree's 15.6 ms against 5-6 ms at one
+        depth, kept every step plain ("Twenty-fifth round").
         Several rows without measurements: ``B`` rows' worth of the one-row price, as
         ``overhead_batch``.
 
         Example: c_o 4.5 ms at one depth, 0.8 ms per further depth -> a 3-deep tree 6.1 ms.
         """
+        further = max(int(depth) - 1, 0)
         if batch != 1 and self.batch_overhead_ms:
-            return self.overhead_batch(batch)
-        one = self.overhead_ms + self.overhead_depth_ms * max(int(depth) - 1, 0)
+            per = max(interp(self.batch_sizes, self.batch_overhead_depth_ms, batch), 0.0) \
+                if self.batch_overhead_depth_ms else 0.0
+            return self.overhead_batch(batch) + per * further
+        one = self.overhead_ms + self.overhead_depth_ms * further
         return one if batch == 1 else batch * one
 
     def ar_step_batch(self, batch: int, ctx: int) -> float:
@@ -359,7 +379,8 @@ class Timings:
         if missing:
             raise ValueError(f"Timings: missing fields {missing}")
         for k in ("sizes", "verify_lo", "verify_hi", "draft_widths", "draft_ms", "batch_sizes", "batch_row_sizes",
-                  "batch_draft_ms", "batch_overhead_ms", "batch_ar_overhead_ms", "batch_tree_scale",
+                  "batch_draft_ms", "batch_overhead_ms", "batch_overhead_depth_ms", "batch_ar_overhead_ms",
+                  "batch_tree_scale",
                   "batch_ar_scale"):
             if k in known:
                 known[k] = tuple(known[k])

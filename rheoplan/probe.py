@@ -587,26 +587,34 @@ def overhead_by_depth(full_ms: float, one_ms: float, depth: int) -> tuple[float,
 
 def measure_batch_steps(model, draft, prompt_ids: Sequence[int], *, tree, sampling, batch_sizes: Sequence[int],
                         steps: int = 8) -> tuple[tuple[float, ...], ...]:
-    """Per batch size ``B`` in ``batch_sizes`` (each > 1): a short batched decode of ``B``
-    copies of ``prompt_ids`` with the fixed tree ``tree`` and one without a draft, giving
-    ``(draft ms per batched call, bookkeeping ms per tree step, per autoregressive step,
-    forward ms per autoregressive step)`` of the whole batch (medians over the steps while
-    every row was live, the first step left out: it runs the prompts through the draft).
-    Needs batched decoding (``batched_decode_unavailable() is None``)."""
-    draft_ms, tree_oh, ar_oh, ar_fw = [], [], [], []
+    """Per batch size ``B`` in ``batch_sizes`` (each > 1): short batched decodes of ``B``
+    copies of ``prompt_ids`` with the fixed tree ``tree``, with it cut to one depth
+    (``one_depth_tree``) and without a draft, giving ``(draft ms per batched call,
+    bookkeeping ms per tree step of one drafted depth, per further depth, per
+    autoregressive step, forward ms per autoregressive step)`` of the whole batch (medians
+    over the steps while every row was live, the first step left out: it runs the prompts
+    through the draft; ``overhead_by_depth`` splits the two trees' bookkeeping). Needs
+    batched decoding (``batched_decode_unavailable() is None``)."""
+    draft_ms, tree_oh, depth_oh, ar_oh, ar_fw = [], [], [], [], []
+
+    def live_steps(res):
+        live = min(len(r.steps) for r in res)  # steps while every row was in the batch
+        return res[0].steps[1:live] or res[0].steps[:1]
+
     for B in batch_sizes:
         rows = [list(prompt_ids) for _ in range(B)]
-        res = plan_and_decode(model, draft, rows, max_new_tokens=steps, sampling=sampling, tree=tree, seed=0)
-        live = min(len(r.steps) for r in res)  # steps while every row was in the batch
-        st = res[0].steps[1:live] or res[0].steps[:1]
+        st = live_steps(plan_and_decode(model, draft, rows, max_new_tokens=steps, sampling=sampling, tree=tree,
+                                        seed=0))
         draft_ms.append(_per_call_draft_ms(st, tree.depth))
-        tree_oh.append(_overhead_ms_of(st))
-        ar = plan_and_decode(model, None, rows, max_new_tokens=steps, sampling=sampling, seed=0)
-        live = min(len(r.steps) for r in ar)
-        ar_steps = ar[0].steps[1:live] or ar[0].steps[:1]
+        st1 = st if tree.depth <= 1 else live_steps(plan_and_decode(
+            model, draft, rows, max_new_tokens=steps, sampling=sampling, tree=one_depth_tree(tree), seed=0))
+        one, per_depth = overhead_by_depth(_overhead_ms_of(st), _overhead_ms_of(st1), tree.depth)
+        tree_oh.append(one)
+        depth_oh.append(per_depth)
+        ar_steps = live_steps(plan_and_decode(model, None, rows, max_new_tokens=steps, sampling=sampling, seed=0))
         ar_oh.append(_overhead_ms_of(ar_steps))
         ar_fw.append(statistics.median([1e3 * s.t_verify_forward for s in ar_steps]))
-    return tuple(draft_ms), tuple(tree_oh), tuple(ar_oh), tuple(ar_fw)
+    return tuple(draft_ms), tuple(tree_oh), tuple(depth_oh), tuple(ar_oh), tuple(ar_fw)
 
 
 #: the small fixed tree ``measure_batch_tree_verify`` decodes with (depth, budget): about
@@ -650,7 +658,7 @@ def timings_key(model_id: str, device, dtype: str, draft_id: str, tree, batch_si
                      tree_scale=True,  # batch_tree_scale measured (older records lack it)
                      ar_rows=3,  # the leaner batched plain step (f57ec9c) and batch_ar_scale
                      rounds="round-robin",  # c_v timed round-robin (older records could hold one hiccup)
-                     overhead="by-depth-1",  # one row: c_o at one depth + per further depth (older: one c_o)
+                     overhead="by-depth",  # c_o at one depth + per further depth, every batch size (older: rows flat)
                      kv="in-place",  # KV appends without a copy of the cache (growing_cache.GrowingLayer)
                      gap="projection",  # c_v timed after an output projection (older records: back to back)
                      scales="anchored",  # batched scales against the grid timed right after (older: its own)
@@ -754,9 +762,10 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
     bar.update()
     stepped: dict = {}
     if grid and batched_decode_unavailable() is None:
-        d, o, a, tree_scale, ar_scale = [], [], [], [], []
+        d, o, od, a, tree_scale, ar_scale = [], [], [], [], [], []
         for B in more:
-            bd, bo, ba, bfw = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=[B])
+            bd, bo, bod, ba, bfw = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling,
+                                                       batch_sizes=[B])
             # each real forward against the grid's forward of its shape timed right after it,
             # not against the grid of the minute before: on the noisy 2-core CPU a real 4-row
             # plain step once read 1.36x its grid point so (and 16 rows 0.91x), the cost model
@@ -785,16 +794,18 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
             ak = min(interp(batch_row_sizes, grid[i], k), tree_now)
             d += bd
             o += bo
+            od += bod
             a += ba
             tree_scale.append(max(ms, 1e-3) / max(ak, 1e-3))
             ar_scale.append(max(bfw[0], 1e-3) / max(a1, 1e-3))
             bar.update()
         one = [b for b in batch_sizes if b == 1]  # batch 1: the batch-1 decodes above
         pick = lambda first, rest: tuple([first] * len(one) + list(rest))  # noqa: E731
-        # several rows: the fixed tree's bookkeeping at every depth (Timings.tree_overhead says why)
+        # the bookkeeping by depth at every batch size, as at one row (Timings.tree_overhead)
         stepped = dict(batch_draft_ms=pick(_per_call_draft_ms(res.steps[1:] or res.steps, tree.depth), d),
                        batch_draft_width=(1 + (tree.depth - 1) * tree.frontier) / max(1, tree.depth),
-                       batch_overhead_ms=pick(full, o), batch_ar_overhead_ms=pick(_overhead_ms(ar), a),
+                       batch_overhead_ms=pick(overhead, o), batch_overhead_depth_ms=pick(per_depth, od),
+                       batch_ar_overhead_ms=pick(_overhead_ms(ar), a),
                        # a real small-tree forward and a real plain step's forward over the grid's
                        batch_tree_scale=pick(1.0, tree_scale), batch_ar_scale=pick(1.0, ar_scale))
     tm = Timings(tuple(sizes), lo_hi[0], lo_hi[1], ctx[0], ctx[1],
@@ -1062,7 +1073,11 @@ def _describe(tm: Timings) -> str:
         n = tm.batch_row_sizes[-1]
         b = ", ".join(f"{B}:{row[0]:.1f}/{row[-1]:.1f}" for B, row in zip(tm.batch_sizes, tm.batch_verify))
         out += f"; batched verify ms by rows at 1/{n} tokens per row [{b}]"
-    if tm.batch_draft_ms:
+    if tm.batch_draft_ms and tm.batch_overhead_depth_ms:
+        d = ", ".join(f"{B}:{x:.1f}/{o:.1f}+{od:.1f}" for B, x, o, od in
+                      zip(tm.batch_sizes, tm.batch_draft_ms, tm.batch_overhead_ms, tm.batch_overhead_depth_ms))
+        out += f"; batched draft call / overhead ms + per further depth by rows [{d}]"
+    elif tm.batch_draft_ms:
         d = ", ".join(f"{B}:{x:.1f}/{o:.1f}" for B, x, o in zip(tm.batch_sizes, tm.batch_draft_ms, tm.batch_overhead_ms))
         out += f"; batched draft call / overhead ms by rows [{d}]"
     if tm.batch_tree_scale:

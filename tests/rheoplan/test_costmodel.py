@@ -239,8 +239,9 @@ def test_measured_batch_draft_and_bookkeeping_replace_the_model():
 
 def test_bookkeeping_grows_with_the_drafted_depth():
     """``tree_overhead(B, D)``: one row pays c_o at one depth plus the per-depth cost for
-    each further depth; several rows pay their measured (fixed-tree) bookkeeping at every
-    depth, or B rows' worth of the one-row price without measurements."""
+    each further depth; several rows the same with their own measurements by depth, or
+    (older records) their fixed-tree bookkeeping at every depth, or B rows' worth of the
+    one-row price without measurements."""
     flat = tm()
     assert flat.tree_overhead(1, 5) == flat.overhead_ms  # records before it: one c_o
     t = tm(overhead_depth_ms=0.8)
@@ -257,6 +258,19 @@ def test_bookkeeping_grows_with_the_drafted_depth():
     assert Timings.from_dict(old) == tm()
     with pytest.raises(ValueError, match=">= 0"):
         tm(overhead_depth_ms=-0.1)
+    # measured by depth at every batch size: 1 row 1.5 + 0.8 a depth, 4 rows 3.0 + 1.2 a depth
+    d = grid_tm(overhead_depth_ms=0.8, batch_draft_ms=(2.0, 5.0), batch_overhead_ms=(1.5, 3.0),
+                batch_overhead_depth_ms=(0.8, 1.2), batch_ar_overhead_ms=(0.5, 1.0))
+    assert d.tree_overhead(4, 1) == 3.0 and d.tree_overhead(4, 3) == pytest.approx(3.0 + 2 * 1.2)
+    assert d.tree_overhead(2, 2) == pytest.approx(2.0 + (0.8 + 0.4 / 3))  # both interpolated in B
+    assert d.tree_overhead(1, 3) == t.tree_overhead(1, 3)  # one row: the one-row fields
+    assert Timings.from_dict(d.to_dict()) == d
+    with pytest.raises(ValueError, match="batch_overhead_depth_ms"):
+        grid_tm(batch_draft_ms=(2.0, 5.0), batch_overhead_ms=(1.5, 3.0), batch_overhead_depth_ms=(0.8,),
+                batch_ar_overhead_ms=(0.5, 1.0))
+    with pytest.raises(ValueError, match=">= 0"):
+        grid_tm(batch_draft_ms=(2.0, 5.0), batch_overhead_ms=(1.5, 3.0), batch_overhead_depth_ms=(0.8, -1.0),
+                batch_ar_overhead_ms=(0.5, 1.0))
 
 
 # -- the walk's output projections -----------------------------------------------------------

@@ -527,24 +527,29 @@ def test_measure_batch_verify_grid_on_a_tiny_model():
             probe.measure_batch_verify(model, **bad)
 
 
-def test_measure_batch_steps_takes_medians_of_the_live_steps(monkeypatch):
+def test_measure_batch_steps_takes_medians_of_the_live_steps_and_splits_the_bookkeeping_by_depth(monkeypatch):
     from rheoplan.decode import DecodeResult, StepStats
 
-    tree = TreeConfig(depth=2, frontier=2, slots=2, budget=4, rheostat=1, support=8)
+    tree = TreeConfig(depth=3, frontier=2, slots=2, budget=6, rheostat=1, support=8)
     seen = []
 
-    def fake(model, draft, rows, *, max_new_tokens, **kw):
-        seen.append((draft is None, len(rows), max_new_tokens))
-        # step times in s: draft 4 ms (2 calls), verify 10 ms, whole step 20 ms -> 6 ms bookkeeping;
-        # the first step (prompt through the draft) and row 1's extra steps are left out
+    def fake(model, draft, rows, *, max_new_tokens, tree=None, **kw):
+        seen.append((draft is None, len(rows), max_new_tokens, None if tree is None else tree.depth))
+        # step times in s: draft 4 ms (2 calls), verify 10 ms, whole step 20 ms -> 6 ms bookkeeping
+        # at depth 3, 16 ms -> 2 ms at one depth; the first step (prompt through the draft) and
+        # row 1's extra steps are left out
+        t = 0.016 if tree is not None and tree.depth == 1 else 0.020
         st = lambda t_step: StepStats(1, 1, 2, 1, 1, t_draft=0.004, t_verify_forward=0.010, t_step=t_step)  # noqa: E731
-        steps = [st(0.5)] + [st(0.020)] * 3
+        steps = [st(0.5)] + [st(t)] * 3
         return [DecodeResult(tokens=[0], steps=steps), DecodeResult(tokens=[0], steps=steps + [st(9.0)] * 5)][:len(rows)]
 
     monkeypatch.setattr(probe, "plan_and_decode", fake)
-    d, o, a, fw = probe.measure_batch_steps(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,), steps=8)
-    assert seen == [(False, 2, 8), (True, 2, 8)]
-    assert d == pytest.approx((2.0,)) and o == pytest.approx((6.0,)) and a == pytest.approx((6.0,))
+    d, o, od, a, fw = probe.measure_batch_steps(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,),
+                                                steps=8)
+    assert seen == [(False, 2, 8, 3), (False, 2, 8, 1), (True, 2, 8, None)]
+    assert d == pytest.approx((4 / 3,))  # 4 ms over the tree's 3 depths
+    assert o == pytest.approx((2.0,)) and od == pytest.approx((2.0,))  # 2 ms at one depth, +2 per further
+    assert a == pytest.approx((6.0,))  # the plain steps: 20 - 4 - 10 (their draft time is 0 in life)
     assert fw == pytest.approx((10.0,))  # the plain steps' forward
 
 
@@ -591,7 +596,8 @@ def test_batched_scales_set_each_real_forward_against_the_grid_timed_right_after
 
     def steps(model, draft, ids, *, batch_sizes, **kw):
         order.append(("decode", tuple(batch_sizes)))
-        return (3.0,), (9.0,), (4.0,), (20.0,)  # draft, tree and plain bookkeeping, plain forward 20 ms
+        # draft, tree bookkeeping at one depth and per further depth, plain bookkeeping, plain forward
+        return (3.0,), (9.0,), (1.5,), (4.0,), (20.0,)
 
     def tree_verify(model, draft, ids, *, batch_sizes, **kw):
         order.append(("tree decode", tuple(batch_sizes)))
@@ -613,7 +619,8 @@ def test_batched_scales_set_each_real_forward_against_the_grid_timed_right_after
     assert moves[i + 1] == (4, 3)
     assert tm.batch_ar_scale[1] == pytest.approx(1.0, rel=0.05)
     assert tm.batch_tree_scale[1] == pytest.approx(1.0, rel=0.05)
-    assert tm.batch_verify == busy and tm.batch_overhead_ms[1] == 9.0
+    assert tm.batch_verify == busy and tm.batch_overhead_ms[1] == 9.0 and tm.batch_overhead_depth_ms[1] == 1.5
+    assert tm.tree_overhead(4, 3) == pytest.approx(12.0)  # 9 + 2 further depths x 1.5
 
 
 def _batched_timings(monkeypatch, grids, plain_ms, tree_ms, log):
@@ -636,7 +643,7 @@ def _batched_timings(monkeypatch, grids, plain_ms, tree_ms, log):
         return fn
 
     monkeypatch.setattr(probe, "measure_batch_verify", grid)
-    monkeypatch.setattr(probe, "measure_batch_steps", lambda *a, **k: ((3.0,), (9.0,), (4.0,), (plain_ms,)))
+    monkeypatch.setattr(probe, "measure_batch_steps", lambda *a, **k: ((3.0,), (9.0,), (0.0,), (4.0,), (plain_ms,)))
     monkeypatch.setattr(probe, "measure_batch_tree_verify", lambda *a, **k: ((tree_ms, 3.0),))
     monkeypatch.setattr(probe, "batch_forwards", lambda model, B, ns, ctx, gen=None:
                         [spend(plain_ms if n == 1 else tree_ms) for n in ns])
