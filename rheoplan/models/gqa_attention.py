@@ -17,11 +17,12 @@ bfloat16 (188 / 101 us in float32), and the outputs were bit-identical.
   folded into its query axis, the mask's rows repeated once per group member (what
   transformers itself does for one masked query, extended to several). The same attention,
   and on the 2-core Zen 5 AMD EPYC in bfloat16 much faster for batches: 4 rows of 3 tree
-  tokens over 110 cached entries 87 against 50 us a layer, 16 rows 558 against 300, one
-  row of 9 tokens 88 against 75 (``docs/results.md``, "Twenty-fifth round"). Its sums can
-  be grouped differently from ``enable_gqa``'s by the kernel, so outputs agree up to
-  rounding (the last bit of some entries), like the packed and merged products of
-  ``rheoplan.models.packed_linear``.
+  tokens over 150 cached entries 107 against 66 us a layer, 16 rows over 200 558 against
+  300; for one row only a little (9 tokens over 400 entries 98 against 90 us), and inside
+  decodes one row's tree verify forwards were not faster (``docs/results.md``,
+  "Twenty-fifth round"). Its sums can be grouped differently from ``enable_gqa``'s by the
+  kernel, so outputs agree up to rounding (the last bit of some entries), like the packed
+  and merged products of ``rheoplan.models.packed_linear``.
 
 ``gqa_attention_active(model, mask, queries)`` switches a model to one of them for one
 forward when it pays: a mask is passed, more than one query per row, the model runs
