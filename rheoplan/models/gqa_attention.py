@@ -174,10 +174,10 @@ def gqa_attention_active(model: torch.nn.Module, mask: torch.Tensor | None, quer
     """Context for one forward of ``model`` with ``mask`` and ``queries`` new tokens per row:
     when a mask is passed, ``queries > 1`` and ``gqa_pays(model)``, ``sdpa_fold_forward``
     where it measured faster for the mask's rows (``fold_pays``; ``mask [rows, 1, q, kv]``),
-    else ``sdpa_gqa_forward``; otherwise the
-    model's own attention. With one query per row transformers already avoids the copy (it
-    folds the query heads of a group into one), and that measured faster than
-    ``enable_gqa``: a batch of 4 one-token rows decoded at 0.90x against 1.01x ``generate``.
+    else ``sdpa_gqa_forward``; otherwise the model's own attention. With one query per row
+    transformers already avoids the copy (it folds the query heads of a group into one),
+    and that measured faster than ``enable_gqa``: a batch of 4 one-token rows decoded at
+    0.90x against 1.01x ``generate``.
     The previous implementation is restored on exit, also on error."""
     if mask is None or queries <= 1 or not gqa_pays(model):
         return nullcontext()
