@@ -817,27 +817,35 @@ def choose_n(acceptances: Sequence[float], draft_ms: float, verify_ms: Callable[
 
 
 #: how much faster than a plain step (tokens per ms) a batch's tree must be predicted to be
-#: before the loop keeps drafting (``batch_margin``)
+#: before the loop keeps drafting (``batch_margin``), from ``BATCH_MARGIN_ROWS`` live rows
 BATCH_MARGIN = 1.4
+#: the fewest live rows ``BATCH_MARGIN`` applies to; fewer draft at an even price
+BATCH_MARGIN_ROWS = 3
 
 
 def batch_margin(batch: int) -> float:
     """The factor by which a tree of ``batch`` rows must be predicted to beat a plain
-    autoregressive step for drafting to go on: 1 for one row, ``BATCH_MARGIN`` for more.
+    autoregressive step for drafting to go on: 1 below ``BATCH_MARGIN_ROWS`` rows (one row,
+    two rows), ``BATCH_MARGIN`` from there.
 
-    Why: a batch's step is priced from a grid of rectangular forwards, one bookkeeping
-    number per batch size and summed per-node estimates, and each is a few percent off at
+    Why: a batch's step is priced from a grid of rectangular forwards, a bookkeeping price
+    per batch size and depth and summed per-node estimates, and each is a few percent off at
     a given step; at batch 4 on the 2-core machine (SmolLM2, T = 0) trees predicted 8%
     faster than plain steps ran even (7.42 tokens in 81.1 ms against 4 in 43.6 ms), and
     before the grid had 16-token rows and 3 repetitions, trees predicted 1% faster ran 8%
     slower. A drafted step at several rows costs about two plain ones, so a wrong yes costs
-    more than a wrong no. One row's tree is priced from the same shapes it runs. At 1.2 a
-    better head (2026-12-05, 53.5% held-out top-1; the Zen 5 EPYC, bfloat16, T = 0, 4 rows,
-    32 prompts, 3 seeds) drafted 20% of the steps and the batch ran at 0.98x ``generate``
-    (0.96 / 0.99 / 0.98); at 1.4 every step was plain and it ran at 1.02x (1.00 / 1.02 /
-    1.03): the trees it let through between 1.2x and 1.4x predicted ran slower than plain.
+    more than a wrong no, and the rows whose walks go further finish first, leaving the
+    batch's last steps to one or two rows at nearly the price of all of them. One row's
+    tree is priced from the same shapes it runs. At 1.2 a better head (2026-12-05, 53.5%
+    held-out top-1; the Zen 5 EPYC, bfloat16, T = 0, 4 rows, 32 prompts, 3 seeds) drafted
+    20% of the steps and the batch ran at 0.98x ``generate`` (0.96 / 0.99 / 0.98); at 1.4
+    every step was plain and it ran at 1.02x (1.00 / 1.02 / 1.03). By row count, margin 1.0
+    against 1.4 side by side on the same host (40 held-out prompts, T = 0 / T = 1; docs/
+    results.md, "Twenty-fifth round"): 2 rows 1.20x / 1.16x against 1.07x / 1.07x, 3 rows
+    1.05x / 1.09x against 1.03x / 1.11x, 4 rows 1.10x / 1.14x against 1.06x / 1.16x, 8 rows
+    0.97x / 1.12x against 1.05x / 1.23x; so two rows draft at an even price.
     """
-    return 1.0 if batch <= 1 else BATCH_MARGIN
+    return 1.0 if batch < BATCH_MARGIN_ROWS else BATCH_MARGIN
 
 
 @dataclass(frozen=True)

@@ -351,3 +351,22 @@ def test_each_drafted_depth_adds_its_bookkeeping_to_the_price():
     shallow = t.replace(cur_depth=1)
     assert another_depth_pays(CostPlan.from_calibration(flat, Calibration()), shallow, cfg.frontier, cfg.budget)
     assert not another_depth_pays(CostPlan.from_calibration(deep, Calibration()), shallow, cfg.frontier, cfg.budget)
+
+
+def test_two_rows_draft_at_an_even_price_and_more_need_the_batch_margin():
+    """``CostDecision.pays``: a tree predicted 1.2x a plain step's tokens per ms drafts at
+    one and two live rows, not from ``BATCH_MARGIN_ROWS`` rows (``batch_margin``)."""
+    from rheoplan.costmodel import BATCH_MARGIN, BATCH_MARGIN_ROWS, batch_margin
+    from planner.cost_prune import CostDecision
+
+    assert BATCH_MARGIN_ROWS == 3 and BATCH_MARGIN > 1.2
+    assert [batch_margin(b) for b in (1, 2, 3, 16)] == [1.0, 1.0, BATCH_MARGIN, BATCH_MARGIN]
+
+    def decision(rows: int, speedup: float) -> CostDecision:
+        ar_ms = 10.0  # a plain step: `rows` tokens in 10 ms
+        return CostDecision([[1.0]] * rows, [[]] * rows, [0] * rows, expected=rows * speedup * 2.0,
+                            predicted_ms=2.0 * ar_ms, ar_ms=ar_ms, draft_ms=1.0)
+
+    assert decision(1, 1.2).pays and decision(2, 1.2).pays
+    assert not decision(3, 1.2).pays and not decision(16, 1.2).pays
+    assert decision(3, 1.5).pays and not decision(2, 0.99).pays

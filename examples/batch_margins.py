@@ -1,0 +1,89 @@
+"""The batch margin side by side: ``generate`` against rheoplan's batched loop at several
+``BATCH_MARGIN`` values (and a fixed tree), on the same batches, interleaved batch by batch.
+
+Splits the first ``--rows x --batches`` held-out prompts into batches of ``--rows``; each
+batch runs every method in turn (the order rotating from batch to batch): transformers
+``generate`` on the left-padded batch, rheoplan's batched loop with the defaults of
+``rheoplan generate`` (the shipped head in bfloat16, the cost model) at each margin of
+``--margins`` (``rheoplan.costmodel.BATCH_MARGIN``, which applies from
+``BATCH_MARGIN_ROWS`` live rows), and a fixed ``--tree DEPTH/BUDGET`` without the cost
+model. Prints tokens/s, the speed-up against ``generate`` and the mean accepted length per
+row. docs/results.md ("Twenty-fifth round") took its margin table from it.
+
+Usage:
+    python examples/batch_margins.py [--rows 4] [--temperature 0] [--batches 10] [--margins 1.4,1.0] [--tree 1/2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--batches", type=int, default=10)
+    ap.add_argument("--margins", default="1.4,1.0", help="comma-separated BATCH_MARGIN values, each >= 1")
+    ap.add_argument("--tree", default="1/2", metavar="DEPTH/BUDGET", help="a fixed tree to set beside them")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if min(args.rows, args.batches, args.tokens, args.threads) < 1:
+        raise SystemExit("--rows, --batches, --tokens and --threads must be >= 1")
+    try:
+        margins = [float(m) for m in args.margins.split(",")]
+        depth, budget = (int(x) for x in args.tree.split("/"))
+    except ValueError:
+        raise SystemExit(f"--margins={args.margins!r} / --tree={args.tree!r}: allowed numbers >= 1, DEPTH/BUDGET") from None
+    if not margins or min(margins) < 1 or min(depth, budget) < 1:
+        raise SystemExit("--margins must be numbers >= 1 and --tree two ints >= 1")
+
+    import torch
+
+    import rheoplan.costmodel as costmodel
+    from rheoplan import TreeConfig
+    from rheoplan.bench.batch import DEFAULT_TREE, run_batched, run_generate
+    from rheoplan.bench.decode import load_prompts
+    from rheoplan.loading import encode_prompt, load_cost_model, load_default
+
+    torch.set_num_threads(args.threads)
+    model, tok, draft = load_default(dtype="bfloat16", draft_dtype="bfloat16")
+    cost = load_cost_model(model, tok, draft, DEFAULT_TREE, draft_id="auto")
+    prompts = [encode_prompt(tok, p, True) for _, p in load_prompts(args.rows * args.batches)]
+    T, n = args.temperature, args.tokens
+
+    def at_margin(m):
+        def run(rows, seed):
+            before = costmodel.BATCH_MARGIN
+            costmodel.BATCH_MARGIN = m
+            try:
+                return run_batched(model, draft, rows, T, seed, n, cost, DEFAULT_TREE)
+            finally:
+                costmodel.BATCH_MARGIN = before
+        return run
+
+    fixed = TreeConfig(depth=depth, budget=budget, frontier=min(3, budget), slots=3, rheostat=1, verifier="rheo")
+    methods = {"generate": lambda rows, seed: run_generate(model, tok.eos_token_id, rows, T, seed, n)}
+    methods.update({f"margin {m}": at_margin(m) for m in margins})
+    methods[f"fixed {depth}/{budget}"] = lambda rows, seed: run_batched(model, draft, rows, T, seed, n, None, fixed)
+    run_generate(model, tok.eos_token_id, prompts[:args.rows], T, 0, 4)  # warm-up
+    acc = {m: [0, 0.0, []] for m in methods}
+    names = list(methods)
+    for k in range(args.batches):
+        rows = prompts[k * args.rows:(k + 1) * args.rows]
+        for m in names[k % len(names):] + names[:k % len(names)]:
+            r = methods[m](rows, 1000 + k)
+            acc[m][0] += r["tokens"]
+            acc[m][1] += r["seconds"]
+            acc[m][2] += r["row_tau"]
+    base = acc["generate"][0] / acc["generate"][1]
+    print(f"{args.rows} rows, T = {T}, {args.batches} batches")
+    for m, (tokens, seconds, taus) in acc.items():
+        print(f"{m:14s} {tokens / seconds:7.1f} tok/s  {tokens / seconds / base:5.2f}x  "
+              f"mean accepted length per row {statistics.mean(taus):.2f}")
+
+
+if __name__ == "__main__":
+    main()
