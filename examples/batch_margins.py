@@ -10,14 +10,26 @@ batch runs every method in turn (the order rotating from batch to batch): transf
 model. Prints tokens/s, the speed-up against ``generate`` and the mean accepted length per
 row. docs/results.md ("Twenty-fifth round") took its margin table from it.
 
+``--tail`` runs only rheoplan at each margin and prints, instead, per batch the wall time,
+the sum of the steps' times and how many steps each row took to its tokens (rows that
+accept more finish first, and the batch's last steps carry fewer rows at nearly the price
+of all of them), and per margin the steps grouped by the widest row's kept drafted nodes
+(0: plain), the cost model's predicted step time and emitted tokens against what the steps
+took and emitted, over the steps while every row was live. The round quotes it too: at 4
+rows and T = 0 the tree steps ran as predicted, and the rows' uneven finish ate most of
+their gain.
+
 Usage:
     python examples/batch_margins.py [--rows 4] [--temperature 0] [--batches 10] [--margins 1.4,1.0] [--tree 1/2]
+    python examples/batch_margins.py --tail [--rows 4] [--temperature 0] [--batches 4] [--margins 1.4,1.0]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
+import time
 
 
 def main() -> None:
@@ -29,6 +41,7 @@ def main() -> None:
     ap.add_argument("--tree", default="1/2", metavar="DEPTH/BUDGET", help="a fixed tree to set beside them")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tail", action="store_true", help="rows' steps and per-step predictions instead")
     args = ap.parse_args()
     if min(args.rows, args.batches, args.tokens, args.threads) < 1:
         raise SystemExit("--rows, --batches, --tokens and --threads must be >= 1")
@@ -53,6 +66,9 @@ def main() -> None:
     cost = load_cost_model(model, tok, draft, DEFAULT_TREE, draft_id="auto")
     prompts = [encode_prompt(tok, p, True) for _, p in load_prompts(args.rows * args.batches)]
     T, n = args.temperature, args.tokens
+    if args.tail:
+        _tail(model, draft, cost, prompts, args.rows, args.batches, margins, T, n)
+        return
 
     def at_margin(m):
         def run(rows, seed):
@@ -83,6 +99,47 @@ def main() -> None:
     for m, (tokens, seconds, taus) in acc.items():
         print(f"{m:14s} {tokens / seconds:7.1f} tok/s  {tokens / seconds / base:5.2f}x  "
               f"mean accepted length per row {statistics.mean(taus):.2f}")
+
+
+
+def _tail(model, draft, cost, prompts, rows_per_batch, batches, margins, T, n) -> None:
+    """``--tail``: per batch and margin the wall time and the rows' step counts; per margin
+    the live steps' predicted against taken time and tokens, by the widest row's tree."""
+    import rheoplan.costmodel as costmodel
+    from rheoplan import SamplingConfig, plan_and_decode
+    from rheoplan.bench.batch import DEFAULT_TREE
+
+    sampling = SamplingConfig(temperature=T)
+    by_size = {m: collections.defaultdict(list) for m in margins}
+    before = costmodel.BATCH_MARGIN
+    try:
+        for k in range(batches):
+            rows = prompts[k * rows_per_batch:(k + 1) * rows_per_batch]
+            for m in margins if k % 2 == 0 else margins[::-1]:
+                costmodel.BATCH_MARGIN = m
+                t0 = time.perf_counter()
+                res = plan_and_decode(model, draft, rows, max_new_tokens=n, sampling=sampling, tree=DEFAULT_TREE,
+                                      seed=k, cost_model=cost)
+                wall = time.perf_counter() - t0
+                longest = max(res, key=lambda r: len(r.steps)).steps  # every live row shares a step's time
+                print(f"batch {k} margin {m}: wall {wall * 1e3:.0f} ms, steps {1e3 * sum(s.t_step for s in longest):.0f} ms, "
+                      f"steps per row {[len(r.steps) for r in res]}")
+                live = min(len(r.steps) for r in res)
+                for i in range(1, live):  # while every row was live; step 0 ran the prompts
+                    st = [r.steps[i] for r in res]
+                    if st[0].predicted_ms:
+                        size = max(s.tree_size for s in st) if any(s.drafted for s in st) else 0
+                        by_size[m][size].append((st[0].predicted_ms, 1e3 * st[0].t_step, st[0].predicted_tokens,
+                                                 sum(s.emitted for s in st)))
+    finally:
+        costmodel.BATCH_MARGIN = before
+    for m in margins:
+        print(f"margin {m}: steps by the widest row's kept drafted nodes (0: plain), while every row was live")
+        for size in sorted(by_size[m]):
+            xs = by_size[m][size]
+            mean = [statistics.mean(x[j] for x in xs) for j in range(4)]
+            print(f"  {size:3d}: {len(xs):4d} steps, predicted {mean[0]:.1f} ms / {mean[2]:.2f} tokens, "
+                  f"took {mean[1]:.1f} ms / {mean[3]:.2f} tokens")
 
 
 if __name__ == "__main__":
