@@ -155,8 +155,14 @@ def attention_shape(model: torch.nn.Module) -> tuple | None:
 def gqa_pays(model: torch.nn.Module) -> bool:
     """Whether a masked forward of ``model`` should use ``sdpa_gqa_forward``: transformers'
     ``sdpa`` attention, on the CPU, with grouped key/value heads."""
+    return _cpu_shape(model) is not None
+
+
+def _cpu_shape(model: torch.nn.Module) -> tuple | None:
+    """``attention_shape(model)`` where ``gqa_pays`` holds, else None (one read of the
+    model: each costs ~7 us, and a masked forward asks before it runs)."""
     shape = attention_shape(model)
-    return shape is not None and torch.device(shape[1]).type == "cpu"
+    return shape if shape is not None and torch.device(shape[1]).type == "cpu" else None
 
 
 @contextmanager
@@ -203,9 +209,9 @@ def fold_timings(model: torch.nn.Module, reps: int = 20) -> dict[int, tuple[floa
     entries, the query in the layout a decoder layer hands over), the best of ``reps``
     alternating runs each; memoised per shape. None when the model does not run ``sdpa``
     with grouped heads on the CPU (``gqa_pays``: nothing to choose)."""
-    if not gqa_pays(model):
+    key = _cpu_shape(model)
+    if key is None:
         return None
-    key = attention_shape(model)
     if key not in _FOLD:
         dtype, device, heads, kv_heads, head_dim = key
         module = _Group(heads // kv_heads)
