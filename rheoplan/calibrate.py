@@ -48,10 +48,12 @@ def training_prompts(n: int, path: str | Path = TRAIN_PROMPTS) -> list[str]:
 
 def calibrate_head(model, draft, prompts: Sequence[Sequence[int]], *, timings: Timings, tree: TreeConfig,
                    temperatures: Sequence[float], tokens: int = 64, max_trials: float = MAX_TRIALS,
-                   seed: int = 0, backend: str = "auto", progress: bool = True) -> dict[float, Calibration]:
+                   seed: int = 0, backend: str = "auto", progress: bool = True,
+                   start: CostModel | None = None) -> dict[float, Calibration]:
     """``{temperature: prior}``: per temperature, the calibration of decoding every prompt
     in turn (``tokens`` new tokens each, the cost model with ``timings``, each decode
-    starting from the previous one's calibration), capped at ``max_trials``.
+    starting from the previous one's calibration; the first from ``start``'s prior for the
+    temperature, ``CostModel.fresh_calibration``, or from nothing), capped at ``max_trials``.
     Prompt ``i`` decodes with seed ``seed + i``."""
     if not prompts:
         raise ValueError("prompts is empty: allowed at least one token-id sequence")
@@ -63,7 +65,7 @@ def calibrate_head(model, draft, prompts: Sequence[Sequence[int]], *, timings: T
     bar = tqdm(total=len(prompts) * len(temperatures), unit="prompt", desc="calibrate", disable=not progress,
                file=sys.stderr)
     for temp in temperatures:
-        cal = None
+        cal = None if start is None else start.fresh_calibration(float(temp))
         for i, ids in enumerate(prompts):
             res = plan_and_decode(model, draft, list(ids), max_new_tokens=tokens,
                                   sampling=SamplingConfig(temperature=float(temp)), tree=tree,
@@ -72,4 +74,15 @@ def calibrate_head(model, draft, prompts: Sequence[Sequence[int]], *, timings: T
             bar.update(1)
         out[float(temp)] = cal.capped(max_trials)
     bar.close()
+    return out
+
+
+def with_width_counts(prior: Calibration, measured: Calibration) -> Calibration:
+    """A copy of ``prior`` with the continuation counts per width of ``measured`` (e.g. a
+    prior file written before rheoplan kept them, upgraded by ``rheoplan calibrate
+    --add-width-counts``); every other count stays the prior's, so what a one-row decode
+    believes does not move."""
+    out = Calibration.from_dict(prior.to_dict())
+    out.width_trials = [list(r) for r in measured.width_trials]
+    out.width_accepts = [list(r) for r in measured.width_accepts]
     return out

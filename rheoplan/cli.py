@@ -24,7 +24,7 @@ from rheoplan.bench import kernels as bench_kernels
 from rheoplan.bench import planner as bench_planner
 from rheoplan.backends import BACKENDS, resolve_backend
 from rheoplan.config import PROXIES, VERIFIERS, SamplingConfig, TreeConfig
-from rheoplan.calibrate import MAX_TRIALS, calibrate_head, training_prompts
+from rheoplan.calibrate import MAX_TRIALS, calibrate_head, training_prompts, with_width_counts
 from rheoplan.costmodel import PRIORS_FILE, CostPlan, save_priors
 from rheoplan.decode import draft_answer, plan_and_decode
 from rheoplan.loading import (AUTO_BUDGET, AUTO_DEPTH, AUTO_OPTIONS, DEFAULTS, METHODS, add_dtype, auto_tree,
@@ -222,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-trials", type=float, default=MAX_TRIALS,
                    help=f"trials per bucket the prior keeps, so a decode's own counts take over "
                         f"(default {MAX_TRIALS:g})")
+    c.add_argument("--add-width-counts", action="store_true",
+                   help="upgrade the head's current priors (its calibration.json, written before "
+                        "rheoplan kept them) with the continuation counts per width: the decodes "
+                        "start from those priors, and only their width counts are kept; every other "
+                        "count stays as it was")
     c.add_argument("--out", metavar="FILE",
                    help=f"where to write (default: {PRIORS_FILE} in the head's directory)")
     c.add_argument("--seed", type=int, default=0, help="prompt i decodes with seed + i (default 0)")
@@ -440,11 +445,19 @@ def cmd_calibrate(args) -> int:
     backend = resolve_backend(args.backend, _model_device())  # before the model loads
     model, tok, draft = load_default(method=args.method, draft=args.draft, dtype=args.dtype,
                                       draft_dtype=args.draft_dtype)
-    cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration="none", batched=False)
+    upgrade = args.add_width_counts
+    cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft,
+                           calibration=None if upgrade else "none", batched=False)
+    if upgrade and not cost.priors:
+        raise ValueError(f"--add-width-counts: the head {args.draft!r} has no priors ({PRIORS_FILE}) to upgrade")
     ids = [encode_prompt(tok, t, not args.no_chat) for t in texts]
     priors = calibrate_head(model, draft, ids, timings=cost.timings, tree=tree, temperatures=args.temperatures,
-                            tokens=args.tokens, max_trials=args.max_trials, seed=args.seed, backend=backend)
+                            tokens=args.tokens, max_trials=args.max_trials, seed=args.seed, backend=backend,
+                            start=cost if upgrade else None)
+    if upgrade:
+        priors = {t: with_width_counts(cost.fresh_calibration(t), cal) for t, cal in priors.items()}
     meta = {"draft": args.draft, "prompts": args.prompts, "tokens": args.tokens, "max_trials": args.max_trials,
+            "width_counts_added": upgrade,
             "seed": args.seed, "target_dtype": model_dtype(model),
             "draft_dtype": model_dtype(draft.head) if hasattr(draft, "head") else None}
     save_priors(out, priors, meta)

@@ -55,6 +55,9 @@ PRIOR_STRENGTH = 2.0
 SCALE_PRIOR = 4.0
 #: how many depths ``Calibration`` tracks "the walk continued below a reached node" for
 MAX_DEPTH = 64
+#: the widths (kept children per node) ``Calibration`` tracks the continuation rate of, and
+#: ``CostModel.plan_for_batch`` plans several rows' trees with
+PLAN_WIDTHS = 3
 
 
 def prefill_groups(lengths: Sequence[int], overhead_tokens: float) -> list[list[int]]:
@@ -525,8 +528,16 @@ class Calibration:
     ``trials[c][b]`` / ``accepts[c][b]``: kept children of reached nodes in weight bucket
     ``b`` of class ``c``, and how many of them the walk accepted. ``cont_trials[d]`` /
     ``cont_accepts[d]``: reached nodes at depth ``d`` with kept children, and how often the
-    walk went on below them (the depth gate's bound). The prior (default: bucket midpoint,
-    ``PRIOR_STRENGTH`` pseudo-trials) is added when estimating. ``predicted`` /
+    walk went on below them (the depth gate's bound). ``width_trials[d][w - 1]`` /
+    ``width_accepts[d][w - 1]``: reached nodes at depth ``d`` with at least ``w`` kept
+    children, and how often the walk went on through one of their first ``w`` (in the
+    linear order: slot order), for ``w`` up to ``PLAN_WIDTHS``: the continuation of a node
+    that keeps ``w`` children (``continuation(width=w)``). The token the walk draws at a
+    node does not depend on which of its children were kept, so the first ``w`` of a wider
+    node stand for a node of ``w``; the all-children rate ``cont_*`` of the cost passes'
+    trees runs high for narrow trees (at 4 rows, T = 1: chains reached 1.37 / 1.73 tokens
+    per step at depth 1 / 2 where it predicted 1.64 / 2.09). The prior (default: bucket
+    midpoint, ``PRIOR_STRENGTH`` pseudo-trials) is added when estimating. ``predicted`` /
     ``realized``: drafted tokens the kept trees were expected to get accepted, and how
     many were (``record_step``), whose ratio ``scale`` corrects what the per-node estimates
     miss together.
@@ -536,6 +547,8 @@ class Calibration:
     accepts: list[list[float]] = field(default_factory=lambda: [[0.0] * N_BUCKETS for _ in range(N_CLASSES)])
     cont_trials: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
     cont_accepts: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
+    width_trials: list[list[float]] = field(default_factory=lambda: [[0.0] * PLAN_WIDTHS for _ in range(MAX_DEPTH)])
+    width_accepts: list[list[float]] = field(default_factory=lambda: [[0.0] * PLAN_WIDTHS for _ in range(MAX_DEPTH)])
     predicted: float = 0.0
     realized: float = 0.0
 
@@ -550,10 +563,19 @@ class Calibration:
             out.append(tuple(row))
         return tuple(out)
 
-    def continuation(self) -> tuple[float, ...]:
-        """Estimated P(the walk goes on below a reached node at depth d), prior 0.5."""
-        return tuple((a + 0.5 * PRIOR_STRENGTH) / (t + PRIOR_STRENGTH)
-                     for t, a in zip(self.cont_trials, self.cont_accepts))
+    def continuation(self, width: int | None = None) -> tuple[float, ...]:
+        """Estimated P(the walk goes on below a reached node at depth d), prior 0.5; with
+        ``width`` (1 .. ``PLAN_WIDTHS``), for a node that keeps ``width`` children, its prior
+        the all-children rate (what a calibration without width counts, e.g. an older
+        file, gives)."""
+        every = tuple((a + 0.5 * PRIOR_STRENGTH) / (t + PRIOR_STRENGTH)
+                      for t, a in zip(self.cont_trials, self.cont_accepts))
+        if width is None:
+            return every
+        if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= PLAN_WIDTHS:
+            raise ValueError(f"width={width!r} is out of range: allowed an int in [1, {PLAN_WIDTHS}]")
+        return tuple((a[width - 1] + c * PRIOR_STRENGTH) / (t[width - 1] + PRIOR_STRENGTH)
+                     for t, a, c in zip(self.width_trials, self.width_accepts, every))
 
     def scale(self) -> float:
         """Accepted drafted tokens realised per token predicted, over the drafted steps so
@@ -587,10 +609,15 @@ class Calibration:
                 continue
             nxt = path[j + 1] if j + 1 < len(path) else -1
             d = int(lin.depth[b, i])
+            first = int(lin.first_child[b, i])
             if d < MAX_DEPTH:
                 self.cont_trials[d] += 1
                 self.cont_accepts[d] += 1 if nxt >= 0 else 0
-            first = int(lin.first_child[b, i])
+                rank = nxt - first if nxt >= 0 else PLAN_WIDTHS  # the accepted child's place
+                wt, wa = self.width_trials[d], self.width_accepts[d]
+                for w in range(min(n_kids, PLAN_WIDTHS)):
+                    wt[w] += 1
+                    wa[w] += 1 if rank <= w else 0
             for c in range(first, first + n_kids):
                 v = int(lin.node[b, c])
                 cls = node_class(int(tree.kind[b, v]))
@@ -619,6 +646,9 @@ class Calibration:
                 out.trials[c][b], out.accepts[c][b] = cap(self.trials[c][b], self.accepts[c][b])
         for d in range(MAX_DEPTH):
             out.cont_trials[d], out.cont_accepts[d] = cap(self.cont_trials[d], self.cont_accepts[d])
+            for w in range(PLAN_WIDTHS):
+                out.width_trials[d][w], out.width_accepts[d][w] = cap(self.width_trials[d][w],
+                                                                      self.width_accepts[d][w])
         out.predicted, out.realized = cap(self.predicted, self.realized)
         return out
 
@@ -639,6 +669,13 @@ class Calibration:
             if not isinstance(rows, list) or len(rows) > MAX_DEPTH:
                 raise ValueError(f"calibration: {k} must be a list of at most {MAX_DEPTH} counts")
             setattr(cal, k, [float(x) for x in rows] + [0.0] * (MAX_DEPTH - len(rows)))
+        for k in ("width_trials", "width_accepts"):  # absent in files written before they existed
+            rows = d.get(k, [])
+            if (not isinstance(rows, list) or len(rows) > MAX_DEPTH
+                    or any(not isinstance(r, list) or len(r) != PLAN_WIDTHS for r in rows)):
+                raise ValueError(f"calibration: {k} must be at most {MAX_DEPTH} lists of {PLAN_WIDTHS} counts")
+            setattr(cal, k, [[float(x) for x in r] for r in rows]
+                    + [[0.0] * PLAN_WIDTHS for _ in range(MAX_DEPTH - len(rows))])
         for k in ("predicted", "realized"):  # absent in files written before they existed
             v = d.get(k, 0.0)
             if not isinstance(v, (int, float)) or not (0 <= v < math.inf):
@@ -646,6 +683,8 @@ class Calibration:
             setattr(cal, k, float(v))
         bad = [(t, a) for tr, ac in zip(cal.trials, cal.accepts) for t, a in zip(tr, ac) if not 0 <= a <= t]
         bad += [(t, a) for t, a in zip(cal.cont_trials, cal.cont_accepts) if not 0 <= a <= t]
+        bad += [(t, a) for tr, ac in zip(cal.width_trials, cal.width_accepts) for t, a in zip(tr, ac)
+                if not 0 <= a <= t]
         if bad:
             raise ValueError(f"calibration: counts {bad[:3]} break 0 <= accepts <= trials")
         return cal
@@ -823,10 +862,12 @@ BATCH_MARGIN = 1.4
 BATCH_MARGIN_ROWS = 3
 
 
-def batch_margin(batch: int) -> float:
+def batch_margin(batch: int, rows_waiting: bool = False) -> float:
     """The factor by which a tree of ``batch`` rows must be predicted to beat a plain
     autoregressive step for drafting to go on: 1 below ``BATCH_MARGIN_ROWS`` rows (one row,
-    two rows), ``BATCH_MARGIN`` from there.
+    two rows) and while ``rows_waiting`` (continuous batching: prompts wait to take the
+    place of a row that finishes, so no batch runs its last steps at a few rows: the tail
+    below), ``BATCH_MARGIN`` otherwise.
 
     Why: a batch's step is priced from a grid of rectangular forwards, a bookkeeping price
     per batch size and depth and summed per-node estimates, and each is a few percent off at
@@ -843,9 +884,16 @@ def batch_margin(batch: int) -> float:
     against 1.4 side by side on the same host (40 held-out prompts, T = 0 / T = 1; docs/
     results.md, "Twenty-fifth round"): 2 rows 1.20x / 1.16x against 1.07x / 1.07x, 3 rows
     1.05x / 1.09x against 1.03x / 1.11x, 4 rows 1.10x / 1.14x against 1.06x / 1.16x, 8 rows
-    0.97x / 1.12x against 1.05x / 1.23x; so two rows draft at an even price.
+    0.97x / 1.12x against 1.05x / 1.23x; so two rows draft at an even price. With the
+    trees of several rows planned per width (``CostModel.plan_rows``, 2026-12-05,
+    "Twenty-sixth round"), predicted and taken 4-row steps agree within a few per cent
+    (T = 0: 31.8 ms for 8.5 tokens predicted, 31.0 ms for 8.9 taken), yet a batch of 4
+    rows x 64 tokens at margin 1.0 gained 3% over plain steps and at 8 rows lost 4%: the
+    rows' own steps filled 85% of the batch's, the last ones carrying a few rows. Where
+    prompts wait to join, a finished row's place is taken at once, and 4 rows at margin
+    1.0 ran 1.05-1.07x plain steps against 1.01x at 1.4.
     """
-    return 1.0 if batch < BATCH_MARGIN_ROWS else BATCH_MARGIN
+    return 1.0 if batch < BATCH_MARGIN_ROWS or rows_waiting else BATCH_MARGIN
 
 
 @dataclass(frozen=True)
@@ -926,7 +974,43 @@ class CostModel:
                     + tm.tree_overhead(batch, d))
             rate = batch * e / cost * 1e3
             if rate > best.tokens_per_s:
-                best = BatchPlan(batch, d, width * d, e, cost, rate, best.ar_tokens_per_s)
+                best = BatchPlan(batch, d, width * d, e, cost, rate, best.ar_tokens_per_s, width)
+        return best
+
+    def plan_rows(self, batch: int, *, ctx: int, max_depth: int, max_width: int,
+                  calibration: Calibration) -> "BatchPlan":
+        """The tree several live rows draft, a priori: ``plan_for_batch`` at every width
+        ``1 .. min(max_width, PLAN_WIDTHS)`` with that width's continuation rates
+        (``calibration.continuation(width)``, measured per width, so unscaled), the best
+        one (ties: the narrower). The batched loop drafts its shape (``depth`` levels,
+        ``width`` expanded per level, ``budget`` kept per row) whenever it beats plain
+        steps by ``batch_margin``. Depends only on the latencies and past steps.
+
+        Example: with a verify forward that costs 1 ms per token, where a second child
+        per level doubles the continuation (0.4 -> 0.8), two children per level, two levels
+        deep, pay; where it adds almost nothing (0.41), one child one level deep does:
+
+            >>> linear = Timings((1, 64), (10.0, 73.0), (10.0, 73.0), 0, 1000, (1,), (0.5,), 0.0, 0.0)
+            >>> cal = Calibration()
+            >>> for d in range(2):
+            ...     cal.width_trials[d] = [100.0, 100.0, 0.0]
+            ...     cal.width_accepts[d] = [40.0, 80.0, 0.0]
+            >>> p = CostModel(linear).plan_rows(1, ctx=64, max_depth=2, max_width=2, calibration=cal)
+            >>> p.width, p.depth, p.budget
+            (2, 2, 4)
+            >>> cal.width_accepts[0][1] = cal.width_accepts[1][1] = 41.0
+            >>> p = CostModel(linear).plan_rows(1, ctx=64, max_depth=2, max_width=2, calibration=cal)
+            >>> p.width, p.depth, p.budget
+            (1, 1, 1)
+        """
+        if isinstance(max_width, bool) or not isinstance(max_width, int) or max_width < 1:
+            raise ValueError(f"max_width={max_width!r} is out of range: allowed an int >= 1")
+        best = None
+        for w in range(1, min(max_width, PLAN_WIDTHS) + 1):
+            p = self.plan_for_batch(batch, ctx=ctx, max_depth=max_depth, width=w,
+                                    continuation=calibration.continuation(w))
+            if best is None or p.tokens_per_s > best.tokens_per_s:
+                best = p
         return best
 
 
@@ -969,51 +1053,10 @@ class BatchPlan:
     predicted_ms: float  #: predicted latency of one step of the whole batch
     tokens_per_s: float  #: the whole batch's predicted tokens per second with this tree
     ar_tokens_per_s: float  #: the same for plain autoregressive steps
+    width: int = 1  #: nodes expanded per level (``budget = width * depth``)
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-# -- the drafting schedule -------------------------------------------------------------------
-
-
-@dataclass
-class DraftSchedule:
-    """When no tree paid, skip drafting for a while, then try again (backoff doubling):
-    the batched loop's schedule while several rows are live. (A single sequence asks the
-    head at every step: skipping missed trees that would have paid, 3% slower over 40
-    prompts at T = 1 and T = 0; docs/results.md, "Lean steps, ninth round".)
-
-    A pure function of the history of decisions: after a drafted step whose best tree did
-    not beat a plain autoregressive step, the next ``backoff`` steps skip the draft; the
-    step after them drafts again (a probe). Each failing probe doubles the backoff (up to
-    ``max_backoff``); a tree that pays resets it to 1.
-
-    Example:
-        >>> s = DraftSchedule()
-        >>> s.record(pays=False); [s.skip_next() for _ in range(2)]
-        [True, False]
-    """
-
-    max_backoff: int = 32
-    backoff: int = 1
-    skip_left: int = 0
-
-    def skip_next(self) -> bool:
-        """Whether the next step skips drafting; consumes one skipped step."""
-        if self.skip_left > 0:
-            self.skip_left -= 1
-            return True
-        return False
-
-    def record(self, pays: bool) -> None:
-        """Record a drafted step's outcome: did its best tree beat an AR step?"""
-        if pays:
-            self.backoff = 1
-            self.skip_left = 0
-        else:
-            self.skip_left = self.backoff
-            self.backoff = min(self.max_backoff, 2 * self.backoff)
 
 
 # -- the cache of measured timings --------------------------------------------------------------

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from rheoplan.backends import check_backend, resolve_backend
 from rheoplan.config import ConfigError, SamplingConfig, TreeConfig
-from rheoplan.costmodel import (Calibration, CostModel, CostPlan, DraftSchedule, Timings, batch_margin,
+from rheoplan.costmodel import (BatchPlan, Calibration, CostModel, CostPlan, Timings, batch_margin,
                                 prefill_groups)
 from rheoplan.distributions import SubsetLogits
 from rheoplan.ir import DraftTree, empty_tree
@@ -609,10 +609,9 @@ def _cut_emitted(emitted, remaining: int, eos) -> tuple[list[int], str | None]:
     return out, None
 
 
-def _cost_passes(s, st: StepStats, passes, schedule: DraftSchedule | None = None):
+def _cost_passes(s, st: StepStats, passes):
     """The pass list with the cost-aware passes (from the calibration so far) around it;
-    each decision is recorded in ``st`` and in ``schedule`` (a batch's back-off, if
-    given). The list is lowered first, so the cost gate wraps the backend's fast expand;
+    each decision is recorded in ``st``. The list is lowered first, so the cost gate wraps the backend's fast expand;
     the gates and the prune decide with the backend's ``decide`` (numba: one kernel call;
     otherwise the reference in ``planner/cost_prune``)."""
     plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
@@ -620,8 +619,6 @@ def _cost_passes(s, st: StepStats, passes, schedule: DraftSchedule | None = None
 
     def seen(d):
         st.predicted_tokens, st.predicted_ms = d.expected, d.predicted_ms
-        if schedule is not None:
-            schedule.record(d.pays)
 
     return cost_pipeline(plan, lower(DEFAULT_PIPELINE if passes is None else passes, s.backend),
                          on_decision=seen, decide=numba_decide if numba else None,
@@ -900,7 +897,6 @@ class BatchState:
     processors: tuple = ()
     cost: CostModel | None = None
     calibration: Calibration | None = None
-    schedule: DraftSchedule = field(default_factory=DraftSchedule)  #: back-off while several rows are live
     max_batch: int | None = None  #: rows decoding at once (None: all); the others wait
     #: a forward's fixed cost in tokens (``Timings.forward_overhead_tokens``): prompts are
     #: prefilled in ``prefill_groups`` where the target takes groups (None: one forward)
@@ -908,6 +904,8 @@ class BatchState:
     streams: Streams = field(init=False)
     rows: list[_Row] = field(init=False)  #: every row, in the caller's order
     step: int = 0  #: batch steps so far (names dumped IR; each row counts its own steps)
+    #: prompts wait to join as rows finish (continuous batching): ``batch_margin``'s tail rule is off
+    rows_waiting: bool = False
 
     def __post_init__(self) -> None:
         self.streams = Streams(self.seed)
@@ -924,42 +922,55 @@ def prefill_overhead(cost_model: CostModel | None) -> float | None:
     return None if cost_model is None else cost_model.timings.forward_overhead_tokens()
 
 
-def _tree_can_pay(s: BatchState, live: list[_Row]) -> bool:
-    """A batch of several rows drafts only while some tree can pay a priori at this many
-    live rows (``CostModel.plan_for_batch`` with the continuation rates and the scale
-    calibrated so far, by ``batch_margin``): where even the best chain loses to a plain
-    step (16 rows on a 2-core CPU: the verify forward is compute-bound), drafting would
-    only cost its probes. One row drafts as a single sequence does (every step asks the
-    head). Depends only on frozen latencies and past steps."""
-    if len(live) == 1:
-        return True
+def _rows_plan(s: BatchState, live: list[_Row]) -> BatchPlan | None:
+    """The tree several live rows draft this step (``CostModel.plan_rows``: the depth and
+    width that pay most at this many rows, with the continuation rates per width
+    calibrated so far), or None where no tree beats a plain step by ``batch_margin``
+    (16 rows on a 2-core CPU: the verify forward is compute-bound). Depends only on frozen
+    latencies, past steps and whether prompts wait to join.
+
+    Why one shape for every row, not the cost passes' per-step trees (one row's): at 4
+    rows on the 2-core machine (SmolLM2, 40 held-out prompts, 4 at a time as rows
+    finished) small fixed trees ran 1.15x / 1.08x plain steps at T = 0 / 1, the cost
+    passes' trees 1.05x / 1.04x: their per-step draft-then-prune decisions cost a draft
+    call for trees they then dropped, and the rows they kept deep trees for paid a batch's
+    draft call and bookkeeping per depth."""
     ctx = max(r.prefix_len for r in live)
-    plan = s.cost.plan_for_batch(len(live), ctx=ctx, max_depth=s.tree.depth,
-                                 continuation=s.calibration.continuation(), scale=s.calibration.scale())
-    return plan.depth > 0 and plan.tokens_per_s > batch_margin(len(live)) * plan.ar_tokens_per_s
+    tree = s.tree
+    plan = s.cost.plan_rows(len(live), ctx=ctx, max_depth=tree.depth, max_width=min(tree.frontier, tree.budget),
+                            calibration=s.calibration)
+    if plan.depth == 0 or plan.tokens_per_s <= batch_margin(len(live), s.rows_waiting) * plan.ar_tokens_per_s:
+        return None
+    return plan
 
 
 def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
-    """This step's linearised trees, tree ``b`` for ``live[b]``; draft time goes to ``st``."""
+    """This step's linearised trees, tree ``b`` for ``live[b]``; draft time goes to ``st``.
+    One live row plans as a single sequence does (the cost passes, every step); several
+    draft the a-priori plan's tree (``_rows_plan``) or take a plain step."""
     roots = [r.root for r in live]
     prefix = [r.prefix_len for r in live]
     keys = [r.key for r in live]
     steps = [r.step for r in live]
-    # several rows back off after a step where no tree paid (a batched draft call costs
-    # more); one row asks the head at every step, as a single sequence does
-    several = len(live) > 1
-    if s.draft is None or (s.cost is not None and ((several and s.schedule.skip_next())
-                                                   or not _tree_can_pay(s, live))):
+    tree, passes = s.tree, s.passes
+    plan = None
+    if s.draft is not None and s.cost is not None and len(live) > 1:
+        plan = _rows_plan(s, live)
+        if plan is not None:
+            tree = tree.with_(depth=plan.depth, frontier=plan.width, budget=plan.budget)
+            st.predicted_tokens = plan.expected_tokens * len(live)
+            st.predicted_ms = plan.predicted_ms
+    if s.draft is None or (s.cost is not None and len(live) > 1 and plan is None):
         st.drafted = False
         if s.cost is not None:
             st.predicted_tokens = 1.0
             st.predicted_ms = s.cost.timings.ar_step_batch(len(live), max(prefix))
         return root_only_rows(roots, prefix, s.tree)
     drf = s.draft
-    passes = s.passes
-    if s.cost is not None:
-        # the cost passes price the whole batch (tree.batch = live rows: Timings.verify_batch)
-        passes = _cost_passes(s, st, passes, s.schedule if several else None)
+    if plan is not None:
+        passes = lower(DEFAULT_PIPELINE if passes is None else passes, s.backend)
+    elif s.cost is not None:
+        passes = _cost_passes(s, st, passes)
 
     def draft_fn(tr, nodes):
         t_d = time.perf_counter()
@@ -986,7 +997,7 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
     instruments = []
     if s.dump_ir is not None and (s.dump_steps is None or s.step in s.dump_steps):
         instruments.append(DumpIR(s.dump_ir))
-    return plan_tree(draft_fn, roots, tree=s.tree, sampling=s.sampling, prefix_len=prefix, seed=s.seed,
+    return plan_tree(draft_fn, roots, tree=tree, sampling=s.sampling, prefix_len=prefix, seed=s.seed,
                      step=steps, passes=passes, instruments=instruments, backend=s.backend, stream_keys=keys)
 
 
@@ -1103,16 +1114,18 @@ def _decode_rows(s: BatchState) -> list[DecodeResult]:
         out, waiting = waiting[:k], waiting[k:]
         return out
 
-    for _ in run_rows(s, take, total=sum(s.limits)):
+    for _ in run_rows(s, take, total=sum(s.limits), more=lambda: bool(waiting)):
         pass
     return [r.result for r in s.rows]
 
 
-def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None = None):
+def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None = None,
+             more: Callable[[], bool] = lambda: False):
     """The batched loop: rows come from ``take(k)`` (at most ``k`` rows that wait, in the
     order they join; fewer or none when none wait), up to ``s.max_batch`` live at once; a
     finished row is yielded (its ``result`` complete) and ``take`` fills its place.
-    ``total``: the progress bar's total tokens, when known."""
+    ``total``: the progress bar's total tokens, when known; ``more()``: whether rows may
+    still join (``BatchState.rows_waiting``, read before every step)."""
     tgt, drf = s.target, s.draft
     bar = tqdm(total=total, unit="tok", desc="decode") if s.progress else None
     t_start = time.perf_counter()
@@ -1165,6 +1178,7 @@ def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None
                 continue
             st0 = StepStats(0, 0, 0, 0, 0)
             t0 = time.perf_counter()
+            s.rows_waiting = more()
             t = _plan_rows(s, live, st0)
             t1 = time.perf_counter()
             st0.t_plan = t1 - t0 - st0.t_draft
@@ -1172,7 +1186,9 @@ def run_rows(s: BatchState, take: Callable[[int], list[_Row]], total: int | None
             t2 = time.perf_counter()
             walks, stops, stats = _walk_rows(s, live, t, fws, st0, bar)
             t3 = time.perf_counter()
-            if s.calibration is not None and st0.drafted and st0.predicted_tokens is not None:
+            # the scale corrects the cost passes' per-node estimates: one live row's steps only
+            # (several draft the plan's tree, whose rates are measured per width)
+            if s.calibration is not None and st0.drafted and st0.predicted_tokens is not None and len(live) == 1:
                 s.calibration.record_step(max(0.0, st0.predicted_tokens - len(live)),
                                           sum(st.accepted for st in stats))
             going = [b for b, stop in enumerate(stops) if stop is None]

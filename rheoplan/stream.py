@@ -198,7 +198,8 @@ def _serve(target, draft, requests, max_batch, max_new_tokens, sampling, tree, s
                            callback=callback, processors=processors,
                            cost=cost_model if drf is not None else None, max_batch=max_batch,
                            prefill_overhead=prefill_overhead(cost_model))
-        for row in run_rows(state, source.take, total=_total_tokens(requests, max_new_tokens)):
+        for row in run_rows(state, source.take, total=_total_tokens(requests, max_new_tokens),
+                            more=lambda: not source.done):
             yield row.index, row.result
     finally:
         if tgt is not target:

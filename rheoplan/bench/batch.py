@@ -11,7 +11,13 @@ that slows down slows every method alike, also where one batch holds every promp
 * ``rowwise``: rheoplan's batch-1 loop, ``plan_and_decode`` with one prompt, over the
   batch's rows one after the other;
 * ``batched``: rheoplan's batched loop, ``plan_and_decode`` with the batch's list of
-  prompts (one verify forward per step for all rows).
+  prompts (one verify forward per step for all rows);
+* ``queued`` (only when asked for): rheoplan's batched loop over every prompt at once
+  with at most B rows live (``max_batch_size=B``: continuous batching, the next prompt
+  takes a finished row's place), timed once per seed and batch size, halfway through
+  the batches of the other methods. Rows that accept more finish first; in a batch of B
+  the last steps then carry a few rows at nearly the price of all of them, in a queue
+  the next prompt joins.
 
 Both rheoplan methods do what ``rheoplan generate`` does by default: RheoSampling (m = 1,
 ``ot``) with the cost model planning every tree (``--depth auto --budget auto``; the
@@ -22,9 +28,10 @@ grows). Every row generates exactly ``--tokens`` new tokens (``generate`` with
 Reported per (dtype, temperature, B, method): tokens/s (generated tokens / wall seconds,
 prefill included), the speed-up against ``generate`` at the same B, the mean accepted
 length per row (a row's tokens / its steps, averaged over rows), and the tree per batch
-size: the cost model's a-priori plan (``CostModel.plan_for_batch``: depth and per-row
-budget) next to what the steps kept (mean drafted nodes per row per drafted step, and
-the share of steps that drafted at all). ``--plot`` draws throughput against batch size.
+size: the cost model's a-priori plan (``CostModel.plan_rows`` from the head's prior at
+that temperature: depth, width and per-row budget, the shape several live rows draft
+until their own rates take over) next to what the steps kept (mean drafted nodes per
+row per drafted step, and the share of steps that drafted at all). ``--plot`` draws throughput against batch size.
 
     rheoplan bench batch --batch-sizes 1 4 16 --tokens 64 --temperatures 1 0 --plot
 """
@@ -52,7 +59,9 @@ from rheoplan.probe import batched_decode_unavailable
 #: ``generate`` runs on the loaded model (linear weights packed where the loader packed
 #: them: the fastest ``generate``, the speed-ups' baseline); ``generate-unpacked`` on the
 #: weights as transformers loads them (what a user has without rheoplan)
-METHODS = ("generate", "generate-unpacked", "rowwise", "batched")
+METHODS = ("generate", "generate-unpacked", "rowwise", "batched", "queued")
+#: what ``--methods`` runs by default
+DEFAULT_METHODS = ("generate", "generate-unpacked", "rowwise", "batched")
 #: prompts in rheoplan/data/prompts_heldout.txt (``load_prompts`` checks the range too)
 HELDOUT_PROMPTS = 40
 #: the plot's default path (small PNG, linked from docs/results.md)
@@ -101,6 +110,8 @@ def check_args(args) -> None:
         raise ValueError(f"--seeds={args.seeds}: allowed ints >= 0")
     if not args.methods or len(set(args.methods)) != len(args.methods):
         raise ValueError(f"--methods={args.methods}: allowed each of {', '.join(METHODS)} at most once")
+    if "queued" in args.methods and "generate" not in args.methods:
+        raise ValueError("--methods queued: the speed-ups are against generate; add generate")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads={args.threads}: allowed >= 1")
 
@@ -187,15 +198,37 @@ def run_batched(model, draft, rows, temperature: float, seed: int, tokens: int, 
     return {"tokens": sum(len(r.tokens) for r in results), "seconds": seconds, **_row_stats(results)}
 
 
+def run_queued(model, draft, rows, temperature: float, seed: int, tokens: int, cost, tree: TreeConfig,
+               batch: int) -> dict:
+    """rheoplan's batched loop over every row at once, at most ``batch`` of them live."""
+    sampling = SamplingConfig(temperature=temperature)
+    t0 = time.perf_counter()
+    results = plan_and_decode(model, draft, [list(r) for r in rows], max_new_tokens=tokens, sampling=sampling,
+                              tree=tree, seed=seed, cost_model=cost, max_batch_size=min(batch, len(rows)))
+    seconds = time.perf_counter() - t0
+    return {"tokens": sum(len(r.tokens) for r in results), "seconds": seconds, **_row_stats(results)}
+
+
 def run_batch_size(model, pad_id: int, draft, prompts: list[list[int]], batch: int, temperature: float, seed: int,
                    tokens: int, methods, cost, tree: TreeConfig) -> list[dict]:
     """Every method over ``prompts`` split into batches of ``batch`` rows, interleaved
     (batch ``k`` of seed ``s`` starts with method ``(k + s) mod len(methods)``: with one
-    batch per seed, the seeds still rotate the order); one record per method."""
+    batch per seed, the seeds still rotate the order); ``queued`` over every prompt at
+    once, halfway through the batches. One record per method."""
     acc = {m: {"tokens": 0, "seconds": 0.0, "row_tau": [], "kept_sum": 0, "drafted_steps": 0, "steps": 0}
            for m in methods}
-    methods = list(methods)
+    queued = "queued" in methods
+    methods = [m for m in methods if m != "queued"]
+    half = (len(prompts) // batch) // 2 * batch
     for k in range(0, len(prompts), batch):
+        if queued and k == half:
+            r = run_queued(model, draft, prompts, temperature, seed * 1000, tokens, cost, tree, batch)
+            a = acc["queued"]
+            for key in ("tokens", "seconds", "kept_sum", "drafted_steps", "steps"):
+                a[key] += r[key]
+            a["row_tau"] += r["row_tau"]
+        if not methods:
+            continue
         rows = prompts[k:k + batch]
         j = (k // batch + seed) % len(methods)
         bseed = seed * 1000 + k
@@ -276,7 +309,7 @@ def report(rows: list[dict], machine: dict | None = None) -> str:
         lines += [f"Machine: {machine['cpu']}; {machine['threads']} torch threads of {machine['cores']} cores; "
                   f"torch {machine['torch']}, transformers {machine['transformers']}.", ""]
     lines += ["| dtype | T | batch | method | seeds | tokens/s | speed-up vs generate | mean accepted length per row "
-              "| tree: planned depth / budget per row | tree: kept nodes per row (drafted steps) |",
+              "| tree: planned depth / width / budget per row | tree: kept nodes per row (drafted steps) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tps = f"{r['tokens_per_second']:.1f}"
@@ -286,7 +319,7 @@ def report(rows: list[dict], machine: dict | None = None) -> str:
             planned = kept = "–"
         else:
             p = r.get("plan") or {}
-            planned = f"{p['depth']} / {p['budget']}" if p else "–"
+            planned = f"{p['depth']} / {p.get('width', 1)} / {p['budget']}" if p else "–"
             kept = f"{r['kept_per_row']:.2f} ({100 * r['drafted_share']:.0f}% of steps)"
         speed = "–" if r["speedup"] != r["speedup"] else f"{r['speedup']:.2f}x"
         if r["method"] != "generate":
@@ -357,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per row (default 64)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0], help="default 1 0")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="default 0")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="default: all four")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
+                    help="default: all but queued")
     ap.add_argument("--draft", default="auto", help="as for rheoplan generate (default auto)")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="target dtype (default auto: the one measured fastest here)")
@@ -377,7 +411,7 @@ def main(argv=None) -> int:
     if args.prompts is None:
         args.prompts = default_prompts(args.batch_sizes)
     texts = load_prompts(args.prompts)
-    if "batched" in args.methods:
+    if set(args.methods) & {"batched", "queued"}:
         check_batched_decode()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -391,11 +425,13 @@ def main(argv=None) -> int:
     prompts = [encode_prompt(tok, p, chat=True) for _, p in texts]
     tree = DEFAULT_TREE
     cost = None
-    if set(args.methods) & {"rowwise", "batched"}:
+    if set(args.methods) & {"rowwise", "batched", "queued"}:
         cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft)
     ctx = int(statistics.mean(len(p) for p in prompts)) + args.tokens // 2
-    plans = {b: cost.plan_for_batch(b, ctx=ctx, max_depth=tree.depth).as_dict() if cost else None
-             for b in args.batch_sizes}
+    # the a-priori plan per (temperature, batch size), from the head's prior at that temperature
+    plans = {(t, b): cost.plan_rows(b, ctx=ctx, max_depth=tree.depth, max_width=min(tree.frontier, tree.budget),
+                                    calibration=cost.fresh_calibration(t)).as_dict() if cost else None
+             for t in args.temperatures for b in args.batch_sizes}
     needs = {b: {f"{x}x": cost.needed_continuation(b, x, ctx=ctx, max_depth=tree.depth) for x in NEED_SPEEDUPS}
              for b in args.batch_sizes} if cost else {}
     warm_up(model, pad_id, draft, prompts, args.batch_sizes, args.temperatures, args.methods, cost, tree)
@@ -407,12 +443,13 @@ def main(argv=None) -> int:
                 print(f"bench batch: {dtype} T={t} seed={s} batch={b} ...", file=sys.stderr, flush=True)
                 for rec in run_batch_size(model, pad_id, draft, prompts, b, t, s, args.tokens, args.methods,
                                           cost, tree):
-                    rec.update(dtype=dtype, plan=plans[b], tokens_per_row=args.tokens,
+                    rec.update(dtype=dtype, plan=plans[(t, b)], tokens_per_row=args.tokens,
                                draft_dtype=model_dtype(draft.head) if hasattr(draft, "head") else None)
                     records.append(rec)
     rows = summarise(records)
     table = report(rows, machine) + ("\n\n" + needs_table(needs) if needs else "")
-    (out / "bench_batch.json").write_text(json.dumps({"machine": machine, "plans": plans, "needed_continuation": needs,
+    named = {f"T={t:g} B={b}": p for (t, b), p in plans.items()}
+    (out / "bench_batch.json").write_text(json.dumps({"machine": machine, "plans": named, "needed_continuation": needs,
                                                       "records": records, "summary": rows}, indent=1))
     (out / "bench_batch.md").write_text(table + "\n")
     print(table)

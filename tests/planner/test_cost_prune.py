@@ -361,6 +361,7 @@ def test_two_rows_draft_at_an_even_price_and_more_need_the_batch_margin():
 
     assert BATCH_MARGIN_ROWS == 3 and BATCH_MARGIN > 1.2
     assert [batch_margin(b) for b in (1, 2, 3, 16)] == [1.0, 1.0, BATCH_MARGIN, BATCH_MARGIN]
+    assert [batch_margin(b, rows_waiting=True) for b in (1, 2, 3, 16)] == [1.0] * 4  # no tail while rows join
 
     def decision(rows: int, speedup: float) -> CostDecision:
         ar_ms = 10.0  # a plain step: `rows` tokens in 10 ms

@@ -7,8 +7,8 @@ import pytest
 
 import rheoplan.loading as loading
 from rheoplan import TreeConfig
-from rheoplan.calibrate import TRAIN_PROMPTS, calibrate_head, training_prompts
-from rheoplan.costmodel import PRIORS_FILE, Calibration, Timings, load_priors, save_priors
+from rheoplan.calibrate import TRAIN_PROMPTS, calibrate_head, training_prompts, with_width_counts
+from rheoplan.costmodel import PRIORS_FILE, Calibration, CostModel, Timings, load_priors, save_priors
 from rheoplan.models.functional import hashed_context_lm
 
 TIMINGS = Timings((1, 64), (10.0, 73.0), (12.0, 75.0), 0, 1000, (1, 4), (0.5, 1.0), 0.5, 0.5)
@@ -30,6 +30,25 @@ def test_priors_per_temperature_are_capped_and_reproducible():
         assert max(trials) == pytest.approx(5.0) and all(t <= 5.0 + 1e-9 for t in trials)
     assert a[0.0] != a[1.0]  # greedy and sampled acceptances differ
     assert calibrate_head(tgt, drf, prompts, **kw) == a
+
+
+def test_width_counts_added_to_older_priors_leave_the_rest_as_it_was():
+    """``--add-width-counts``: the decodes start from the head's priors (``start``), and the
+    upgraded prior is the old one with the run's width counts, nothing else."""
+    tgt, drf = _models()
+    prompts = [[0, 1, 2], [3, 4], [2, 2, 1, 0]]
+    kw = dict(timings=TIMINGS, tree=TREE, temperatures=[1.0], tokens=12, max_trials=5, progress=False)
+    old = calibrate_head(tgt, drf, prompts, **kw)[1.0]
+    old.width_trials = Calibration().width_trials  # a file from before the width counts
+    old.width_accepts = Calibration().width_accepts
+    start = CostModel(TIMINGS, priors=((1.0, old),))
+    run = calibrate_head(tgt, drf, prompts, start=start, **kw)[1.0]
+    assert run != calibrate_head(tgt, drf, prompts, **kw)[1.0]  # started from the prior, not from nothing
+    up = with_width_counts(old, run)
+    assert sum(map(sum, up.width_trials)) > 0 and up.width_trials == run.width_trials
+    assert up.width_accepts == run.width_accepts
+    assert (up.trials, up.accepts, up.cont_trials, up.cont_accepts, up.predicted, up.realized) == (
+        old.trials, old.accepts, old.cont_trials, old.cont_accepts, old.predicted, old.realized)
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
-from rheoplan.costmodel import (Calibration, CostModel, DraftSchedule, ProjectionTimings, Timings, cache_key,
+from rheoplan.costmodel import (PLAN_WIDTHS, Calibration, CostModel, ProjectionTimings, Timings, cache_key,
                                 cache_read, cache_write, measure_projection, node_class, prefill_groups,
                                 projection_timings, weight_bucket)
 from rheoplan.ir import NodeKind
@@ -92,20 +92,53 @@ def test_calibration_file_round_trip_and_errors(tmp_path):
         Calibration.from_dict(bad)
 
 
-def test_schedule_backs_off_and_resets():
-    s = DraftSchedule(max_backoff=4)
-    pattern = []
-    for pays in (False, False, False, False):
-        s.record(pays)
-        skipped = 0
-        while s.skip_next():
-            skipped += 1
-        pattern.append(skipped)
-    assert pattern == [1, 2, 4, 4]
-    s.record(True)
-    assert not s.skip_next()
-    s.record(False)
-    assert s.skip_next() and not s.skip_next()
+def test_update_counts_each_width_by_the_accepted_childs_place():
+    """``width_trials[d][w - 1]`` counts reached nodes with at least ``w`` kept children;
+    ``width_accepts`` those whose walk went on through one of the first ``w``: a node whose
+    second child was accepted continues as a node of 2 or 3 children would, not as one of 1."""
+    drf = hashed_context_lm(6, seed=3, sharpness=2.0)
+    cfg = TreeConfig(depth=2, frontier=1, slots=3, budget=5, rheostat=1, support=6)
+    t = plan_tree(functional_draft_fn(drf, (0, 1)), [1], tree=cfg, sampling=SamplingConfig(), prefix_len=[1])
+    lin = t.linear
+    first, nk = int(lin.first_child[0, 0]), int(lin.n_children[0, 0])
+    assert nk >= 2
+    second = first + 1
+    cal = Calibration()
+    cal.update(t, [0, second])  # the root's second kept child accepted, then the walk stopped
+    widths = min(nk, PLAN_WIDTHS)
+    assert cal.width_trials[0] == [1.0] * widths + [0.0] * (PLAN_WIDTHS - widths)
+    assert cal.width_accepts[0] == [0.0, 1.0, 1.0][:widths] + [0.0] * (PLAN_WIDTHS - widths)
+    kids = min(int(lin.n_children[0, second]), PLAN_WIDTHS)  # the second child's own children: no accept
+    assert cal.width_trials[1] == [1.0] * kids + [0.0] * (PLAN_WIDTHS - kids) and sum(cal.width_accepts[1]) == 0
+    # continuation(width): the counts over a prior at the all-children rate
+    every = cal.continuation()
+    assert cal.continuation(1)[0] == pytest.approx((0 + 2.0 * every[0]) / (1 + 2.0))
+    assert cal.continuation(2)[0] == pytest.approx((1 + 2.0 * every[0]) / (1 + 2.0))
+    assert Calibration().continuation(2) == Calibration().continuation()  # no counts: the prior
+    for bad in (0, PLAN_WIDTHS + 1, True, 1.0):
+        with pytest.raises(ValueError, match="width"):
+            cal.continuation(bad)
+
+
+def test_width_counts_round_trip_cap_and_older_files(tmp_path):
+    cal = Calibration()
+    cal.width_trials[2] = [40.0, 20.0, 10.0]
+    cal.width_accepts[2] = [10.0, 10.0, 5.0]
+    f = tmp_path / "cal.json"
+    cal.save(f)
+    assert Calibration.load(f) == cal
+    capped = cal.capped(20.0)
+    assert capped.width_trials[2] == [20.0, 20.0, 10.0] and capped.width_accepts[2] == [5.0, 10.0, 5.0]
+    old = cal.to_dict()
+    del old["width_trials"], old["width_accepts"]  # a file from before the width counts
+    assert Calibration.from_dict(old).width_trials == Calibration().width_trials
+    bad = cal.to_dict()
+    bad["width_accepts"][2][0] = 50.0
+    with pytest.raises(ValueError, match="accepts <= trials"):
+        Calibration.from_dict(bad)
+    bad["width_accepts"][2] = [1.0]
+    with pytest.raises(ValueError, match="width_accepts"):
+        Calibration.from_dict(bad)
 
 
 def test_cache_keeps_other_keys(tmp_path, monkeypatch):

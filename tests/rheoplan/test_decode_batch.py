@@ -19,6 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rheoplan.costmodel import Calibration
+
 from _decode_models import greedy_reference, hf_as_functional, random_eagle3_head, tiny_llama
 from rheoplan import SamplingConfig, TreeConfig
 from rheoplan.decode import DecodeResult, plan_and_decode
@@ -336,9 +338,10 @@ def test_cost_model_prices_the_live_batch(monkeypatch):
 
 
 def test_batch_drafts_only_while_a_tree_can_pay():
-    """Several live rows draft only while ``plan_for_batch`` finds a tree that pays a priori:
+    """Several live rows draft only while ``plan_rows`` finds a tree that pays a priori:
     with a verify forward whose cost grows with every batch token and a costly batched
-    step, no probe drafts at 3 rows; once one row is left, the batch-1 schedule probes."""
+    step, no row drafts while three are live; once one row is left, it asks the head at
+    every step, as a single sequence does."""
     from rheoplan.costmodel import CostModel, Timings
 
     tm = Timings((1, 64), (1.0, 64.0), (1.0, 64.0), 0, 1000, (1, 64), (0.5, 0.5), 0.05, 0.05,
@@ -346,7 +349,7 @@ def test_batch_drafts_only_while_a_tree_can_pay():
                  batch_draft_ms=(0.5, 2.0), batch_draft_width=1.0, batch_overhead_ms=(0.05, 20.0),
                  batch_ar_overhead_ms=(0.05, 0.2))
     cost = CostModel(tm)
-    assert cost.plan_for_batch(3, ctx=8, max_depth=TREE.depth).depth == 0
+    assert cost.plan_rows(3, ctx=8, max_depth=TREE.depth, max_width=2, calibration=Calibration()).depth == 0
     tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
     rs = plan_and_decode(tgt, drf, [[0, 1], [2], [3]], max_new_tokens=[3, 3, 12], seed=3, tree=TREE,
                          cost_model=cost)
@@ -356,20 +359,79 @@ def test_batch_drafts_only_while_a_tree_can_pay():
     assert [len(r.tokens) for r in rs] == [3, 3, 12]
 
 
+def _plans_seen(monkeypatch) -> list:
+    """Spy on ``decode._rows_plan``: ``(live rows, rows waiting, the plan or None)`` per call."""
+    import rheoplan.decode as dec
+
+    seen, real = [], dec._rows_plan
+
+    def spy(s, live):
+        p = real(s, live)
+        seen.append((len(live), s.rows_waiting, p))
+        return p
+
+    monkeypatch.setattr(dec, "_rows_plan", spy)
+    return seen
+
+
+def test_several_rows_draft_the_plans_tree_and_skip_the_tail_margin_while_rows_wait(monkeypatch):
+    """Several live rows draft the a-priori plan's shape: every row's kept tree is at most
+    ``plan.depth`` deep with at most ``plan.budget`` nodes. A tree predicted between 1x and
+    ``BATCH_MARGIN`` times a plain step drafts while prompts wait to join (continuous
+    batching: ``batch_margin(B, rows_waiting=True)`` is 1) and not once none wait."""
+    from rheoplan.costmodel import BATCH_MARGIN, CostModel, Timings
+
+    plans = _plans_seen(monkeypatch)
+    sizes = []
+    import rheoplan.decode as dec
+
+    real_plan_tree = dec.plan_tree
+
+    def plan_tree(*a, **kw):
+        t = real_plan_tree(*a, **kw)
+        lin = t.linear
+        sizes.append([(int(lin.n[b]) - 1, int(lin.depth[b, :int(lin.n[b])].max())) for b in range(t.batch)])
+        return t
+
+    monkeypatch.setattr(dec, "plan_tree", plan_tree)
+    # a verify forward of 3 ms at any size, 0.6 ms draft calls and 0.2 ms of bookkeeping:
+    # at 3 rows, two levels of two children pay about 1.2x
+    tm = Timings((1, 64), (3.0, 3.0), (3.0, 3.0), 0, 1000, (1, 64), (0.6, 0.6), 0.2, 0.05)
+    cal = Calibration()
+    for d in range(TREE.depth):
+        cal.width_trials[d] = [1000.0] * 3
+        cal.width_accepts[d] = [500.0, 550.0, 600.0]
+    cost = CostModel(tm, cal)
+    tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
+    rs = plan_and_decode(tgt, drf, [[0, 1], [2], [3], [1, 2], [4], [0], [5]],
+                         max_new_tokens=[6, 6, 6, 6, 20, 20, 20], seed=3, tree=TREE, cost_model=cost, max_batch_size=3)
+    assert [len(r.tokens) for r in rs] == [6, 6, 6, 6, 20, 20, 20]
+    waiting = [p for n, w, p in plans if w and n >= 3]
+    tail = [p for n, w, p in plans if not w and n >= 3]
+    assert waiting and all(p is not None for p in waiting)
+    margin = [p.tokens_per_s / p.ar_tokens_per_s for p in waiting]
+    assert all(1.0 < m < BATCH_MARGIN for m in margin), margin
+    assert tail and all(p is None for p in tail)
+    drafted = [(p, sz) for (n, w, p), sz in zip([x for x in plans if x[2] is not None], sizes)]
+    for p, sz in drafted:
+        assert all(n <= p.budget and (n == 0 or d <= p.depth) for n, d in sz), (p, sz)
+
+
 # --------------------------------------------------------------------------------------
 # Statistics through the real loop
 # --------------------------------------------------------------------------------------
 
 
 def _batched_samples(target, draft, prompts, limits, runs, *, tree, sampling, eos=None, mutations=(),
-                     cost_model=None, steps=None):
+                     cost_model=None, steps=None, max_batch_size=None):
     """``runs`` batched decodes (seeds SEED0 + r); per row, the emitted tuples. ``steps``
     (a list), if given, receives every row's ``StepStats``."""
     out = [[] for _ in prompts]
     with mutation(*mutations):
         for r in range(runs):
             rs = plan_and_decode(target, draft, prompts, max_new_tokens=limits, sampling=sampling, tree=tree,
-                                 seed=SEED0 + r, eos_token_id=eos, cost_model=cost_model)
+                                 seed=SEED0 + r, eos_token_id=eos, cost_model=cost_model,
+                                 max_batch_size=max_batch_size)
             for b, res in enumerate(rs):
                 out[b].append(tuple(res.tokens))
                 if steps is not None:
@@ -465,18 +527,35 @@ def test_hf_batch_of_4_matches_the_target_law(mutations, fold, record_property, 
 
 @pytest.mark.slow
 @pytest.mark.no_ir_lint
+@pytest.mark.parametrize("case", ["groups", "plan-trees"])
 @pytest.mark.parametrize("mutations", [(), ("batch_shift_rows",)], ids=["exact", "batch_shift_rows"])
-def test_hf_batch_of_4_with_the_cost_model_matches_the_target_law(mutations, record_property, monkeypatch):
-    """The same batch of 4 as ``rheoplan generate`` decodes it: with a cost model, so the
-    prompts are prefilled in length groups (``prefill_groups``: here 2 tokens' worth per
-    forward) and the cost passes decide every step's trees for the live rows, drafting on
-    some steps and not on others. Each row's law is still the target's own; the mutation
-    control (``batch_shift_rows``) is caught through this path too."""
+def test_hf_batch_of_4_with_the_cost_model_matches_the_target_law(mutations, case, record_property, monkeypatch):
+    """The same batch of 4 as ``rheoplan generate`` decodes it: with a cost model. Each
+    row's law is still the target's own; the mutation control (``batch_shift_rows``) is
+    caught through this path too.
+
+    * ``groups``: a verify forward that costs 1 ms per token: the prompts are prefilled in
+      length groups (``prefill_groups``: here 2 tokens' worth per forward), several live
+      rows take plain steps and one live row drafts the cost passes' trees, on some steps.
+    * ``plan-trees``: a nearly flat verify forward and 3 rows at a time (continuous
+      batching: the fourth prompt waits): several live rows draft the a-priori plan's tree
+      (``_rows_plan``), one shape for every row, calibrated per width as the rows decode."""
+    import rheoplan.decode as dec
     from rheoplan.costmodel import CostModel, Timings
     from rheoplan.models.hf_target import HFTarget
 
     groups = _spy(monkeypatch, HFTarget, "_prefill_groups", lambda ids, with_root, g: g)
-    tm = Timings((1, 64), (2.0, 65.0), (2.0, 65.0), 0, 1000, (1, 64), (0.1, 0.5), 0.05, 0.05)
+    plans = []
+    real_plan = dec._rows_plan
+
+    def rows_plan(s, live):
+        p = real_plan(s, live)
+        plans.append((len(live), p))
+        return p
+
+    monkeypatch.setattr(dec, "_rows_plan", rows_plan)
+    verify_hi = 65.0 if case == "groups" else 3.0
+    tm = Timings((1, 64), (2.0, verify_hi), (2.0, verify_hi), 0, 1000, (1, 64), (0.1, 0.5), 0.05, 0.05)
     target, draft = tiny_llama(0, layers=2, hidden=32, head_scale=10.0), tiny_llama(1)
     s = SamplingConfig()
     cfg = TreeConfig(depth=3, frontier=2, slots=2, budget=5, rheostat=1, support=6)
@@ -485,12 +564,18 @@ def test_hf_batch_of_4_with_the_cost_model_matches_the_target_law(mutations, rec
     # 1000 runs: with plain steps between the trees the mutant moves fewer tokens than in
     # the test above (600 runs left its smallest p-value at 1.4e-7)
     samples = _batched_samples(target, draft, prompts, limits, 1000, tree=cfg, sampling=s, eos=eos,
-                               mutations=mutations, cost_model=CostModel(tm), steps=steps)
+                               mutations=mutations, cost_model=CostModel(tm), steps=steps,
+                               max_batch_size=None if case == "groups" else 3)
     pvals = _hf_batch_law_pvalues(target, prompts, limits, eos, samples, s, mutations)
     record_property("pvalues", pvals)
-    assert groups and all(g is not None and len(g) > 1 for g in groups)  # grouped prefill
     drafted = sum(st.drafted for st in steps if st.predicted_ms)  # (step 0 is served: no tree)
     assert 0 < drafted < sum(1 for st in steps if st.predicted_ms)  # trees on some steps only
+    if case == "groups":
+        assert groups and all(g is not None and len(g) > 1 for g in groups)  # grouped prefill
+        assert plans and not any(p for _, p in plans)  # several rows: plain steps
+    else:
+        shapes = {(n, p.depth, p.width) for n, p in plans if p is not None}
+        assert {n for n, _, _ in shapes} >= {2, 3} and len(shapes) > 1, shapes  # several rows, several shapes
     if mutations:
         assert min(pvals) < 1e-6, pvals
     else:

@@ -32,6 +32,7 @@ def run_cli(argv, capsys):
     (["--seeds", "-2"], "--seeds=[-2]: allowed ints >= 0"),
     (["--methods", "generate", "generate"], "--methods=['generate', 'generate']: allowed each of"),
     (["--threads", "0"], "--threads=0: allowed >= 1"),
+    (["--methods", "queued"], "--methods queued: the speed-ups are against generate; add generate"),
 ])
 def test_bad_flags_fail_before_any_model_loads(argv, match, capsys, monkeypatch):
     def no_model(*a, **k):
@@ -97,7 +98,8 @@ def test_run_batch_size_interleaves_every_method_over_the_same_rows(monkeypatch)
     real = bench.plan_and_decode
 
     def spy(target, d, ids, **kw):
-        calls.append(("batched" if isinstance(ids[0], list) else "row", kw["seed"]))
+        kind = "row" if not isinstance(ids[0], list) else "queued" if kw.get("max_batch_size") else "batched"
+        calls.append((kind, kw["seed"], len(ids), kw.get("max_batch_size")))
         return fake_batched(target, d, ids, **kw) if isinstance(ids[0], list) else real(target, d, ids, **kw)
 
     monkeypatch.setattr(bench, "plan_and_decode", spy)
@@ -113,8 +115,13 @@ def test_run_batch_size_interleaves_every_method_over_the_same_rows(monkeypatch)
     assert by["batched"]["kept_per_row"] == 3.0 and by["batched"]["drafted_share"] == 0.5
     assert by["rowwise"]["mean_accepted_length"] >= 1.0
     # two batches: rows of batch k seed 3000 + k*2 (+ row index for the batch-1 loop)
-    assert calls.count(("batched", 3000)) == 1 and calls.count(("batched", 3002)) == 1
-    assert [s for kind, s in calls if kind == "row"] == [3000, 3001, 3002, 3003]
+    assert calls.count(("batched", 3000, 2, None)) == 1 and calls.count(("batched", 3002, 2, None)) == 1
+    assert [c[1] for c in calls if c[0] == "row"] == [3000, 3001, 3002, 3003]
+    # queued: every row at once, at most 2 live, halfway through (after the first batch's methods)
+    assert [c for c in calls if c[0] == "queued"] == [("queued", 3000, 4, 2)]
+    first_queued = next(i for i, c in enumerate(calls) if c[0] == "queued")
+    assert ("batched", 3000, 2, None) in calls[:first_queued] and ("batched", 3002, 2, None) in calls[first_queued:]
+    assert by["queued"]["tokens"] == 6 * 4 and by["queued"]["mean_accepted_length"] == 3.0
 
 
 def test_warm_up_runs_every_batch_size_temperature_and_method_untimed(monkeypatch):
@@ -173,7 +180,8 @@ def test_generate_gets_the_left_padded_batch(monkeypatch):
 def _rec(method, b, t, seed, tps, tau=1.0, kept=0.0, share=0.0):
     return {"method": method, "batch_size": b, "temperature": t, "seed": seed, "dtype": "bfloat16",
             "tokens_per_second": tps, "mean_accepted_length": tau, "kept_per_row": kept, "drafted_share": share,
-            "plan": None if method == "generate" else {"depth": 3 if b == 1 else 0, "budget": 3 if b == 1 else 0}}
+            "plan": None if method == "generate" else {"depth": 3 if b == 1 else 0, "width": 1,
+                                                       "budget": 3 if b == 1 else 0}}
 
 
 def test_summary_speedup_is_against_generate_at_the_same_batch_size(tmp_path):
@@ -186,10 +194,10 @@ def test_summary_speedup_is_against_generate_at_the_same_batch_size(tmp_path):
     table = bench.report(bench.summarise(recs))
     # per seed, each run against generate's run of its own seed (seed order, whatever the record order)
     assert rows[1, "batched"]["speedup_seeds"] == pytest.approx((2.0, 50.0 / 30.0))
-    assert ("| bfloat16 | 1.0 | 1 | batched | 2 | 45.0 (40.0–50.0) | 1.80x (per seed 2.00, 1.67) | 2.60 | 3 / 3 "
+    assert ("| bfloat16 | 1.0 | 1 | batched | 2 | 45.0 (40.0–50.0) | 1.80x (per seed 2.00, 1.67) | 2.60 | 3 / 1 / 3 "
             "| 4.00 (100% of steps) |") in table
     assert "| bfloat16 | 1.0 | 1 | generate | 2 | 25.0 (20.0–30.0) | 1.00x |" in table
-    assert "| bfloat16 | 1.0 | 4 | batched | 1 | 90.0 | 1.50x | 1.20 | 0 / 0 | 1.00 (25% of steps) |" in table
+    assert "| bfloat16 | 1.0 | 4 | batched | 1 | 90.0 | 1.50x | 1.20 | 0 / 1 / 0 | 1.00 (25% of steps) |" in table
     assert "| bfloat16 | 1.0 | 4 | generate | 1 | 60.0 | 1.00x | 1.00 | – | – |" in table
     png = bench.plot(bench.summarise(recs), tmp_path / "img" / "batch.png")
     assert png.stat().st_size > 0
