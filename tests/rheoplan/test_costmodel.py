@@ -57,6 +57,16 @@ def test_prior_is_the_bucket_midpoint_and_counts_move_it():
     assert cal.acceptance()[0][3] == pytest.approx((8 + 0.7) / 10)
 
 
+def test_a_depth_never_reached_continues_as_the_one_above():
+    cal = Calibration()
+    assert cal.continuation()[:3] == (0.5, 0.5, 0.5)
+    cal.cont_trials[0], cal.cont_accepts[0] = 8.0, 8.0
+    cal.cont_trials[2], cal.cont_accepts[2] = 8.0, 0.0
+    c = cal.continuation()
+    assert c[0] == pytest.approx((8 + 1.0) / 10) and c[1] == pytest.approx(c[0])  # depth 1: no counts
+    assert c[2] == pytest.approx((0 + 2 * c[1]) / 10) and c[3] == pytest.approx(c[2])
+
+
 def test_update_counts_the_kept_children_of_the_accepted_path():
     drf = hashed_context_lm(6, seed=3, sharpness=2.0)
     cfg = TreeConfig(depth=2, frontier=1, slots=2, budget=4, rheostat=1, support=6)
