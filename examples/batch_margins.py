@@ -10,6 +10,11 @@ batch runs every method in turn (the order rotating from batch to batch): transf
 model. Prints tokens/s, the speed-up against ``generate`` and the mean accepted length per
 row. docs/results.md ("Twenty-fifth round") took its margin table from it.
 
+``--queue Q`` makes each unit a queue of ``Q`` prompts instead of one batch: rheoplan's
+loop over all ``Q`` at once with at most ``--rows`` live (``max_batch_size``: a finished
+row's place is taken by the next prompt, and the margin is 1.0 while prompts wait), against
+``generate`` on the same prompts in batches of ``--rows``.
+
 ``--tail`` runs only rheoplan at each margin and prints, instead, per batch the wall time,
 the sum of the steps' times and how many steps each row took to its tokens (rows that
 accept more finish first, and the batch's last steps carry fewer rows at nearly the price
@@ -21,6 +26,7 @@ their gain.
 
 Usage:
     python examples/batch_margins.py [--rows 4] [--temperature 0] [--batches 10] [--margins 1.4,1.0] [--tree 1/2]
+    python examples/batch_margins.py --queue 20 [--rows 4] [--temperature 0] [--batches 2] [--margins 1.4,1.0]
     python examples/batch_margins.py --tail [--rows 4] [--temperature 0] [--batches 4] [--margins 1.4,1.0]
 """
 
@@ -42,9 +48,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tail", action="store_true", help="rows' steps and per-step predictions instead")
+    ap.add_argument("--queue", type=int, default=None, metavar="Q",
+                    help="each unit a queue of Q prompts with --rows live (continuous batching)")
     args = ap.parse_args()
     if min(args.rows, args.batches, args.tokens, args.threads) < 1:
         raise SystemExit("--rows, --batches, --tokens and --threads must be >= 1")
+    if args.queue is not None and (args.queue <= args.rows or args.tail):
+        raise SystemExit(f"--queue={args.queue}: allowed more prompts than --rows={args.rows}, without --tail")
     try:
         margins = [float(m) for m in args.margins.split(",")]
         depth, budget = (int(x) for x in args.tree.split("/"))
@@ -57,45 +67,59 @@ def main() -> None:
 
     import rheoplan.costmodel as costmodel
     from rheoplan import TreeConfig
-    from rheoplan.bench.batch import DEFAULT_TREE, run_batched, run_generate
+    from rheoplan.bench.batch import DEFAULT_TREE, run_batched, run_generate, run_queued
     from rheoplan.bench.decode import load_prompts
     from rheoplan.loading import encode_prompt, load_cost_model, load_default
 
     torch.set_num_threads(args.threads)
     model, tok, draft = load_default(dtype="bfloat16", draft_dtype="bfloat16")
     cost = load_cost_model(model, tok, draft, DEFAULT_TREE, draft_id="auto")
-    prompts = [encode_prompt(tok, p, True) for _, p in load_prompts(args.rows * args.batches)]
+    unit = args.queue or args.rows  # prompts per unit: one batch, or one queue
+    prompts = [encode_prompt(tok, p, True) for _, p in load_prompts(unit * args.batches)]
     T, n = args.temperature, args.tokens
     if args.tail:
         _tail(model, draft, cost, prompts, args.rows, args.batches, margins, T, n)
         return
+
+    def rheoplan_run(rows, seed, cost_model, tree):
+        if args.queue:
+            return run_queued(model, draft, rows, T, seed, n, cost_model, tree, args.rows)
+        return run_batched(model, draft, rows, T, seed, n, cost_model, tree)
+
+    def generate_run(rows, seed):  # batches of --rows (one batch without --queue)
+        out = {"tokens": 0, "seconds": 0.0, "row_tau": []}
+        for j in range(0, len(rows), args.rows):
+            r = run_generate(model, tok.eos_token_id, rows[j:j + args.rows], T, seed + j, n)
+            for key in out:
+                out[key] += r[key]
+        return out
 
     def at_margin(m):
         def run(rows, seed):
             before = costmodel.BATCH_MARGIN
             costmodel.BATCH_MARGIN = m
             try:
-                return run_batched(model, draft, rows, T, seed, n, cost, DEFAULT_TREE)
+                return rheoplan_run(rows, seed, cost, DEFAULT_TREE)
             finally:
                 costmodel.BATCH_MARGIN = before
         return run
 
     fixed = TreeConfig(depth=depth, budget=budget, frontier=min(3, budget), slots=3, rheostat=1, verifier="rheo")
-    methods = {"generate": lambda rows, seed: run_generate(model, tok.eos_token_id, rows, T, seed, n)}
+    methods = {"generate": generate_run}
     methods.update({f"margin {m}": at_margin(m) for m in margins})
-    methods[f"fixed {depth}/{budget}"] = lambda rows, seed: run_batched(model, draft, rows, T, seed, n, None, fixed)
+    methods[f"fixed {depth}/{budget}"] = lambda rows, seed: rheoplan_run(rows, seed, None, fixed)
     run_generate(model, tok.eos_token_id, prompts[:args.rows], T, 0, 4)  # warm-up
     acc = {m: [0, 0.0, []] for m in methods}
     names = list(methods)
     for k in range(args.batches):
-        rows = prompts[k * args.rows:(k + 1) * args.rows]
+        rows = prompts[k * unit:(k + 1) * unit]
         for m in names[k % len(names):] + names[:k % len(names)]:
             r = methods[m](rows, 1000 + k)
             acc[m][0] += r["tokens"]
             acc[m][1] += r["seconds"]
             acc[m][2] += r["row_tau"]
     base = acc["generate"][0] / acc["generate"][1]
-    print(f"{args.rows} rows, T = {T}, {args.batches} batches")
+    print(f"{args.rows} rows, T = {T}, {args.batches} " + (f"queues of {args.queue} prompts" if args.queue else "batches"))
     for m, (tokens, seconds, taus) in acc.items():
         print(f"{m:14s} {tokens / seconds:7.1f} tok/s  {tokens / seconds / base:5.2f}x  "
               f"mean accepted length per row {statistics.mean(taus):.2f}")
