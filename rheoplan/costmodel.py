@@ -56,7 +56,7 @@ SCALE_PRIOR = 4.0
 #: how many depths ``Calibration`` tracks "the walk continued below a reached node" for
 MAX_DEPTH = 64
 #: the widths (kept children per node) ``Calibration`` tracks the continuation rate of, and
-#: ``CostModel.plan_for_batch`` plans several rows' trees with
+#: ``CostModel.plan_rows`` plans several rows' trees with
 PLAN_WIDTHS = 3
 
 

@@ -611,9 +611,9 @@ def _cut_emitted(emitted, remaining: int, eos) -> tuple[list[int], str | None]:
 
 def _cost_passes(s, st: StepStats, passes):
     """The pass list with the cost-aware passes (from the calibration so far) around it;
-    each decision is recorded in ``st``. The list is lowered first, so the cost gate wraps the backend's fast expand;
-    the gates and the prune decide with the backend's ``decide`` (numba: one kernel call;
-    otherwise the reference in ``planner/cost_prune``)."""
+    each decision is recorded in ``st``. The list is lowered first, so the cost gate wraps
+    the backend's fast expand; the gates and the prune decide with the backend's
+    ``decide`` (numba: one kernel call; otherwise the reference in ``planner/cost_prune``)."""
     plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
     numba = s.backend == "numba"
 
@@ -930,11 +930,12 @@ def _rows_plan(s: BatchState, live: list[_Row]) -> BatchPlan | None:
     latencies, past steps and whether prompts wait to join.
 
     Why one shape for every row, not the cost passes' per-step trees (one row's): at 4
-    rows on the 2-core machine (SmolLM2, 40 held-out prompts, 4 at a time as rows
-    finished) small fixed trees ran 1.15x / 1.08x plain steps at T = 0 / 1, the cost
-    passes' trees 1.05x / 1.04x: their per-step draft-then-prune decisions cost a draft
-    call for trees they then dropped, and the rows they kept deep trees for paid a batch's
-    draft call and bookkeeping per depth."""
+    rows on the 2-core machine (SmolLM2, two queues of 20 held-out prompts, 4 rows live)
+    small fixed trees ran 1.12x / 1.23x ``generate`` at T = 0 / 1, the cost passes' trees
+    at margin 1.0 1.05x / 1.18x, plain steps 1.01x / 1.13x: the cost passes decide after
+    the draft call whether a tree pays (a dropped tree has paid its call), and the deep
+    trees they keep for some rows cost a batch's draft call and bookkeeping per depth
+    (docs/results.md, "Twenty-sixth round")."""
     ctx = max(r.prefix_len for r in live)
     tree = s.tree
     plan = s.cost.plan_rows(len(live), ctx=ctx, max_depth=tree.depth, max_width=min(tree.frontier, tree.budget),
