@@ -67,7 +67,7 @@ def main() -> None:
 
     import rheoplan.costmodel as costmodel
     from rheoplan import TreeConfig
-    from rheoplan.bench.batch import DEFAULT_TREE, run_batched, run_generate, run_queued
+    from rheoplan.bench.batch import DEFAULT_TREE, run_batched, run_generate
     from rheoplan.bench.decode import load_prompts
     from rheoplan.loading import encode_prompt, load_cost_model, load_default
 
@@ -82,9 +82,8 @@ def main() -> None:
         return
 
     def rheoplan_run(rows, seed, cost_model, tree):
-        if args.queue:
-            return run_queued(model, draft, rows, T, seed, n, cost_model, tree, args.rows)
-        return run_batched(model, draft, rows, T, seed, n, cost_model, tree)
+        live = args.rows if args.queue else None  # a queue: at most --rows live
+        return run_batched(model, draft, rows, T, seed, n, cost_model, tree, max_batch_size=live)
 
     def generate_run(rows, seed):  # batches of --rows (one batch without --queue)
         out = {"tokens": 0, "seconds": 0.0, "row_tau": []}

@@ -186,26 +186,18 @@ def run_rowwise(model, draft, rows, temperature: float, seed: int, tokens: int, 
     return {"tokens": sum(len(r.tokens) for r in results), "seconds": seconds, **_row_stats(results)}
 
 
-def run_batched(model, draft, rows, temperature: float, seed: int, tokens: int, cost, tree: TreeConfig) -> dict:
-    """rheoplan's batched loop: one ``plan_and_decode`` over the list of rows."""
+def run_batched(model, draft, rows, temperature: float, seed: int, tokens: int, cost, tree: TreeConfig,
+                max_batch_size: int | None = None) -> dict:
+    """rheoplan's batched loop: one ``plan_and_decode`` over the list of rows, all of them
+    live at once, or at most ``max_batch_size`` (``queued``: continuous batching)."""
     sampling = SamplingConfig(temperature=temperature)
+    live = None if max_batch_size is None else min(max_batch_size, len(rows))
     t0 = time.perf_counter()
     results = plan_and_decode(model, draft, [list(r) for r in rows], max_new_tokens=tokens, sampling=sampling,
-                              tree=tree, seed=seed, cost_model=cost)
+                              tree=tree, seed=seed, cost_model=cost, max_batch_size=live)
     seconds = time.perf_counter() - t0
     if not isinstance(results, list) or len(results) != len(rows):
         raise BatchedDecodeUnavailable(f"plan_and_decode returned {type(results).__name__} for {len(rows)} rows")
-    return {"tokens": sum(len(r.tokens) for r in results), "seconds": seconds, **_row_stats(results)}
-
-
-def run_queued(model, draft, rows, temperature: float, seed: int, tokens: int, cost, tree: TreeConfig,
-               batch: int) -> dict:
-    """rheoplan's batched loop over every row at once, at most ``batch`` of them live."""
-    sampling = SamplingConfig(temperature=temperature)
-    t0 = time.perf_counter()
-    results = plan_and_decode(model, draft, [list(r) for r in rows], max_new_tokens=tokens, sampling=sampling,
-                              tree=tree, seed=seed, cost_model=cost, max_batch_size=min(batch, len(rows)))
-    seconds = time.perf_counter() - t0
     return {"tokens": sum(len(r.tokens) for r in results), "seconds": seconds, **_row_stats(results)}
 
 
@@ -222,7 +214,7 @@ def run_batch_size(model, pad_id: int, draft, prompts: list[list[int]], batch: i
     half = (len(prompts) // batch) // 2 * batch
     for k in range(0, len(prompts), batch):
         if queued and k == half:
-            r = run_queued(model, draft, prompts, temperature, seed * 1000, tokens, cost, tree, batch)
+            r = run_batched(model, draft, prompts, temperature, seed * 1000, tokens, cost, tree, max_batch_size=batch)
             a = acc["queued"]
             for key in ("tokens", "seconds", "kept_sum", "drafted_steps", "steps"):
                 a[key] += r[key]
