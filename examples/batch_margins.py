@@ -1,33 +1,37 @@
-"""The batch margin side by side: ``generate`` against rheoplan's batched loop at several
-``BATCH_MARGIN`` values (and a fixed tree), on the same batches, interleaved batch by batch.
+"""The static batch's tail rule side by side: ``generate`` against rheoplan's batched loop
+planning for the slowest row at several ``ROW_SPREAD`` values (and a fixed tree), on the
+same batches, interleaved batch by batch.
 
 Splits the first ``--rows x --batches`` held-out prompts into batches of ``--rows``; each
 batch runs every method in turn (the order rotating from batch to batch): transformers
 ``generate`` on the left-padded batch, rheoplan's batched loop with the defaults of
-``rheoplan generate`` (the shipped head in bfloat16, the cost model) at each margin of
-``--margins`` (``rheoplan.costmodel.BATCH_MARGIN``, which applies from
-``BATCH_MARGIN_ROWS`` live rows), and a fixed ``--tree DEPTH/BUDGET`` without the cost
+``rheoplan generate`` (the shipped head in bfloat16, the cost model) at each spread of
+``--spreads`` (``rheoplan.costmodel.ROW_SPREAD``: how much the rows differ in drafted
+tokens per step, from which ``slowest_row_tokens`` plans a static batch for its slowest
+row; 0 plans for the average row), and a fixed ``--tree DEPTH/BUDGET`` without the cost
 model. Prints tokens/s, the speed-up against ``generate`` and the mean accepted length per
-row. docs/results.md ("Twenty-fifth round") took its margin table from it.
+row. docs/results.md ("Twenty-seventh round") took its table from it; the "Twenty-fifth
+round" compared the fixed margins of the rule before it.
 
 ``--queue Q`` makes each unit a queue of ``Q`` prompts instead of one batch: rheoplan's
 loop over all ``Q`` at once with at most ``--rows`` live (``max_batch_size``: a finished
-row's place is taken by the next prompt, and the margin is 1.0 while prompts wait), against
-``generate`` on the same prompts in batches of ``--rows``.
+row's place is taken by the next prompt), against ``generate`` on the same prompts in
+batches of ``--rows``; while prompts wait, no row waits for the slowest, so the spread
+matters only in the queue's last steps.
 
-``--tail`` runs only rheoplan at each margin and prints, instead, per batch the wall time,
+``--tail`` runs only rheoplan at each spread and prints, instead, per batch the wall time,
 the sum of the steps' times and how many steps each row took to its tokens (rows that
 accept more finish first, and the batch's last steps carry fewer rows at nearly the price
-of all of them), and per margin the steps grouped by the widest row's kept drafted nodes
+of all of them), and per spread the steps grouped by the widest row's kept drafted nodes
 (0: plain), the cost model's predicted step time and emitted tokens against what the steps
-took and emitted, over the steps while every row was live. The round quotes it too: at 4
-rows and T = 0 the tree steps ran as predicted, and the rows' uneven finish ate most of
-their gain.
+took and emitted, over the steps while every row was live. The twenty-sixth round quotes
+it: at 4 rows and T = 0 the tree steps ran as predicted, and the rows' uneven finish ate
+most of their gain.
 
 Usage:
-    python examples/batch_margins.py [--rows 4] [--temperature 0] [--batches 10] [--margins 1.4,1.0] [--tree 1/2]
-    python examples/batch_margins.py --queue 20 [--rows 4] [--temperature 0] [--batches 2] [--margins 1.4,1.0]
-    python examples/batch_margins.py --tail [--rows 4] [--temperature 0] [--batches 4] [--margins 1.4,1.0]
+    python examples/batch_margins.py [--rows 4] [--temperature 0] [--batches 10] [--spreads 0.2,0] [--tree 1/2]
+    python examples/batch_margins.py --queue 20 [--rows 4] [--temperature 0] [--batches 2] [--spreads 0.2,0]
+    python examples/batch_margins.py --tail [--rows 4] [--temperature 0] [--batches 4] [--spreads 0.2,0]
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--batches", type=int, default=10)
-    ap.add_argument("--margins", default="1.4,1.0", help="comma-separated BATCH_MARGIN values, each >= 1")
+    ap.add_argument("--spreads", default="0.2,0",
+                    help="comma-separated ROW_SPREAD values in [0, 1) (0: plan for the average row)")
     ap.add_argument("--tree", default="1/2", metavar="DEPTH/BUDGET", help="a fixed tree to set beside them")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -56,12 +61,13 @@ def main() -> None:
     if args.queue is not None and (args.queue <= args.rows or args.tail):
         raise SystemExit(f"--queue={args.queue}: allowed more prompts than --rows={args.rows}, without --tail")
     try:
-        margins = [float(m) for m in args.margins.split(",")]
+        spreads = [float(m) for m in args.spreads.split(",")]
         depth, budget = (int(x) for x in args.tree.split("/"))
     except ValueError:
-        raise SystemExit(f"--margins={args.margins!r} / --tree={args.tree!r}: allowed numbers >= 1, DEPTH/BUDGET") from None
-    if not margins or min(margins) < 1 or min(depth, budget) < 1:
-        raise SystemExit("--margins must be numbers >= 1 and --tree two ints >= 1")
+        raise SystemExit(f"--spreads={args.spreads!r} / --tree={args.tree!r}: allowed numbers in [0, 1), "
+                         "DEPTH/BUDGET") from None
+    if not spreads or any(not 0 <= m < 1 for m in spreads) or min(depth, budget) < 1:
+        raise SystemExit("--spreads must be numbers in [0, 1) and --tree two ints >= 1")
 
     import torch
 
@@ -78,7 +84,7 @@ def main() -> None:
     prompts = [encode_prompt(tok, p, True) for _, p in load_prompts(unit * args.batches)]
     T, n = args.temperature, args.tokens
     if args.tail:
-        _tail(model, draft, cost, prompts, args.rows, args.batches, margins, T, n)
+        _tail(model, draft, cost, prompts, args.rows, args.batches, spreads, T, n)
         return
 
     def rheoplan_run(rows, seed, cost_model, tree):
@@ -93,19 +99,19 @@ def main() -> None:
                 out[key] += r[key]
         return out
 
-    def at_margin(m):
+    def at_spread(m):
         def run(rows, seed):
-            before = costmodel.BATCH_MARGIN
-            costmodel.BATCH_MARGIN = m
+            before = costmodel.ROW_SPREAD
+            costmodel.ROW_SPREAD = m
             try:
                 return rheoplan_run(rows, seed, cost, DEFAULT_TREE)
             finally:
-                costmodel.BATCH_MARGIN = before
+                costmodel.ROW_SPREAD = before
         return run
 
     fixed = TreeConfig(depth=depth, budget=budget, frontier=min(3, budget), slots=3, rheostat=1, verifier="rheo")
     methods = {"generate": generate_run}
-    methods.update({f"margin {m}": at_margin(m) for m in margins})
+    methods.update({f"spread {m}": at_spread(m) for m in spreads})
     methods[f"fixed {depth}/{budget}"] = lambda rows, seed: rheoplan_run(rows, seed, None, fixed)
     run_generate(model, tok.eos_token_id, prompts[:args.rows], T, 0, 4)  # warm-up
     acc = {m: [0, 0.0, []] for m in methods}
@@ -125,27 +131,27 @@ def main() -> None:
 
 
 
-def _tail(model, draft, cost, prompts, rows_per_batch, batches, margins, T, n) -> None:
-    """``--tail``: per batch and margin the wall time and the rows' step counts; per margin
+def _tail(model, draft, cost, prompts, rows_per_batch, batches, spreads, T, n) -> None:
+    """``--tail``: per batch and spread the wall time and the rows' step counts; per spread
     the live steps' predicted against taken time and tokens, by the widest row's tree."""
     import rheoplan.costmodel as costmodel
     from rheoplan import SamplingConfig, plan_and_decode
     from rheoplan.bench.batch import DEFAULT_TREE
 
     sampling = SamplingConfig(temperature=T)
-    by_size = {m: collections.defaultdict(list) for m in margins}
-    before = costmodel.BATCH_MARGIN
+    by_size = {m: collections.defaultdict(list) for m in spreads}
+    before = costmodel.ROW_SPREAD
     try:
         for k in range(batches):
             rows = prompts[k * rows_per_batch:(k + 1) * rows_per_batch]
-            for m in margins if k % 2 == 0 else margins[::-1]:
-                costmodel.BATCH_MARGIN = m
+            for m in spreads if k % 2 == 0 else spreads[::-1]:
+                costmodel.ROW_SPREAD = m
                 t0 = time.perf_counter()
                 res = plan_and_decode(model, draft, rows, max_new_tokens=n, sampling=sampling, tree=DEFAULT_TREE,
                                       seed=k, cost_model=cost)
                 wall = time.perf_counter() - t0
                 longest = max(res, key=lambda r: len(r.steps)).steps  # every live row shares a step's time
-                print(f"batch {k} margin {m}: wall {wall * 1e3:.0f} ms, steps {1e3 * sum(s.t_step for s in longest):.0f} ms, "
+                print(f"batch {k} spread {m}: wall {wall * 1e3:.0f} ms, steps {1e3 * sum(s.t_step for s in longest):.0f} ms, "
                       f"steps per row {[len(r.steps) for r in res]}")
                 live = min(len(r.steps) for r in res)
                 for i in range(1, live):  # while every row was live; step 0 ran the prompts
@@ -155,9 +161,9 @@ def _tail(model, draft, cost, prompts, rows_per_batch, batches, margins, T, n) -
                         by_size[m][size].append((st[0].predicted_ms, 1e3 * st[0].t_step, st[0].predicted_tokens,
                                                  sum(s.emitted for s in st)))
     finally:
-        costmodel.BATCH_MARGIN = before
-    for m in margins:
-        print(f"margin {m}: steps by the widest row's kept drafted nodes (0: plain), while every row was live")
+        costmodel.ROW_SPREAD = before
+    for m in spreads:
+        print(f"spread {m}: steps by the widest row's kept drafted nodes (0: plain), while every row was live")
         for size in sorted(by_size[m]):
             xs = by_size[m][size]
             mean = [statistics.mean(x[j] for x in xs) for j in range(4)]

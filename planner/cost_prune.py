@@ -29,7 +29,7 @@ from functools import partial
 
 import torch
 
-from rheoplan.costmodel import CostPlan, batch_margin, choose_n, draft_ms_batch, node_acceptance
+from rheoplan.costmodel import CostPlan, choose_n, draft_ms_batch, node_acceptance, slowest_row_tokens
 from rheoplan.ir import DraftTree, rank_key_order
 from rheoplan.pipeline import FnPass, PassContext
 
@@ -48,10 +48,11 @@ class CostDecision:
 
     @property
     def pays(self) -> bool:
-        """Did the best tree beat a plain autoregressive step (tokens per ms), by
-        ``batch_margin(B)`` for a batch of B rows?"""
+        """Did the best tree beat a plain autoregressive step (tokens per ms)? For a batch
+        of B rows, with the slowest row's tokens (``slowest_row_tokens`` of the average
+        row's ``expected / B``): a static batch waits for it."""
         B = len(self.chosen)
-        return self.expected / self.predicted_ms > batch_margin(B) * B / self.ar_ms
+        return B * slowest_row_tokens(self.expected / B, B) / self.predicted_ms > B / self.ar_ms
 
     def text(self, b: int = 0) -> list[str]:
         """Comment lines for the text IR (the parser skips lines starting with '#')."""

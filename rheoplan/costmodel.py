@@ -37,6 +37,7 @@ import platform
 import time
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -875,46 +876,71 @@ def choose_n(acceptances: Sequence[float], draft_ms: float, verify_ms: Callable[
     return best
 
 
-#: how much faster than a plain step (tokens per ms) a batch's tree must be predicted to be
-#: before the loop keeps drafting (``batch_margin``), from ``BATCH_MARGIN_ROWS`` live rows
-BATCH_MARGIN = 1.4
-#: the fewest live rows ``BATCH_MARGIN`` applies to; fewer draft at an even price
-BATCH_MARGIN_ROWS = 3
+#: how much the rows of a batch differ in drafted tokens per step over a decode: the standard
+#: deviation of their mean accepted drafted tokens per step (tokens per step less the one a
+#: plain step emits too), relative to that mean; ``slowest_row_tokens``. Measured on the
+#: 2-core Zen 5 EPYC (SmolLM2, the shipped head, bfloat16, 8 static batches of 4 held-out
+#: prompts x 64 tokens drafting every step, 2026-12-05): rows' tokens per step 1.64 +- 0.116
+#: at T = 1, 2.12 +- 0.276 at T = 0, so 0.18 and 0.25 (greedy text is more predictable for
+#: some prompts than for others; the steps' own noise over ~35 steps is about half of it).
+ROW_SPREAD = 0.2
 
 
-def batch_margin(batch: int, rows_waiting: bool = False) -> float:
-    """The factor by which a tree of ``batch`` rows must be predicted to beat a plain
-    autoregressive step for drafting to go on: 1 below ``BATCH_MARGIN_ROWS`` rows (one row,
-    two rows) and while ``rows_waiting`` (continuous batching: prompts wait to take the
-    place of a row that finishes, so no batch runs its last steps at a few rows: the tail
-    below), ``BATCH_MARGIN`` otherwise.
+@lru_cache(maxsize=64)
+def expected_max_normal(n: int) -> float:
+    """E[max of ``n`` independent standard normals] (0 for one): how far, in standard
+    deviations, the last of ``n`` rows to finish lags the average one.
 
-    Why: a batch's step is priced from a grid of rectangular forwards, a bookkeeping price
-    per batch size and depth and summed per-node estimates, and each is a few percent off at
-    a given step; at batch 4 on the 2-core machine (SmolLM2, T = 0) trees predicted 8%
-    faster than plain steps ran even (7.42 tokens in 81.1 ms against 4 in 43.6 ms), and
-    before the grid had 16-token rows and 3 repetitions, trees predicted 1% faster ran 8%
-    slower. A drafted step at several rows costs about two plain ones, so a wrong yes costs
-    more than a wrong no, and the rows whose walks go further finish first, leaving the
-    batch's last steps to one or two rows at nearly the price of all of them. One row's
-    tree is priced from the same shapes it runs. At 1.2 a better head (2026-12-05, 53.5%
-    held-out top-1; the Zen 5 EPYC, bfloat16, T = 0, 4 rows, 32 prompts, 3 seeds) drafted
-    20% of the steps and the batch ran at 0.98x ``generate`` (0.96 / 0.99 / 0.98); at 1.4
-    every step was plain and it ran at 1.02x (1.00 / 1.02 / 1.03). By row count, margin 1.0
-    against 1.4 side by side on the same host (40 held-out prompts, T = 0 / T = 1; docs/
-    results.md, "Twenty-fifth round"): 2 rows 1.20x / 1.16x against 1.07x / 1.07x, 3 rows
-    1.05x / 1.09x against 1.03x / 1.11x, 4 rows 1.10x / 1.14x against 1.06x / 1.16x, 8 rows
-    0.97x / 1.12x against 1.05x / 1.23x; so two rows draft at an even price. With the
-    trees of several rows planned per width (``CostModel.plan_rows``, 2026-12-05,
-    "Twenty-sixth round"), predicted and taken 4-row steps agree within a few per cent
-    (T = 0: 31.8 ms for 8.5 tokens predicted, 33.2 ms for 8.8 taken), yet batches of 4
-    rows x 64 tokens at margin 1.0 gained 3% over plain steps and of 8 rows lost 4% (T =
-    0): the rows' own steps filled 86% of the batch's, the last ones carrying a few rows.
-    Where prompts wait to join, a finished row's place is taken at once: two queues of 20
-    prompts with 4 rows live ran 1.13x / 1.17x ``generate`` at margin 1.0 throughout,
-    against plain steps' 1.01x / 1.14x (T = 0 / 1).
+        >>> [round(expected_max_normal(n), 3) for n in (1, 2, 4, 16)]
+        [0.0, 0.564, 1.029, 1.766]
     """
-    return 1.0 if batch < BATCH_MARGIN_ROWS or rows_waiting else BATCH_MARGIN
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} is out of range: allowed an int >= 1")
+    if n == 1:
+        return 0.0
+    # E[max] = integral of x * n * phi(x) * Phi(x)^(n-1): a midpoint sum over [-9, 9]
+    h, total = 1e-3, 0.0
+    for i in range(18000):
+        x = -9.0 + (i + 0.5) * h
+        total += x * n * math.exp(-0.5 * x * x) * (0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))) ** (n - 1)
+    return total * h / math.sqrt(2.0 * math.pi)
+
+
+def slowest_row_tokens(expected: float, batch: int, rows_waiting: bool = False) -> float:
+    """Tokens per step of the slowest of ``batch`` rows whose average row emits ``expected``:
+    what a static batch's steps are worth, since it runs until its slowest row is done.
+
+    A plain step moves every row on by one token, so the rows of a static batch finish
+    together. Drafted steps move each row on by a number of tokens that differs from step
+    to step and from prompt to prompt, so the rows finish at different steps, and the
+    batch's last steps carry a few rows at nearly the price of all of them. The slowest of
+    ``B`` rows lags the average by about ``z_B`` standard deviations (``z_B =
+    expected_max_normal(B)``), and rows differ in their drafted tokens by ``ROW_SPREAD`` of
+    them:
+
+        slowest = E - z_B * ROW_SPREAD * (E - 1)
+
+    ``E`` itself for one row, and while ``rows_waiting`` (continuous batching: prompts wait
+    to take the place of a row that finishes, so no row waits for the slowest). Deeper
+    trees spread the rows more, so the rule also prefers shallower trees as rows are added.
+
+        >>> [round(slowest_row_tokens(2.0, b), 3) for b in (1, 2, 4, 16)]
+        [2.0, 1.887, 1.794, 1.647]
+        >>> slowest_row_tokens(2.0, 4, rows_waiting=True), slowest_row_tokens(1.0, 16)
+        (2.0, 1.0)
+
+    Measured on the 2-core Zen 5 EPYC (bfloat16, static batches of held-out prompts x 64
+    tokens, the shipped head; docs/results.md, "Twenty-seventh round"), against the rule it
+    replaced (trees had to be predicted 1.4x a plain step from three rows on, from the
+    average row): 3 rows 1.18x / 1.10x ``generate`` (T = 0 / 1) where that rule took plain
+    steps at 1.01x / 1.09x; 4 rows drafting at 1.26x / 1.05x against 1.16x / 1.03x; 8 rows
+    plain at T = 0 (drafting lost 4%). Trees one level deep ran 5-12% faster than the
+    two-level ones the average row's plan picked at 3 and 4 rows, and the rows' own steps
+    filled 92% / 86% of a 4-row batch's steps at T = 1 / 0.
+    """
+    if batch <= 1 or rows_waiting:
+        return float(expected)
+    return float(expected) - expected_max_normal(batch) * ROW_SPREAD * (float(expected) - 1.0)
 
 
 @dataclass(frozen=True)
@@ -946,22 +972,24 @@ class CostModel:
         return Calibration.from_dict(prior.to_dict()) if prior is not None else Calibration()
 
     def plan_for_batch(self, batch: int, *, ctx: int, max_depth: int, width: int = 1,
-                       continuation: Sequence[float] | None = None, scale: float = 1.0) -> "BatchPlan":
+                       continuation: Sequence[float] | None = None, scale: float = 1.0,
+                       rows_waiting: bool = False) -> "BatchPlan":
         """The tree that pays at ``batch`` live rows, a priori: the depth ``D`` (0: plain
         autoregressive steps) and per-row budget ``width * D`` maximising the whole batch's
-        expected tokens per millisecond, ``B * E(D) / cost(D)`` with
+        tokens per millisecond, ``B * slowest(E(D)) / cost(D)`` with
 
         * ``E(D) = 1 + scale * sum_{d=1..D} prod_{j<d} continuation[j]`` (expected emitted
           tokens per row: the walk reaches depth ``d`` with the product of the per-depth
           rates; ``scale``: ``Calibration.scale``, realised / predicted so far);
+        * ``slowest(E)``: ``slowest_row_tokens(E, B, rows_waiting)``, the slowest row's
+          tokens per step, which a static batch waits for (``E`` while rows wait to join);
         * ``cost(D) = D * c_d(B, width) + c_v(B, 1 + width * D, ctx) + c_o(B, D)``, and for
           ``D = 0`` a plain autoregressive step, ``c_v(B, 1) + B * c_o'``.
 
         ``continuation`` defaults to the prior calibration's (``Calibration.continuation``;
-        0.5 per depth without one). Ties go to the shallower tree. This is a summary for
-        sizing and reports (``rheoplan bench batch`` prints it per batch size): each step's
-        actual tree is decided by the cost passes (``planner/cost_depth``, ``cost_prune``)
-        over that step's draft scores, with the same latencies and the live ``B``.
+        0.5 per depth without one). Ties go to the shallower tree. ``plan_rows`` takes the
+        best width of it for the batched loop's several-row steps; ``rheoplan bench batch``
+        prints it per batch size.
 
         Example: a verify forward that costs 10 ms at any size pays for every depth even at
         16 rows; one that costs 1 ms per token of the batch does not pay for any:
@@ -993,19 +1021,21 @@ class CostModel:
             e += scale * reach
             cost = (d * tm.draft_batch(batch, width) + tm.verify_batch(batch, 1 + width * d, ctx)
                     + tm.tree_overhead(batch, d))
-            rate = batch * e / cost * 1e3
+            rate = batch * slowest_row_tokens(e, batch, rows_waiting) / cost * 1e3
             if rate > best.tokens_per_s:
                 best = BatchPlan(batch, d, width * d, e, cost, rate, best.ar_tokens_per_s, width)
         return best
 
     def plan_rows(self, batch: int, *, ctx: int, max_depth: int, max_width: int,
-                  calibration: Calibration) -> "BatchPlan":
+                  calibration: Calibration, rows_waiting: bool = False) -> "BatchPlan":
         """The tree several live rows draft, a priori: ``plan_for_batch`` at every width
         ``1 .. min(max_width, PLAN_WIDTHS)`` with that width's continuation rates
         (``calibration.continuation(width)``, measured per width, so unscaled), the best
         one (ties: the narrower). The batched loop drafts its shape (``depth`` levels,
-        ``width`` expanded per level, ``budget`` kept per row) whenever it beats plain
-        steps by ``batch_margin``. Depends only on the latencies and past steps.
+        ``width`` expanded per level, ``budget`` kept per row) whenever its depth is not 0,
+        i.e. whenever the batch's slowest row (every row while ``rows_waiting``) gets
+        further per millisecond with it than with plain steps. Depends only on the
+        latencies, past steps and ``rows_waiting``.
 
         Example: with a verify forward that costs 1 ms per token, where a second child
         per level doubles the continuation (0.4 -> 0.8), two children per level, two levels
@@ -1029,7 +1059,7 @@ class CostModel:
         best = None
         for w in range(1, min(max_width, PLAN_WIDTHS) + 1):
             p = self.plan_for_batch(batch, ctx=ctx, max_depth=max_depth, width=w,
-                                    continuation=calibration.continuation(w))
+                                    continuation=calibration.continuation(w), rows_waiting=rows_waiting)
             if best is None or p.tokens_per_s > best.tokens_per_s:
                 best = p
         return best
@@ -1070,9 +1100,11 @@ class BatchPlan:
     batch: int  #: live rows B
     depth: int  #: draft depth D (0: plain autoregressive steps)
     budget: int  #: drafted nodes kept per row
-    expected_tokens: float  #: E: expected emitted tokens per row per step
+    expected_tokens: float  #: E: expected emitted tokens per row per step (the average row's)
     predicted_ms: float  #: predicted latency of one step of the whole batch
-    tokens_per_s: float  #: the whole batch's predicted tokens per second with this tree
+    #: the whole batch's predicted tokens per second with this tree, as fast as its slowest
+    #: row goes (``slowest_row_tokens``; the average row's where rows wait to join)
+    tokens_per_s: float
     ar_tokens_per_s: float  #: the same for plain autoregressive steps
     width: int = 1  #: nodes expanded per level (``budget = width * depth``)
 

@@ -39,8 +39,7 @@ from tqdm.auto import tqdm
 
 from rheoplan.backends import check_backend, resolve_backend
 from rheoplan.config import ConfigError, SamplingConfig, TreeConfig
-from rheoplan.costmodel import (BatchPlan, Calibration, CostModel, CostPlan, Timings, batch_margin,
-                                prefill_groups)
+from rheoplan.costmodel import BatchPlan, Calibration, CostModel, CostPlan, Timings, prefill_groups
 from rheoplan.distributions import SubsetLogits
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.kernels.plan.cpu_pass import decide as numba_decide, frontiers as numba_frontiers
@@ -904,7 +903,7 @@ class BatchState:
     streams: Streams = field(init=False)
     rows: list[_Row] = field(init=False)  #: every row, in the caller's order
     step: int = 0  #: batch steps so far (names dumped IR; each row counts its own steps)
-    #: prompts wait to join as rows finish (continuous batching): ``batch_margin``'s tail rule is off
+    #: prompts wait to join as rows finish (continuous batching): no row waits for the slowest
     rows_waiting: bool = False
 
     def __post_init__(self) -> None:
@@ -925,9 +924,10 @@ def prefill_overhead(cost_model: CostModel | None) -> float | None:
 def _rows_plan(s: BatchState, live: list[_Row]) -> BatchPlan | None:
     """The tree several live rows draft this step (``CostModel.plan_rows``: the depth and
     width that pay most at this many rows, with the continuation rates per width
-    calibrated so far), or None where no tree beats a plain step by ``batch_margin``
-    (16 rows on a 2-core CPU: the verify forward is compute-bound). Depends only on frozen
-    latencies, past steps and whether prompts wait to join.
+    calibrated so far, for the slowest row where no prompt waits to join: a static batch
+    waits for it), or None where no tree beats a plain step (16 rows on a 2-core CPU: the
+    verify forward is compute-bound). Depends only on frozen latencies, past steps and
+    whether prompts wait to join.
 
     Why one shape for every row, not the cost passes' per-step trees (one row's): at 4
     rows on the 2-core machine (SmolLM2, two queues of 20 held-out prompts, 4 rows live)
@@ -939,10 +939,8 @@ def _rows_plan(s: BatchState, live: list[_Row]) -> BatchPlan | None:
     ctx = max(r.prefix_len for r in live)
     tree = s.tree
     plan = s.cost.plan_rows(len(live), ctx=ctx, max_depth=tree.depth, max_width=min(tree.frontier, tree.budget),
-                            calibration=s.calibration)
-    if plan.depth == 0 or plan.tokens_per_s <= batch_margin(len(live), s.rows_waiting) * plan.ar_tokens_per_s:
-        return None
-    return plan
+                            calibration=s.calibration, rows_waiting=s.rows_waiting)
+    return None if plan.depth == 0 else plan
 
 
 def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:

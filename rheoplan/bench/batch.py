@@ -28,7 +28,7 @@ grows). Every row generates exactly ``--tokens`` new tokens (``generate`` with
 Reported per (dtype, temperature, B, method): tokens/s (generated tokens / wall seconds,
 prefill included), the speed-up against ``generate`` at the same B, the mean accepted
 length per row (a row's tokens / its steps, averaged over rows), and the tree per batch
-size: the cost model's a-priori plan (``CostModel.plan_rows`` from the head's prior at
+size: the cost model's a-priori plan for a static batch (``CostModel.plan_rows`` from the head's prior at
 that temperature: depth, width and per-row budget, the shape several live rows draft
 until their own rates take over) next to what the steps kept (mean drafted nodes per
 row per drafted step, and the share of steps that drafted at all). ``--plot`` draws throughput against batch size.

@@ -353,21 +353,32 @@ def test_each_drafted_depth_adds_its_bookkeeping_to_the_price():
     assert not another_depth_pays(CostPlan.from_calibration(deep, Calibration()), shallow, cfg.frontier, cfg.budget)
 
 
-def test_two_rows_draft_at_an_even_price_and_more_need_the_batch_margin():
-    """``CostDecision.pays``: a tree predicted 1.2x a plain step's tokens per ms drafts at
-    one and two live rows, not from ``BATCH_MARGIN_ROWS`` rows (``batch_margin``)."""
-    from rheoplan.costmodel import BATCH_MARGIN, BATCH_MARGIN_ROWS, batch_margin
+def test_a_batch_goes_as_fast_as_its_slowest_row_and_no_row_waits_while_rows_join():
+    """``slowest_row_tokens``: ``E`` for one row and while rows wait to join; else ``E -
+    z_B * ROW_SPREAD * (E - 1)``, ``z_B`` how far the slowest of B rows lags in standard
+    deviations (checked against a simulation): less with more rows, and a plain step's one
+    token is every row's. ``CostDecision.pays`` (the cost passes' batch verdict) holds a
+    tree to it."""
+    from rheoplan.costmodel import ROW_SPREAD, expected_max_normal, slowest_row_tokens
     from planner.cost_prune import CostDecision
 
-    assert BATCH_MARGIN_ROWS == 3 and BATCH_MARGIN > 1.2
-    assert [batch_margin(b) for b in (1, 2, 3, 16)] == [1.0, 1.0, BATCH_MARGIN, BATCH_MARGIN]
-    assert [batch_margin(b, rows_waiting=True) for b in (1, 2, 3, 16)] == [1.0] * 4  # no tail while rows join
+    g = torch.Generator().manual_seed(0)
+    for n in (2, 3, 4, 8, 16):
+        sim = torch.randn(200_000, n, generator=g, dtype=torch.float64).amax(dim=1).mean().item()
+        assert expected_max_normal(n) == pytest.approx(sim, abs=0.01), n
+    e = [slowest_row_tokens(2.5, b) for b in (1, 2, 3, 4, 8, 16)]
+    assert e[0] == 2.5 and all(a > b for a, b in zip(e, e[1:])), e
+    assert e[3] == pytest.approx(2.5 - 1.0294 * ROW_SPREAD * 1.5, abs=1e-4)
+    assert [slowest_row_tokens(2.5, b, rows_waiting=True) for b in (1, 2, 4, 16)] == [2.5] * 4
+    assert slowest_row_tokens(1.0, 16) == 1.0
 
-    def decision(rows: int, speedup: float) -> CostDecision:
-        ar_ms = 10.0  # a plain step: `rows` tokens in 10 ms
-        return CostDecision([[1.0]] * rows, [[]] * rows, [0] * rows, expected=rows * speedup * 2.0,
+    def decision(rows: int, per_row: float) -> CostDecision:
+        ar_ms = 10.0  # a plain step: `rows` tokens in 10 ms; the tree: `per_row` tokens a row in 20 ms
+        return CostDecision([[1.0]] * rows, [[]] * rows, [0] * rows, expected=rows * per_row,
                             predicted_ms=2.0 * ar_ms, ar_ms=ar_ms, draft_ms=1.0)
 
-    assert decision(1, 1.2).pays and decision(2, 1.2).pays
-    assert not decision(3, 1.2).pays and not decision(16, 1.2).pays
-    assert decision(3, 1.5).pays and not decision(2, 0.99).pays
+    assert decision(1, 2.01).pays and not decision(1, 1.99).pays
+    for rows in (2, 4, 16):
+        # the slowest row must make 2 tokens a step: E - z * s * (E - 1) = 2
+        edge = (2.0 - expected_max_normal(rows) * ROW_SPREAD) / (1.0 - expected_max_normal(rows) * ROW_SPREAD)
+        assert decision(rows, edge * 1.01).pays and not decision(rows, edge * 0.99).pays

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
 import torch
 
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
-from rheoplan.costmodel import (PLAN_WIDTHS, Calibration, CostModel, ProjectionTimings, Timings, cache_key,
+from rheoplan.costmodel import (PLAN_WIDTHS, ROW_SPREAD, Calibration, CostModel, ProjectionTimings, Timings, cache_key,
                                 cache_read, cache_write, measure_projection, node_class, prefill_groups,
                                 projection_timings, weight_bucket)
 from rheoplan.ir import NodeKind
@@ -222,9 +223,30 @@ def test_plan_for_batch_grows_on_a_flat_curve_and_falls_back_to_ar_when_tokens_c
     assert plans[1].depth >= 2 and plans[16].depth == 0 and plans[16].budget == 0
     assert plans[1].depth >= plans[4].depth >= plans[16].depth
     assert plans[16].tokens_per_s == plans[16].ar_tokens_per_s
-    # the plan's numbers are the formula's: E(2) = 1 + 0.8 + 0.64 at depth 2
-    p2 = CostModel(linear_tm(10.0, 0.0, draft=1e-3)).plan_for_batch(2, ctx=64, max_depth=2, continuation=[0.8, 0.8])
-    assert p2.expected_tokens == pytest.approx(2.44) and p2.tokens_per_s == pytest.approx(2 * 2.44 / p2.predicted_ms * 1e3)
+    # the plan's numbers are the formula's: E(2) = 1 + 0.8 + 0.64 at depth 2, and a static
+    # batch's rate is its slowest row's, 2.44 - z_2 * ROW_SPREAD * 1.44 tokens (z_2 = 1 / sqrt(pi))
+    flat_cm = CostModel(linear_tm(10.0, 0.0, draft=1e-3))
+    p2 = flat_cm.plan_for_batch(2, ctx=64, max_depth=2, continuation=[0.8, 0.8])
+    slowest = 2.44 - ROW_SPREAD * 1.44 / math.sqrt(math.pi)
+    assert p2.expected_tokens == pytest.approx(2.44) and p2.tokens_per_s == pytest.approx(2 * slowest / p2.predicted_ms * 1e3)
+    w2 = flat_cm.plan_for_batch(2, ctx=64, max_depth=2, continuation=[0.8, 0.8], rows_waiting=True)
+    assert w2.tokens_per_s == pytest.approx(2 * 2.44 / w2.predicted_ms * 1e3)  # no row waits for the slowest
+
+
+def test_a_static_batch_plans_for_its_slowest_row_so_trees_are_shallower_than_while_rows_wait():
+    """Rows that draft deeper spread further apart (``slowest_row_tokens``): with a fixed
+    6 ms plus 0.4 ms per token of the batch and a continuation of 0.6, 4 rows while prompts
+    wait to join draft two levels (1.26x a plain step); a static batch of 4 drafts one
+    (1.16x for its slowest row); for one row, waiting changes nothing."""
+    m = CostModel(linear_tm(6.0, 0.4))
+    waiting = m.plan_for_batch(4, ctx=64, max_depth=4, continuation=[0.6] * 4, rows_waiting=True)
+    static = m.plan_for_batch(4, ctx=64, max_depth=4, continuation=[0.6] * 4)
+    assert (waiting.depth, static.depth) == (2, 1)
+    assert waiting.tokens_per_s / waiting.ar_tokens_per_s == pytest.approx(1.262, abs=1e-3)
+    assert static.tokens_per_s / static.ar_tokens_per_s == pytest.approx(1.157, abs=1e-3)
+    assert static.expected_tokens == pytest.approx(1.6)  # the average row's, as before
+    one = [m.plan_for_batch(1, ctx=64, max_depth=4, continuation=[0.6] * 4, rows_waiting=w) for w in (False, True)]
+    assert one[0] == one[1]
 
 
 def test_plan_for_batch_reads_the_prior_calibration_and_checks_its_input():
