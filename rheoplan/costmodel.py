@@ -930,13 +930,15 @@ def slowest_row_tokens(expected: float, batch: int, rows_waiting: bool = False) 
         (2.0, 1.0)
 
     Measured on the 2-core Zen 5 EPYC (bfloat16, static batches of held-out prompts x 64
-    tokens, the shipped head; docs/results.md, "Twenty-seventh round"), against the rule it
-    replaced (trees had to be predicted 1.4x a plain step from three rows on, from the
-    average row): 3 rows 1.18x / 1.10x ``generate`` (T = 0 / 1) where that rule took plain
-    steps at 1.01x / 1.09x; 4 rows drafting at 1.26x / 1.05x against 1.16x / 1.03x; 8 rows
-    plain at T = 0 (drafting lost 4%). Trees one level deep ran 5-12% faster than the
-    two-level ones the average row's plan picked at 3 and 4 rows, and the rows' own steps
-    filled 92% / 86% of a 4-row batch's steps at T = 1 / 0.
+    tokens, the shipped head; docs/results.md, "Twenty-seventh round" and "Thirty-second
+    measurement"): static batches of 4 rows ran 1.22x / 1.12x ``generate`` at T = 1 / 0
+    with it, where the rule it replaced (trees predicted 1.4x a plain step from three rows
+    on, for the average row) took plain steps at 1.13x / 1.02x; side by side against the
+    average row's plan drafting every step, 4 rows at T = 0 1.14x against 1.11x and 3 rows
+    at T = 1 1.22x against 1.14x; 8 rows at T = 0 take plain steps, where drafting lost 4%.
+    Trees one level deep ran 5-12% faster than the two-level ones the average row's plan
+    picked at 3 and 4 rows, and the rows' own steps filled 92% / 86% of a 4-row batch's
+    steps at T = 1 / 0.
     """
     if batch <= 1 or rows_waiting:
         return float(expected)
