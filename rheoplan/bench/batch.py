@@ -28,9 +28,10 @@ grows). Every row generates exactly ``--tokens`` new tokens (``generate`` with
 Reported per (dtype, temperature, B, method): tokens/s (generated tokens / wall seconds,
 prefill included), the speed-up against ``generate`` at the same B, the mean accepted
 length per row (a row's tokens / its steps, averaged over rows), and the tree per batch
-size: the cost model's a-priori plan for a static batch (``CostModel.plan_rows`` from the head's prior at
+size: the cost model's a-priori plan (``CostModel.plan_rows`` from the head's prior at
 that temperature: depth, width and per-row budget, the shape several live rows draft
-until their own rates take over) next to what the steps kept (mean drafted nodes per
+until their own rates take over; a static batch's for its slowest row, ``queued``'s for
+the average row while prompts wait to join) next to what the steps kept (mean drafted nodes per
 row per drafted step, and the share of steps that drafted at all). ``--plot`` draws throughput against batch size.
 
     rheoplan bench batch --batch-sizes 1 4 16 --tokens 64 --temperatures 1 0 --plot
@@ -420,10 +421,11 @@ def main(argv=None) -> int:
     if set(args.methods) & {"rowwise", "batched", "queued"}:
         cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft)
     ctx = int(statistics.mean(len(p) for p in prompts)) + args.tokens // 2
-    # the a-priori plan per (temperature, batch size), from the head's prior at that temperature
-    plans = {(t, b): cost.plan_rows(b, ctx=ctx, max_depth=tree.depth, max_width=min(tree.frontier, tree.budget),
-                                    calibration=cost.fresh_calibration(t)).as_dict() if cost else None
-             for t in args.temperatures for b in args.batch_sizes}
+    # the a-priori plan per (temperature, batch size, prompts waiting to join), from the head's
+    # prior at that temperature: a static batch plans for its slowest row, a queue for the average
+    plans = {(t, b, w): cost.plan_rows(b, ctx=ctx, max_depth=tree.depth, max_width=min(tree.frontier, tree.budget),
+                                       calibration=cost.fresh_calibration(t), rows_waiting=w).as_dict() if cost else None
+             for t in args.temperatures for b in args.batch_sizes for w in (False, True)}
     needs = {b: {f"{x}x": cost.needed_continuation(b, x, ctx=ctx, max_depth=tree.depth) for x in NEED_SPEEDUPS}
              for b in args.batch_sizes} if cost else {}
     warm_up(model, pad_id, draft, prompts, args.batch_sizes, args.temperatures, args.methods, cost, tree)
@@ -435,12 +437,12 @@ def main(argv=None) -> int:
                 print(f"bench batch: {dtype} T={t} seed={s} batch={b} ...", file=sys.stderr, flush=True)
                 for rec in run_batch_size(model, pad_id, draft, prompts, b, t, s, args.tokens, args.methods,
                                           cost, tree):
-                    rec.update(dtype=dtype, plan=plans[(t, b)], tokens_per_row=args.tokens,
+                    rec.update(dtype=dtype, plan=plans[(t, b, rec["method"] == "queued")], tokens_per_row=args.tokens,
                                draft_dtype=model_dtype(draft.head) if hasattr(draft, "head") else None)
                     records.append(rec)
     rows = summarise(records)
     table = report(rows, machine) + ("\n\n" + needs_table(needs) if needs else "")
-    named = {f"T={t:g} B={b}": p for (t, b), p in plans.items()}
+    named = {f"T={t:g} B={b}" + (" waiting" if w else ""): p for (t, b, w), p in plans.items()}
     (out / "bench_batch.json").write_text(json.dumps({"machine": machine, "plans": named, "needed_continuation": needs,
                                                       "records": records, "summary": rows}, indent=1))
     (out / "bench_batch.md").write_text(table + "\n")
