@@ -1073,7 +1073,9 @@ class CostModel:
         ``plan_for_batch(batch, continuation=[c] * max_depth)`` predicts at least ``speedup``
         times plain autoregressive steps, with the tree depth it picks; None when not even
         ``c = 1`` (every drafted token accepted) gets there. What a head must reach on this
-        machine for a speed goal: the latencies are measured, only acceptance is free.
+        machine for a speed goal: the latencies are measured, only acceptance is free. For
+        ``batch > 1`` it is a static batch's goal (``plan_for_batch`` counts the slowest
+        row's tokens).
 
         Example: with the flat verify cost of ``plan_for_batch``'s example, a 1.5x speed-up
         needs about half of the drafted tokens at every depth:
