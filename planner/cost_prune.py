@@ -52,7 +52,7 @@ class CostDecision:
         of B rows, with the slowest row's tokens (``slowest_row_tokens`` of the average
         row's ``expected / B``): a static batch waits for it."""
         B = len(self.chosen)
-        return B * slowest_row_tokens(self.expected / B, B) / self.predicted_ms > B / self.ar_ms
+        return slowest_row_tokens(self.expected / B, B) / self.predicted_ms > 1.0 / self.ar_ms
 
     def text(self, b: int = 0) -> list[str]:
         """Comment lines for the text IR (the parser skips lines starting with '#')."""

@@ -935,8 +935,8 @@ def slowest_row_tokens(expected: float, batch: int, rows_waiting: bool = False) 
     with it, where the rule it replaced (trees predicted 1.4x a plain step from three rows
     on, for the average row) took plain steps at 1.13x / 1.02x; side by side against the
     average row's plan drafting every step, 4 rows at T = 0 1.14x against 1.11x and 3 rows
-    at T = 1 1.22x against 1.14x; 8 rows at T = 0 take plain steps, where drafting lost 4%.
-    Trees one level deep ran 5-12% faster than the two-level ones the average row's plan
+    at T = 1 1.22x against 1.14x; 8 rows at T = 0 take plain steps (1.05x, where drafting
+    ran 1.02x). Trees one level deep ran 5-12% faster than the two-level ones the average row's plan
     picked at 3 and 4 rows, and the rows' own steps filled 92% / 86% of a 4-row batch's
     steps at T = 1 / 0.
     """
