@@ -27,6 +27,7 @@ from rheoplan.costmodel import PRIORS_FILE, Calibration, CostModel, load_priors
 from rheoplan.models.eagle3 import load_eagle3_checkpoint
 from rheoplan.models.early_exit import early_exit_draft
 from rheoplan.models.gqa_attention import fold_note, fold_pays, gqa_pays, one_query_note
+from rheoplan.models.lean_llama import lean_note
 from rheoplan.models.packed_linear import PackedLinear, few_row_kernel, pack_if_it_pays
 from rheoplan.models.smollm import GGUF_FILE, load_smollm2, resolve_dtype
 from rheoplan.probe import choose_dtype, choose_head_dtype, measure_timings
@@ -124,7 +125,7 @@ def load_default(*, method: str = "rheo", draft: str = "auto", dtype: str = "aut
         if torch_dtype != torch.float32:
             model = model.to(torch_dtype)
     pack_if_it_pays(model, "target")
-    for note in (one_query_note(model), fold_note(model)):
+    for note in (one_query_note(model), fold_note(model), lean_note(model)):
         if note is not None:
             print(f"target: {note}", file=sys.stderr)
     drf = None
@@ -159,14 +160,17 @@ def speed_tag(model) -> str:
     weights are packed, ``' few-rows'`` or ``' packed few-rows'`` when its few-row products
     run the numba kernel (``pack_if_it_pays``; with the kernel's version), ``' fold-rows'``
     / ``' fold-batches'`` when its masked several-token forwards of one row / of batches
-    fold the query heads (``gqa_attention.fold_pays``), else ``''``. Part of the latency
-    caches' keys."""
+    fold the query heads (``gqa_attention.fold_pays``), ``' lean'`` when its decoder runs
+    ``lean_llama.lean_forward`` (no transformers dispatch per layer), else ``''``. Part of
+    the latency caches' keys."""
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
     kinds = sorted({m.kind for m in modules if isinstance(m, PackedLinear)})
     few = any("few-rows" in k for k in kinds)
     tag = "".join(f" {k}" for k in kinds) + (f" ({few_row_kernel.VERSION})" if few else "")
     if isinstance(model, torch.nn.Module) and hasattr(model, "config") and gqa_pays(model):
         tag += "".join(f" fold-{name}" for name, rows in (("rows", 1), ("batches", 2)) if fold_pays(model, rows))
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config") and lean_note(model) is not None:
+        tag += " lean"
     return tag
 
 

@@ -13,6 +13,7 @@ import torch
 
 from rheoplan.models.gqa_attention import gqa_attention_active, one_query_mask_pays
 from rheoplan.models.growing_cache import capacity, grow_in_place, narrow_layer
+from rheoplan.models.lean_llama import lean_forward, lean_ok
 
 
 def forward_memory(cfg, elem: int, vocab: int, batch: int, width: int, queries: int) -> int:
@@ -129,10 +130,7 @@ def run_base(base: torch.nn.Module, cache, input_ids: torch.Tensor, position_ids
         mask = None
     else:
         mask = additive_mask(allowed, next(base.parameters()).dtype)
-    with gqa_attention_active(base, mask, input_ids.shape[-1]):  # no repeat_kv copy of the cache (CPU sdpa)
-        out = base(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask,
-                   use_cache=True, **{_cache_kwarg(base): cache}, **attention_kwargs)
-    return out.last_hidden_state[0]
+    return _forward(base, cache, input_ids[None], position_ids[None], mask, attention_kwargs)[0]
 
 
 def run_base_rows(base: torch.nn.Module, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -143,8 +141,19 @@ def run_base_rows(base: torch.nn.Module, cache, input_ids: torch.Tensor, positio
     dtype = next(base.parameters()).dtype
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    with gqa_attention_active(base, mask, input_ids.shape[-1]):
-        out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask[:, None],
+    return _forward(base, cache, input_ids, position_ids, mask[:, None], attention_kwargs)
+
+
+def _forward(base: torch.nn.Module, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+             mask: torch.Tensor | None, attention_kwargs: dict) -> torch.Tensor:
+    """The decoder stack over ``input_ids`` / ``position_ids`` ``[B, q]`` with the additive
+    ``mask`` (or None); hidden ``[B, q, H]``. A Llama runs ``lean_llama.lean_forward`` (the
+    same operations without transformers' per-layer dispatch), any other model its own
+    forward."""
+    with gqa_attention_active(base, mask, input_ids.shape[-1]):  # no repeat_kv copy of the cache (CPU sdpa)
+        if lean_ok(base):
+            return lean_forward(base, input_ids, position_ids, mask, cache, **attention_kwargs)
+        out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                    use_cache=True, **{_cache_kwarg(base): cache}, **attention_kwargs)
     return out.last_hidden_state
 

@@ -32,6 +32,7 @@ from rheoplan.models._hf_common import (
     base_model, cache_length, crop_cache, new_cache, output_head, prefix_and_block_mask,
     run_base, commit_cache, forward_memory,
 )
+from rheoplan.models.lean_llama import capture_hook
 from rheoplan.models.row_cache import RowCache
 from rheoplan.models.tree_attention import (
     TreeAttentionArgs, check_tree_attention_available, tree_attention_active,
@@ -62,6 +63,7 @@ class _FeatureCapture:
                          for i in self.indices]
 
     def _hook(self, i: int):
+        @capture_hook  # reads the input only: lean_llama.lean_forward calls it itself
         def hook(module, args, kwargs):
             h = args[0] if args else kwargs["hidden_states"]
             self.seen[i] = h.detach()

@@ -105,6 +105,7 @@ def test_one_row_cost_model_reads_one_rows_record_then_a_batched_one_then_measur
 
 def test_speed_tag_names_the_attention_fold_so_latencies_timed_without_it_are_measured_again(tiny, monkeypatch):
     model, ckpt = tiny
+    monkeypatch.setattr(loading, "lean_note", lambda m: None)  # its tag: tests/rheoplan/models/test_lean_llama.py
     for one_row, batches, want in ((False, False, ""), (False, True, " fold-batches"),
                                    (True, True, " fold-rows fold-batches")):
         monkeypatch.setattr(loading, "fold_pays", lambda m, rows, o=one_row, b=batches: o if rows == 1 else b)

@@ -362,6 +362,7 @@ def test_records_timed_with_another_kernel_version_are_measured_again(monkeypatc
     import rheoplan.loading as loading
 
     monkeypatch.setattr(loading, "fold_pays", lambda m, rows: False)  # the attention's own tag: elsewhere
+    monkeypatch.setattr(loading, "lean_note", lambda m: None)  # the lean forward's too
     pack_linears(model, onednn=False, few_rows=True)
     assert loading.speed_tag(model) == " few-rows (another blocking)"
 

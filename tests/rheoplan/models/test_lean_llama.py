@@ -1,0 +1,218 @@
+"""The lean Llama forward computes what transformers' forward computes, bit for bit, and
+steps aside whenever it might not (foreign hooks, gradients, other classes, a patched
+rotary embedding)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import rheoplan.models.lean_llama as lean
+from rheoplan.models._hf_common import new_cache, prefix_and_block_mask, run_base, run_base_rows
+from rheoplan.models.packed_linear import pack_linears, packing_available
+
+
+def _llama(dtype: torch.dtype, packed: bool, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms start at ones: tell them apart
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model = model.to(dtype)
+    if packed:
+        if not packing_available(dtype, torch.device("cpu")):
+            pytest.skip(f"no oneDNN packing for {dtype} here")
+        pack_linears(model, fuse=True)  # the packed, fused projections the loaders use
+    return model
+
+
+def _tree_mask(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ancestor-or-self mask [n, n], depth [n]) of a tree given by its parents."""
+    n = len(parents)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for j in range(n):
+        k = j
+        while k >= 0:
+            anc[j, k] = True
+            k = parents[k]
+    return anc, anc.sum(1) - 1
+
+
+def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x.keys.clone(), x.values.clone()) for x in cache.layers]
+
+
+def _both(monkeypatch, fn):
+    """``fn()`` through the lean forward and through transformers' (fresh state each)."""
+    out = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(lean, "ENABLED", enabled)
+        out[enabled] = fn()
+    return out[True], out[False]
+
+
+def _one_row(model, parents, prefix_len=11):
+    """Hidden states of a prefill of ``prefix_len`` tokens, then of one tree verify (the
+    cache's tensors after it too), as ``HFTarget`` runs them."""
+    base = model.model
+    g = torch.Generator().manual_seed(prefix_len)
+    ids = torch.randint(0, 97, (prefix_len + len(parents),), generator=g)
+    cache = new_cache(model)
+    pre = torch.arange(prefix_len)
+    with torch.no_grad():
+        h0 = run_base(base, cache, ids[:prefix_len], pre, torch.ones(prefix_len, prefix_len, dtype=torch.bool).tril())
+        anc, depth = _tree_mask(parents)
+        n = len(parents)
+        if n == 1:
+            h1 = run_base(base, cache, ids[prefix_len:], depth + prefix_len, None, all_allowed=True)
+        else:
+            h1 = run_base(base, cache, ids[prefix_len:], depth + prefix_len, prefix_and_block_mask(prefix_len, anc),
+                          all_allowed=False)
+    return h0, h1, _layers(cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("parents", [[-1], [-1, 0], [-1, 0, 0, 1, 1, 2, 3]])
+def test_the_lean_forward_gives_transformers_outputs_and_cache_bit_for_bit(monkeypatch, dtype, packed, parents):
+    model = _llama(dtype, packed)
+    assert lean.lean_capable(model.model)
+    with torch.no_grad():
+        assert lean.lean_ok(model.model)
+    (a0, a1, ca), (b0, b1, cb) = _both(monkeypatch, lambda: _one_row(model, parents))
+    assert torch.equal(a0, b0) and torch.equal(a1, b1)
+    for (ka, va), (kb, vb) in zip(ca, cb):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lean_forward_of_several_rows_is_transformers_forward_bit_for_bit(monkeypatch, dtype):
+    model = _llama(dtype, packed=True)
+    base = model.model
+    B, P, q = 3, 9, 4
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 97, (B, P + q), generator=g)
+    anc, depth = _tree_mask([-1, 0, 0, 1])
+    # rows of different prompt lengths, left-padded: row b hides its first b columns
+    allowed = torch.zeros(B, q, P + q, dtype=torch.bool)
+    allowed[:, :, P:] = anc
+    for b in range(B):
+        allowed[b, :, b:P] = True
+
+    def run():
+        cache = new_cache(model)
+        causal = torch.ones(B, P, P, dtype=torch.bool).tril()
+        for b in range(B):
+            causal[b, :, :b] = False
+            causal[b, torch.arange(b), torch.arange(b)] = True  # a padded query sees itself: never all masked
+        with torch.no_grad():
+            h0 = run_base_rows(base, cache, ids[:, :P], torch.arange(P).expand(B, P), causal)
+            h1 = run_base_rows(base, cache, ids[:, P:], (P + depth).expand(B, q), allowed)
+        return h0, h1, _layers(cache)
+
+    (a0, a1, ca), (b0, b1, cb) = _both(monkeypatch, run)
+    assert torch.equal(a0, b0) and torch.equal(a1, b1)
+    for (ka, va), (kb, vb) in zip(ca, cb):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_the_feature_capture_reads_the_same_layer_inputs_through_the_lean_forward(monkeypatch):
+    from rheoplan.models.hf_target import HFTarget
+
+    model = _llama(torch.float32, packed=False)
+
+    def run():
+        tgt = HFTarget(model, capture_layers=[0, 2])
+        try:
+            assert lean.lean_ok(model.model) is False  # grad mode: the check below runs under no_grad
+            with torch.no_grad():
+                assert lean.lean_ok(model.model) == lean.ENABLED
+            served = tgt.start_and_root([5, 7, 11, 13, 17, 19])
+            return tgt.prompt_features().clone(), served.features(0).clone()
+        finally:
+            tgt.close()
+
+    (fa, ra), (fb, rb) = _both(monkeypatch, run)
+    assert fa.shape == (6, 2 * 64)
+    assert torch.equal(fa, fb) and torch.equal(ra, rb)
+
+
+def test_any_other_hook_sends_the_forward_back_to_transformers(monkeypatch):
+    model = _llama(torch.float32, packed=False)
+    base = model.model
+    calls = []
+    with torch.no_grad():
+        assert lean.lean_ok(base)
+        for mod in (base.layers[1].mlp, base.layers[0].self_attn.q_proj, base.layers[2], base.norm):
+            h = mod.register_forward_hook(lambda m, a, o: calls.append(m))
+            assert not lean.lean_ok(base)
+            _one_row(model, [-1, 0])
+            assert calls and calls[-1] is mod  # the hook ran: transformers' forward did
+            h.remove()
+            assert lean.lean_ok(base)
+        h = base.layers[1].register_forward_pre_hook(lambda m, a: None)  # not marked as a capture
+        assert not lean.lean_ok(base)
+        h.remove()
+        h = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+        try:
+            assert not lean.lean_ok(base)
+        finally:
+            h.remove()
+        assert lean.lean_ok(base)
+        spied = []
+        real = base.layers[2].mlp.forward
+        base.layers[2].mlp.forward = lambda x: spied.append(1) or real(x)  # a spy, as accelerate's hooks
+        assert not lean.lean_ok(base)
+        _one_row(model, [-1])
+        assert spied
+        del base.layers[2].mlp.forward
+        assert lean.lean_ok(base)
+        model.train()
+        assert not lean.lean_ok(base)
+        model.eval()
+    assert not lean.lean_ok(base)  # gradients recorded
+    monkeypatch.setattr(lean, "ENABLED", False)
+    with torch.no_grad():
+        assert not lean.lean_ok(base)
+
+
+def test_only_transformers_own_llama_classes_and_rotary_embedding_are_lean(monkeypatch):
+    from transformers import GPT2Config, GPT2Model
+    from transformers.models.llama import modeling_llama as ml
+
+    assert not lean.lean_capable(GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
+
+    class MyLayer(ml.LlamaDecoderLayer):
+        pass
+
+    model = _llama(torch.float32, packed=False)
+    model.model.layers[1] = MyLayer(model.config, 1)
+    assert not lean.lean_capable(model.model)
+
+    model = _llama(torch.float32, packed=False)
+    assert lean.lean_capable(model.model)
+    real = ml.apply_rotary_pos_emb
+
+    @functools.wraps(real)
+    def patched(*a, **k):  # what a kernel library's patch looks like
+        return real(*a, **k)
+
+    monkeypatch.setattr(ml, "apply_rotary_pos_emb", patched)
+    assert not lean.lean_capable(model.model)
+
+
+def test_the_speed_tag_keys_latencies_on_the_lean_forward(monkeypatch):
+    from rheoplan.loading import speed_tag
+
+    model = _llama(torch.float32, packed=False)
+    assert speed_tag(model).endswith(" lean")
+    assert lean.lean_note(model) is not None
+    monkeypatch.setattr(lean, "ENABLED", False)
+    assert "lean" not in speed_tag(model) and lean.lean_note(model) is None
