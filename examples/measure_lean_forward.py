@@ -1,0 +1,179 @@
+"""The lean Llama forward against transformers' own, alternating in one process.
+
+``rheoplan.models.lean_llama`` runs SmolLM2's decoder without transformers' per-layer
+module dispatch. This script measures what that saves, with ``lean_llama.ENABLED``
+switched between runs (bfloat16, the shipped head, 2 threads by default):
+
+* ``--what forward``: the decoder alone over a held-out prompt's cache, a tree of each
+  ``--sizes`` tokens, the two alternating call by call; prints medians and whether the
+  hidden states were bit-identical. ``--profile`` then prints ``torch.profiler``'s operator
+  table for five forwards of the largest size (lean unless ``--hf``).
+* ``--what decode``: one-row decodes of held-out prompts as ``rheoplan generate`` runs
+  them, the two alternating prompt by prompt; prints ms per step (verify forward and whole
+  step) and how many prompts got the same tokens.
+* ``--what batch``: static batches of ``--rows`` prompts, alternating batch by batch;
+  prints tokens/s and how many batches got the same tokens.
+
+docs/results.md, "Twenty-eighth round", quotes it:
+
+    python examples/measure_lean_forward.py --what forward [--sizes 1 3 9] [--calls 60] [--profile]
+    python examples/measure_lean_forward.py --what decode [--prompts 10] [--temperature 1]
+    python examples/measure_lean_forward.py --what batch [--rows 4] [--batches 6] [--temperature 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def tree(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ancestor-or-self mask, depth) of the tree with these parents."""
+    n = len(parents)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for j in range(n):
+        k = j
+        while k >= 0:
+            anc[j, k] = True
+            k = parents[k]
+    return anc, anc.sum(1) - 1
+
+
+def parents_of(n: int) -> list[int]:
+    """A bushy tree of ``n`` nodes: node j's parent is (j - 1) // 2."""
+    return [-1] + [(j - 1) // 2 for j in range(1, n)]
+
+
+def forward(args, model, tok) -> None:
+    import rheoplan.models.lean_llama as lean
+    from rheoplan.bench.decode import load_prompts
+    from rheoplan.loading import encode_prompt
+    from rheoplan.models._hf_common import crop_cache, new_cache, prefix_and_block_mask, run_base
+
+    base = model.model
+    ids = encode_prompt(tok, load_prompts(1)[0][1], chat=True)
+    n0 = len(ids)
+    cache = new_cache(model)
+    with torch.no_grad():
+        run_base(base, cache, torch.tensor(ids), torch.arange(n0), torch.ones(n0, n0, dtype=torch.bool).tril())
+        for n in args.sizes:
+            anc, depth = tree(parents_of(n))
+            tok_ids = torch.tensor([ids[-1]] + [100 + j for j in range(n - 1)])
+            allowed = prefix_and_block_mask(n0, anc)
+            times = {True: [], False: []}
+            outs = {}
+            for _ in range(args.calls):
+                for enabled in (True, False):
+                    lean.ENABLED = enabled
+                    t = time.perf_counter()
+                    outs[enabled] = run_base(base, cache, tok_ids, n0 + depth, allowed, all_allowed=n == 1)
+                    times[enabled].append(time.perf_counter() - t)
+                    crop_cache(cache, n0)
+            lean.ENABLED = True
+            med = {k: 1e3 * statistics.median(v[5:]) for k, v in times.items()}
+            print(f"{n} tokens: lean {med[True]:.2f} ms, transformers {med[False]:.2f} ms "
+                  f"({med[False] - med[True]:+.2f}); bit-identical: {torch.equal(outs[True], outs[False])}")
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            n = max(args.sizes)
+            anc, depth = tree(parents_of(n))
+            tok_ids = torch.tensor([ids[-1]] + [100 + j for j in range(n - 1)])
+            allowed = prefix_and_block_mask(n0, anc)
+            lean.ENABLED = not args.hf
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    run_base(base, cache, tok_ids, n0 + depth, allowed, all_allowed=n == 1)
+                    crop_cache(cache, n0)
+            lean.ENABLED = True
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def decodes(args, model, tok, draft) -> None:
+    import rheoplan.models.lean_llama as lean
+    from rheoplan.bench.batch import DEFAULT_TREE
+    from rheoplan.bench.decode import load_prompts
+    from rheoplan.config import SamplingConfig
+    from rheoplan.decode import plan_and_decode
+    from rheoplan.loading import encode_prompt, load_cost_model
+
+    B = 1 if args.what == "decode" else args.rows
+    groups = args.prompts if args.what == "decode" else args.batches
+    prompts = [encode_prompt(tok, p, chat=True) for _, p in load_prompts(B * groups)]
+    cost = load_cost_model(model, tok, draft, DEFAULT_TREE, draft_id="auto")
+    sampling = SamplingConfig(temperature=args.temperature)
+
+    def run(k):
+        batch = prompts[k] if B == 1 else prompts[B * k:B * k + B]
+        return plan_and_decode(model, draft, batch, max_new_tokens=args.tokens, sampling=sampling,
+                               tree=DEFAULT_TREE, seed=k, cost_model=cost)
+
+    run(0)  # warm-up: first-call work of the process
+    wall = {True: 0.0, False: 0.0}
+    verify = {True: 0.0, False: 0.0}
+    steps = {True: 0, False: 0}
+    tokens = {True: 0, False: 0}
+    same = 0
+    for k in range(groups):
+        got = {}
+        for enabled in ((True, False) if k % 2 == 0 else (False, True)):
+            lean.ENABLED = enabled
+            t = time.perf_counter()
+            res = run(k)
+            wall[enabled] += time.perf_counter() - t
+            res = [res] if B == 1 else res
+            got[enabled] = [r.tokens for r in res]
+            tokens[enabled] += sum(len(r.tokens) for r in res)
+            if B == 1:
+                steps[enabled] += len(res[0].steps)
+                verify[enabled] += sum(st.t_verify_forward for st in res[0].steps)
+        same += got[True] == got[False]
+    lean.ENABLED = True
+    for enabled, name in ((True, "lean"), (False, "transformers")):
+        line = f"{name:>12}: {tokens[enabled] / wall[enabled]:.1f} tokens/s"
+        if B == 1:
+            line += (f", {1e3 * wall[enabled] / steps[enabled]:.2f} ms a step (prefill included), verify forward "
+                     f"{1e3 * verify[enabled] / steps[enabled]:.2f} ms, {steps[enabled]} steps")
+        print(line)
+    print(f"lean / transformers: {wall[False] / wall[True]:.3f}x; the same tokens in {same} of {groups} "
+          f"{'prompts' if B == 1 else 'batches'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--what", choices=("forward", "decode", "batch"), default="forward")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 3, 9], help="tree tokens per forward (forward)")
+    ap.add_argument("--calls", type=int, default=60, help="calls per size and side (forward)")
+    ap.add_argument("--profile", action="store_true", help="also profile five forwards (forward)")
+    ap.add_argument("--hf", action="store_true", help="profile transformers' forward instead of the lean one")
+    ap.add_argument("--prompts", type=int, default=10, help="held-out prompts (decode)")
+    ap.add_argument("--rows", type=int, default=4, help="prompts per batch (batch)")
+    ap.add_argument("--batches", type=int, default=6, help="batches (batch)")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt (decode, batch)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    for name in ("calls", "prompts", "rows", "batches", "tokens", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}={getattr(args, name)}: allowed >= 1")
+    if args.calls < 6:
+        ap.error(f"--calls={args.calls}: allowed >= 6 (the first 5 are warm-up)")
+    if any(n < 1 for n in args.sizes):
+        ap.error(f"--sizes={args.sizes}: allowed >= 1 each")
+    if args.temperature < 0:
+        ap.error(f"--temperature={args.temperature}: allowed >= 0")
+    torch.set_num_threads(args.threads)
+    from rheoplan.loading import load_default
+
+    model, tok, draft = load_default(dtype="bfloat16", draft_dtype="bfloat16")
+    if args.what == "forward":
+        forward(args, model, tok)
+    else:
+        decodes(args, model, tok, draft)
+
+
+if __name__ == "__main__":
+    main()
