@@ -34,14 +34,11 @@ def _llama(dtype: torch.dtype, packed: bool, seed: int = 0):
 
 
 def _tree_mask(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ancestor-or-self mask [n, n], depth [n]) of a tree given by its parents."""
-    n = len(parents)
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    for j in range(n):
-        k = j
-        while k >= 0:
-            anc[j, k] = True
-            k = parents[k]
+    """(ancestor-or-self mask [n, n], depth [n]) of a tree given by its parents, each
+    parent listed before its children."""
+    anc = torch.eye(len(parents), dtype=torch.bool)
+    for j, p in enumerate(parents[1:], start=1):
+        anc[j] |= anc[p]
     return anc, anc.sum(1) - 1
 
 
