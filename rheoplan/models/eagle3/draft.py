@@ -320,10 +320,11 @@ class Eagle3Draft(DraftModel):
         return d if self._order is None else d[:, self._order]
 
     def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             allowed: torch.Tensor) -> torch.Tensor:
+             allowed: torch.Tensor, max_position: int) -> torch.Tensor:
+        """The head over these pairs; ``max_position``: a host bound on ``positions``."""
         dev = self._param.device
         emb = self.embed[tokens.to(self.embed.device)].to(dev, self._param.dtype)
-        out, self._kv = self.head(emb, hidden, positions.to(dev), self._kv, allowed.to(dev))
+        out, self._kv = self.head(emb, hidden, positions.to(dev), self._kv, allowed.to(dev), max_position)
         return out
 
     def _ensure_prompt_features(self) -> None:
@@ -357,7 +358,8 @@ class Eagle3Draft(DraftModel):
                              torch.ones(P, P, dtype=torch.bool).tril()], dim=1)
         positions = torch.arange(self._committed - P + 1, self._committed + 1, dtype=torch.int64)
         feats = self.head.fuse(torch.stack(self._pending_feats))
-        out = self._run(torch.tensor(self._pending_tokens, dtype=torch.int64), feats, positions, allowed)
+        out = self._run(torch.tensor(self._pending_tokens, dtype=torch.int64), feats, positions, allowed,
+                        self._committed)
         self._prefix += P
         self._pending_tokens, self._pending_feats = [], []
         # this step's node tables, sized by the tree's capacity (a shape: no host read); a
@@ -389,7 +391,8 @@ class Eagle3Draft(DraftModel):
         sees[ar, T + ar] = True  # and each node's own entry
         allowed = torch.cat([torch.ones(q, self._prefix, dtype=torch.bool, device=dev),
                              sees[:, :T + q]], dim=1)  # [q, S + q]: S = prefix + T
-        out = self._run(tokens, self._hid[par], positions, allowed)
+        # a node's depth is below the tree's capacity: a bound with no read of the depths
+        out = self._run(tokens, self._hid[par], positions, allowed, self._committed + tree.parent.shape[1])
         self._anc[new] = sees
         self._hid[new] = out
         rows = self._project(out)
@@ -562,7 +565,7 @@ class Eagle3Draft(DraftModel):
             emb = self.embed[tok].to(dev, self._param.dtype)
             hidden = torch.stack(hids).to(dev, self._param.dtype)
             pos = torch.tensor(poss, dtype=torch.int64, device=dev)
-            out, self._bkv = self.head(emb, hidden, pos, self._bkv, allowed.to(dev))
+            out, self._bkv = self.head(emb, hidden, pos, self._bkv, allowed.to(dev), max(poss))
             new_owner = torch.full((Q,), -1, dtype=torch.int64)
             want = [i for i, (_, v, _) in enumerate(items) if v is not None]
             logits = self._project(out[want]) if want else None

@@ -383,7 +383,7 @@ class Eagle3Head(nn.Module):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None, allowed: torch.Tensor,
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                max_position: int | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One midlayer pass over ``n`` pairs.
 
         Args:
@@ -392,30 +392,35 @@ class Eagle3Head(nn.Module):
             positions: ``[n]`` int64 RoPE positions.
             past: cached k/v ``[kv_heads, S, head_dim]`` or None.
             allowed: bool ``[n, S + n]``, row i may attend to column j.
+            max_position: a bound the caller knows on the host (no device read) of every
+                position, or None; with it, ``cos_sin`` may read a table.
         Returns:
             the output hidden ``[n, H]`` (pre-norm; children consume it) and the k/v
             ``[kv_heads, S + n, head_dim]`` including the new entries.
         """
         h = self.fuse(hidden)
-        cos, sin = self.cos_sin(h, positions)
+        cos, sin = self.cos_sin(h, positions, max_position)
         return self.midlayer(embeds, h, cos, sin, past, allowed)
 
-    def cos_sin(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, h: torch.Tensor, positions: torch.Tensor,
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``self.rotary``'s cos and sin ``[n, head_dim]`` at ``positions`` ``[n]``, in ``h``'s
-        dtype. On the CPU they are rows of a table of every position up to the largest
-        asked so far (made by ``self.rotary`` itself, at least 256 rows, doubled when
-        outgrown): each entry is ``cos(position * inv_freq)`` whatever else is in the call,
-        so the rows are the same floats. Why: a decode asks for two or three positions per
-        draft call, and the module's call took ~65 us of them inside decodes (0.15 ms a
-        step at one row on the 2-core Zen 5 AMD EPYC) against a few us for two gathers.
-        Every ``ROPE_TYPES`` entry has a fixed ``inv_freq``, so a table stays right; on
-        another device the module runs (the table's size needs a host read)."""
-        if positions.device.type != "cpu":
+        dtype. Given ``max_position`` (a host int at least every position) and positions
+        on the CPU, they are rows of a table made by ``self.rotary`` itself (at least 256
+        rows, doubled until it holds ``max_position``): each entry is ``cos(position *
+        inv_freq)`` whatever else is in the call, so the rows are the same floats. Why: a
+        decode asks for two or three positions per draft call, and the module's call took
+        ~65 us of them inside decodes (0.15 ms a step at one row on the 2-core Zen 5 AMD
+        EPYC) against a few us for two gathers. Every ``ROPE_TYPES`` entry has a fixed
+        ``inv_freq``, so a table stays right. Without a bound (training) or off the CPU, the
+        module runs: sizing the table from the positions themselves would be a host read,
+        which the device step must not make."""
+        if max_position is None or positions.device.type != "cpu":
             cos, sin = self.rotary(h[None], positions[None])
             return cos[0], sin[0]
         key = (h.dtype, h.device, self.rotary.inv_freq.data_ptr())
         table = self.__dict__.get("_rope_table")
-        top = int(positions.max()) if positions.numel() else 0
+        top = int(max_position)
         if table is None or table[0] != key or table[1].shape[0] <= top:
             n = max(256, table[1].shape[0] if table is not None and table[0] == key else 0)
             while n <= top:

@@ -57,11 +57,14 @@ def test_the_rope_table_gives_the_rotary_modules_cos_and_sin_bit_for_bit(dtype, 
     # the table starts at 256 rows; position 256 needs 512, 700 needs 1024, 2000 needs 2048
     for pos in ([0, 1, 2], [17], [256], [255, 511, 700], [3, 2000, 9], [41, 41, 40]):
         p = torch.tensor(pos)
-        got = head.cos_sin(h[:len(pos)], p)
+        got = head.cos_sin(h[:len(pos)], p, max(pos))
         want = head.rotary(h[None, :len(pos)], p[None])
         assert got[0].dtype == dtype
         assert torch.equal(got[0], want[0][0]) and torch.equal(got[1], want[1][0])
     assert head.__dict__["_rope_table"][1].shape[0] == 2048
-    other = head.cos_sin(h.float(), torch.tensor([5]))  # another dtype: a table of its own
+    del head.__dict__["_rope_table"]
+    head.cos_sin(h[:1], torch.tensor([3000]))  # no bound (training, a device step): the module, no table
+    assert "_rope_table" not in head.__dict__
+    other = head.cos_sin(h.float(), torch.tensor([5]), 5)  # another dtype: a table of its own
     assert other[0].dtype == torch.float32 and torch.equal(other[0], head.rotary(h.float()[None, :1],
                                                                                 torch.tensor([[5]]))[0][0])
