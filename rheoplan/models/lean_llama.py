@@ -41,7 +41,6 @@ features), and that a foreign hook sends the forward back to transformers.
 from __future__ import annotations
 
 import functools
-import weakref
 from operator import attrgetter
 
 import torch
@@ -90,33 +89,31 @@ def _only_capture_hooks(layer: torch.nn.Module) -> bool:
         getattr(h, CAPTURE_HOOK, False) for h in layer._forward_pre_hooks.values()))
 
 
-#: per model, the modules whose ``__call__`` lean_forward skips: (decoder layers, their
-#: attention and MLP containers and the model, every module it calls ``forward`` of)
-_SKIPPED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
 def _skipped(base: torch.nn.Module, ml) -> tuple | None:
-    """``(layers, containers, modules)``: the decoder layers, the modules whose ``forward``
-    ``lean_forward`` inlines (the model, the layers, their attention and MLP) and every
-    module whose ``__call__`` it skips; None where one is not transformers' own Llama class."""
-    got = _SKIPPED.get(base)
-    if got is not None:
-        return got
+    """``(layers, containers, modules)`` as ``base`` holds them now: the decoder layers, the
+    modules whose ``forward`` ``lean_forward`` inlines (the model, the layers, their
+    attention and MLP) and every module whose ``__call__`` it skips (those and their
+    children: norms, projections, the activation); None where a container is not
+    transformers' own Llama class. Walked afresh on every check, through the ``_modules``
+    dicts (``lean_ok`` takes ~40 us in all for SmolLM2), not cached per model: the loader runs
+    forwards before it swaps the linear layers for packed ones, and a cache would then
+    check the hooks of modules the model no longer holds."""
+    ms = base._modules
     n = base.config.num_hidden_layers
-    layers = list(base.layers[:n])
-    if len(layers) < n or any(type(x) is not ml.LlamaDecoderLayer or type(x.self_attn) is not ml.LlamaAttention
-                              or type(x.mlp) is not ml.LlamaMLP for x in layers):
+    layers = list(ms["layers"]._modules.values())[:n]
+    if len(layers) < n:
         return None
-    containers = [base] + [m for x in layers for m in (x, x.self_attn, x.mlp)]
-    mods = [base, base.embed_tokens, base.rotary_emb, base.norm]
+    containers = [base]
+    mods = [base, ms["embed_tokens"], ms["rotary_emb"], ms["norm"]]
     for x in layers:
-        a, m = x.self_attn, x.mlp
-        mods += [a, m, x.input_layernorm, x.post_attention_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
-                 m.gate_proj, m.up_proj, m.down_proj]
-        if isinstance(m.act_fn, torch.nn.Module):
-            mods.append(m.act_fn)
-    got = _SKIPPED[base] = (tuple(layers), tuple(containers), tuple(mods))
-    return got
+        xm = x._modules
+        a, m = xm.get("self_attn"), xm.get("mlp")
+        if type(x) is not ml.LlamaDecoderLayer or type(a) is not ml.LlamaAttention or type(m) is not ml.LlamaMLP:
+            return None
+        containers += (x, a, m)
+        mods += (a, m, xm["input_layernorm"], xm["post_attention_layernorm"], *a._modules.values(),
+                 *m._modules.values())
+    return layers, containers, mods
 
 
 def _standard_rope(ml) -> bool:
@@ -126,17 +123,23 @@ def _standard_rope(ml) -> bool:
                for name in ("apply_rotary_pos_emb", "rotate_half"))
 
 
-def lean_capable(base: torch.nn.Module) -> bool:
-    """Whether ``base`` is a model ``lean_forward`` mirrors (transformers' own Llama classes
-    and rotary embedding, no gradient checkpointing), whatever the hooks and grad mode of
-    the moment; ``lean_ok`` adds those. ``rheoplan.loading.speed_tag`` keys the latency
-    caches on it."""
+def _mirrored(base: torch.nn.Module) -> tuple | None:
+    """``_skipped(base)`` where ``base`` is a model ``lean_forward`` mirrors (enabled,
+    transformers' own Llama classes and rotary embedding, no gradient checkpointing),
+    else None."""
     if not ENABLED:
-        return False
+        return None
     ml = _llama_classes()
     if ml is None or type(base) is not ml.LlamaModel or getattr(base, "gradient_checkpointing", False):
-        return False
-    return _standard_rope(ml) and _skipped(base, ml) is not None
+        return None
+    return _skipped(base, ml) if _standard_rope(ml) else None
+
+
+def lean_capable(base: torch.nn.Module) -> bool:
+    """Whether ``base`` is a model ``lean_forward`` mirrors, whatever the hooks and grad
+    mode of the moment; ``lean_ok`` adds those. ``rheoplan.loading.speed_tag`` keys the
+    latency caches on it."""
+    return _mirrored(base) is not None
 
 
 def lean_note(model: torch.nn.Module) -> str | None:
@@ -155,12 +158,15 @@ def lean_ok(base: torch.nn.Module) -> bool:
     module docstring): ``lean_capable``, not training, no gradient recorded, no global
     module hook, and no hook on a module whose ``__call__`` it skips but the feature
     capture's, no ``forward`` replaced on the instance of a container it inlines. Asked on
-    every forward: ~30 us for SmolLM2's 30 layers."""
-    if base.training or torch.is_grad_enabled() or not lean_capable(base):
+    every forward: ~40 us for SmolLM2's 30 layers (the walk of the modules included)."""
+    if base.training or torch.is_grad_enabled():
         return False
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return False
-    layers, containers, mods = _skipped(base, _llama_classes())
+    got = _mirrored(base)
+    if got is None:
+        return False
+    layers, containers, mods = got
     # a forward replaced on the instance (a spy, accelerate's hooks) is what transformers
     # would call: the inlined one would skip it
     return (_hook_free(mods) and all(_only_capture_hooks(x) for x in layers)
@@ -172,9 +178,8 @@ def lean_forward(base: torch.nn.Module, input_ids: torch.Tensor, position_ids: t
     """``base(input_ids=..., position_ids=..., attention_mask=..., use_cache=True,
     cache=cache, **kwargs).last_hidden_state`` for a ``base`` that ``lean_ok`` accepted:
     ``input_ids`` / ``position_ids`` ``[B, q]``; returns ``[B, q, H]``. Appends to ``cache``."""
-    from transformers.masking_utils import create_causal_mask
-
     ml = _llama_classes()
+    create_causal_mask = ml.create_causal_mask  # the name LlamaModel.forward calls
     cfg = base.config
     attend = ml.ALL_ATTENTION_FUNCTIONS.get_interface(cfg._attn_implementation, ml.eager_attention_forward)
     hidden = base.embed_tokens.forward(input_ids)

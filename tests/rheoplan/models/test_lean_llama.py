@@ -213,3 +213,32 @@ def test_the_speed_tag_keys_latencies_on_the_lean_forward(monkeypatch):
     assert lean.lean_note(model) is not None
     monkeypatch.setattr(lean, "ENABLED", False)
     assert "lean" not in speed_tag(model) and lean.lean_note(model) is None
+
+
+def test_modules_swapped_after_a_first_forward_are_the_ones_checked(monkeypatch):
+    """The loader runs forwards (the dtype probe) before it packs the linear weights: the
+    hook checks must look at the modules the model holds now, not at those of an earlier
+    forward."""
+    if not packing_available(torch.float32, torch.device("cpu")):
+        pytest.skip("no oneDNN packing for float32 here")
+    model = _llama(torch.float32, packed=False)
+    base = model.model
+    _one_row(model, [-1, 0])  # a first forward over the plain nn.Linear projections
+    pack_linears(model, fuse=True)
+    with torch.no_grad():
+        assert lean.lean_ok(base)
+        proj = base.layers[1].mlp.down_proj  # a PackedLinear the first forward never saw
+        calls = []
+        h = proj.register_forward_hook(lambda m, a, o: calls.append(m))
+        assert not lean.lean_ok(base)
+        _one_row(model, [-1, 0])
+        assert calls and calls[-1] is proj
+        h.remove()
+        from transformers.models.llama import modeling_llama as ml
+
+        class MyMLP(ml.LlamaMLP):
+            pass
+
+        mlp = MyMLP(model.config)
+        base.layers[0].mlp = mlp  # a class lean_forward does not mirror, swapped in later
+        assert not lean.lean_ok(base) and not lean.lean_capable(base)
