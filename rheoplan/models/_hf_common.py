@@ -11,6 +11,7 @@ import inspect
 
 import torch
 
+from rheoplan.kernels.cache_moves import move_columns
 from rheoplan.models.gqa_attention import gqa_attention_active, one_query_mask_pays
 from rheoplan.models.growing_cache import capacity, grow_in_place, narrow_layer
 from rheoplan.models.lean_llama import lean_forward, lean_ok
@@ -197,8 +198,10 @@ def commit_cache(cache, prefix: int, path: "list[int] | torch.Tensor") -> None:
     to ``prefix + j``), drop the rest, in place.
 
     Only the tree's part moves, so a commit costs O(tree), not O(context) like an
-    ``index_select`` of the whole cache. The moved entries are gathered into a copy before
-    they are written back, so the order of ``path`` does not matter.
+    ``index_select`` of the whole cache. A list ``path`` moves with
+    ``rheoplan.kernels.cache_moves.move_columns`` (one numba call per CPU tensor where the
+    path runs forward, as a root-to-node path does; torch's gather elsewhere); every
+    source is read before it is overwritten, so the order of ``path`` does not matter.
 
     Example: prefix 3, path [0, 2, 5] keeps entries 0, 1, 2 and moves 3 -> 3, 5 -> 4, 8 -> 5.
 
@@ -206,21 +209,23 @@ def commit_cache(cache, prefix: int, path: "list[int] | torch.Tensor") -> None:
     then every entry is moved, since skipping those already in place would need a host read.
     """
     n = len(path)
-    if isinstance(path, torch.Tensor):
-        moves = (prefix + torch.arange(n, device=path.device), prefix + path) if n else None
-    else:
-        moves = [(prefix + j, prefix + p) for j, p in enumerate(path) if p != j]
-        moves = (torch.tensor([d for d, _ in moves]), torch.tensor([s for _, s in moves])) if moves else None
-    on = {}  # the moves on each device the layers live on (moved there once, not per layer)
+    on_device = isinstance(path, torch.Tensor)
+    moves = on_device and n > 0 or not on_device and any(p != j for j, p in enumerate(path))
+    held = []
     for holder, k, v in _layer_tensors(cache):
         keys = getattr(holder, k)
         if keys is None or keys.numel() == 0:
             continue
-        vals = getattr(holder, v)
-        if moves is not None:
+        held.append((holder, keys, getattr(holder, v)))
+    if moves and on_device:
+        on = {}  # the moves on each device the layers live on (moved there once, not per layer)
+        for _, keys, vals in held:
             if keys.device not in on:
-                on[keys.device] = (moves[0].to(keys.device), moves[1].to(keys.device))
+                on[keys.device] = (prefix + torch.arange(n, device=keys.device), prefix + path.to(keys.device))
             dst, src = on[keys.device]
             keys.index_copy_(-2, dst, keys.index_select(-2, src))
             vals.index_copy_(-2, dst, vals.index_select(-2, src))
+    elif moves and held:
+        move_columns([(keys, vals) for _, keys, vals in held], prefix, [list(path)] * held[0][1].shape[0])
+    for holder, _, _ in held:
         narrow_layer(holder, prefix + n)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from rheoplan.kernels.cache_moves import move_columns
 from rheoplan.models._hf_common import _layer_tensors, new_cache, run_base_rows
 from rheoplan.models.growing_cache import narrow_layer
 from rheoplan.mutation import active
@@ -97,24 +98,19 @@ class RowCache:
         m = max((len(p) for p in paths), default=0)
         if any(j < 0 or j >= q for p in paths for j in p):
             raise ValueError(f"paths hold tree columns outside [0, {q})")
-        src = None  # [B, m]: row b's j-th kept entry comes from start + paths[b][j] (padding: column 0)
-        if any(j != k for p in paths for k, j in enumerate(p)):
-            src = start + torch.tensor([list(p) + [0] * (m - len(p)) for p in paths], dtype=torch.int64)
-        idx = None  # src as gather indices [B, kv_heads, m, head_dim]: every layer's k/v are alike
+        moves = any(j != k for p in paths for k, j in enumerate(p))
+        held = []
         # nothing to move and nothing to drop (every row kept all of its columns in order: a
         # batch of plain steps, one column each): the layers' tensors stay as they are
-        layers = _layer_tensors(self.cache) if src is not None or m < q else ()
-        for holder, k, v in layers:
+        for holder, k, v in _layer_tensors(self.cache) if moves or m < q else ():
             keys = getattr(holder, k)
-            if keys is None or keys.numel() == 0:
-                continue
-            vals = getattr(holder, v)
-            if src is not None:
-                if idx is None:
-                    idx = src[:, None, :, None].to(keys.device).expand(-1, keys.shape[1], -1, keys.shape[3])
-                # gathered into copies first, so overlapping moves cannot read a moved entry
-                keys[:, :, start:start + m] = keys.gather(2, idx)
-                vals[:, :, start:start + m] = vals.gather(2, idx)
+            if keys is not None and keys.numel():
+                held.append((holder, keys, getattr(holder, v)))
+        if moves:
+            # one numba call per tensor (a path runs forward: every source is read before it
+            # is overwritten); torch's gather where the kernel does not apply
+            move_columns([(keys, vals) for _, keys, vals in held], start, paths)
+        for holder, _, _ in held:
             narrow_layer(holder, start + m)
         lens = torch.tensor([len(p) for p in paths], dtype=torch.int64, device=self.device)
         tail = torch.arange(m, device=self.device)[None, :] < lens[:, None]
