@@ -174,6 +174,33 @@ def test_greedy_tokens_is_where_the_greedy_law_puts_its_mass():
             greedy_tokens(y, SamplingConfig(temperature=0))
 
 
+@pytest.mark.parametrize("V", [1, 17, 49152])
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.5), SamplingConfig(top_k=5)],
+                         ids=["unprocessed", "T0.5", "top_k"])
+@pytest.mark.parametrize("kind", ["nan", "inf", "no_finite"])
+def test_target_probs_refuses_a_broken_row_wherever_it_breaks(V, sampling, kind):
+    """Unprocessed scores (T = 1, nothing else) are checked on the law's first column, the
+    others on the logits: either way a NaN, a +inf or a row with no finite entry, at the
+    first, a middle or the last column of the middle row of three, is refused with the
+    broken-target message, and a valid row is not."""
+    for pos in sorted({0, V // 2, V - 1}):
+        x = torch.randn(3, V, generator=torch.Generator().manual_seed(pos))
+        if kind == "nan":
+            x[1, pos] = float("nan")
+        elif kind == "inf":
+            x[1, pos] = float("inf")
+        else:
+            x[1] = float("-inf")
+        with pytest.raises(ValueError, match="target logits contain NaN or \\+inf"):
+            target_probs(x, sampling)
+        with pytest.raises(ValueError, match="target logits contain NaN or \\+inf"):
+            target_probs(x[1], sampling)  # one row, [V]
+    ok = torch.randn(3, V)
+    ok[:, 1:] = float("-inf")  # one finite entry per row is a valid (one-hot) law
+    assert torch.equal(target_probs(ok, sampling)[:, 0], torch.ones(3, dtype=torch.float64))
+    assert torch.equal(target_probs(ok, sampling, check=False)[:, 0], torch.ones(3, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("V", [1, 17, 8192])
 @pytest.mark.parametrize("T", [1.0, 0.5])
 @pytest.mark.parametrize("kind", ["nan", "inf", "no_finite", "overflow"])
