@@ -326,3 +326,29 @@ def test_tensor_node_ids_equal_list_node_ids():
         draft.start([1, 2, 3, 5])
         draft.set_prompt_features(feats)
         draft.vocab_logits(tree, torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("layout", ["features", "hiddens", "mixed"])
+def test_batched_call_fuses_every_target_feature_in_one_product(layout):
+    """``_fused_hidden``: the target features among a batched call's pairs go through ``fc``
+    in one product, the head's own hiddens stay as they are, each in its place."""
+    head = make_head(3)
+    draft = Eagle3Draft(head, torch.nn.Embedding(V, H))
+    g = torch.Generator().manual_seed(1)
+    kinds = {"features": "ffff", "hiddens": "hhh", "mixed": "fhffh"}[layout]
+    hids = [torch.randn(3 * H if k == "f" else H, generator=g) for k in kinds]
+    feat_at = [i for i, k in enumerate(kinds) if k == "f"]
+    calls = []
+    hook = head.fc.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    try:
+        with torch.no_grad():
+            got = draft._fused_hidden(list(hids), feat_at)
+    finally:
+        hook.remove()
+    assert calls == ([len(feat_at)] if feat_at else [])
+    with torch.no_grad():
+        for i, (k, x) in enumerate(zip(kinds, hids)):
+            if k == "h":
+                assert torch.equal(got[i], x)
+            else:
+                assert torch.allclose(got[i], head.fuse(x), atol=ATOL)
