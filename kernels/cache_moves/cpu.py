@@ -1,10 +1,11 @@
 """numba CPU path of the commit's column moves (same signature as ``reference``).
 
 Why: a commit moves a few cached entries in each of the target's 30 layers. As torch ops
-that is a gather and a write-back per tensor, ~7 us each: 0.41 ms for 4 rows of 3 tree
-columns over SmolLM2-135M's 60 tensors, against 0.08 ms for one kernel call per layer on
-the 2-core Zen 5 AMD EPYC (bfloat16; docs/results.md, "Twenty-ninth round"). The entries
-are copied as raw bytes, so the result is the reference's bit for bit, whatever the dtype.
+that is a gather and a write-back per tensor: 0.39 ms for 4 rows of 3 tree columns over
+SmolLM2-135M's 60 tensors (one row 0.29), against 0.11 ms for one kernel call per tensor
+on the 2-core Zen 5 AMD EPYC (bfloat16; ``python examples/measure_step_cuts.py --what
+moves``, docs/results.md, "Twenty-ninth round"). The entries are copied as raw bytes, so
+the result is the reference's bit for bit, whatever the dtype.
 
 In place without a copy: column ``start + j`` is written with the entry of column
 ``start + paths[b][j] >= start + j``, in increasing ``j``, so every source is read before
