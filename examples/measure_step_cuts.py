@@ -1,15 +1,17 @@
-"""The twenty-ninth round's three step cuts against their previous form, in one process.
+"""The twenty-ninth round's four step cuts against their previous form, in one process.
 
-The round changed three things in a decode's steps (docs/results.md, "Twenty-ninth round"):
+The round changed four things in a decode's steps (docs/results.md, "Twenty-ninth round"):
 
 * a commit moves its accepted cache entries with one numba call per tensor
   (``rheoplan.kernels.cache_moves``) instead of torch's gather and write-back;
 * ``distributions.target_probs`` checks unprocessed scores (T = 1, nothing else) on the
   law's first column instead of by a pass over the logits;
 * a batched EAGLE-3 draft call runs every pending target feature through ``fc`` in one
-  product (``Eagle3Draft._fused_hidden``) instead of one product per pair.
+  product (``Eagle3Draft._fused_hidden``) instead of one product per pair;
+* a greedy batch reads the greedy token of every row's prefetched nodes in one pass
+  (``decode._greedy_rows``) instead of one pass per visited node.
 
-This script switches the three back to their previous form and forward again between runs:
+This script switches the four back to their previous form and forward again between runs:
 
 * ``--what moves``: the commit's moves alone on SmolLM2-shaped caches (30 layers of keys
   and values ``[rows, 3, width, 64]``, bfloat16, prefix views of larger buffers), kernel
@@ -65,7 +67,8 @@ def moves(args) -> None:
 
 @contextmanager
 def previous_form(on: bool):
-    """The three cuts undone while ``on`` (module attributes the decode reads at call time)."""
+    """The four cuts undone while ``on`` (module attributes the decode reads at call time)."""
+    import rheoplan.decode as decode
     import rheoplan.distributions as dist
     import rheoplan.models._hf_common as hf_common
     import rheoplan.models.row_cache as row_cache
@@ -77,15 +80,18 @@ def previous_form(on: bool):
             hids[i] = self.head.fuse(hids[i])
         return torch.stack(hids)
 
-    saved = (row_cache.move_columns, hf_common.move_columns, dist._unprocessed, Eagle3Draft._fused_hidden)
+    saved = (row_cache.move_columns, hf_common.move_columns, dist._unprocessed, Eagle3Draft._fused_hidden,
+             decode._greedy_rows)
     if on:
         row_cache.move_columns = hf_common.move_columns = reference.move_columns
         dist._unprocessed = lambda sampling, processors: False
         Eagle3Draft._fused_hidden = per_pair
+        decode._greedy_rows = lambda *args: None
     try:
         yield
     finally:
-        row_cache.move_columns, hf_common.move_columns, dist._unprocessed, Eagle3Draft._fused_hidden = saved
+        (row_cache.move_columns, hf_common.move_columns, dist._unprocessed, Eagle3Draft._fused_hidden,
+         decode._greedy_rows) = saved
 
 
 def decodes(args) -> None:

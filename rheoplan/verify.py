@@ -298,7 +298,8 @@ def _draw_at(tree: DraftTree, b: int, i: int, p: torch.Tensor, verifier: str, st
 def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], sampling: SamplingConfig,
          verifier: str, streams: Streams, step: int, key: int | None = None,
          history: Sequence[int] | None = None, processors: Sequence = (),
-         node_draw: Callable[[torch.Tensor, int, int, int], int] | None = None) -> WalkResult:
+         node_draw: Callable[[torch.Tensor, int, int, int], int] | None = None,
+         greedy_at: Callable[[int], int | None] | None = None) -> WalkResult:
     """Verify tree ``b`` (docs/method.md §5), reading target logits only where the walk goes.
 
     ``logits_at(i)`` returns the raw target logits ``[V]`` at linear node ``i``; they are
@@ -318,6 +319,11 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
     row, -1 when nothing was drafted below it; ``y`` its ``node_y``; ``v`` its creation
     id) that reads the same stream numbers as the rule below and returns the same token
     (``rheoplan.kernels.verify.cpu.NodeDrawer``, what ``backend='numba'`` walks with).
+
+    ``greedy_at(i) -> token or None``: greedy and context-free only, the token
+    ``greedy_tokens`` gives at linear node ``i`` when the caller computed it already (a
+    batch's prefetched nodes in one pass, ``rheoplan.decode``), None where it did not
+    (then ``logits_at(i)`` is read as without it).
 
     Example (one node, nothing drafted below the root: emits one target sample):
         >>> import torch
@@ -348,7 +354,9 @@ def walk(tree: DraftTree, b: int, logits_at: Callable[[int], torch.Tensor], samp
             # proposed and whatever the numbers (an accepted proposal is that token; a
             # rejected one leaves a residual on it alone): no law, no draw, no noise
             # (test_greedy_walk_is_the_couplings_walk checks it against the couplings)
-            x = int(greedy_tokens(logits_at(i), sampling, ids, processors))
+            x = None if greedy_at is None or needs_ids else greedy_at(i)
+            if x is None:
+                x = int(greedy_tokens(logits_at(i), sampling, ids, processors))
         else:
             x = _draw_at(tree, b, i, target_probs(logits_at(i), sampling, ids, processors), verifier,
                          streams, step, sk, node_draw)

@@ -50,7 +50,8 @@ class StepWalk:
 
 def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, streams: Streams, step: int,
                 backend: str, history: Sequence[int] | None = None, processors: Sequence = (),
-                b: int = 0, key: int | None = None, prefetched: bool = False) -> StepWalk:
+                b: int = 0, key: int | None = None, prefetched: bool = False,
+                greedy: dict[int, int] | None = None) -> StepWalk:
     """Walk tree ``b`` (default 0) of ``tree`` given ``fw`` (the target's ``TreeLogits`` of
     that tree) with ``backend``; ``key`` is the tree's stream id (default ``b``, as in
     ``rheoplan.verify.walk``). The device walk handles a one-tree batch only.
@@ -65,7 +66,9 @@ def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, st
 
     ``prefetched``: the caller already projected what it wants projected (the batched loop's
     ``TargetModel.prefetch_rows``, one call for every row); the walk then reads ``fw.logits``
-    node by node and projects nothing in bulk itself.
+    node by node and projects nothing in bulk itself. ``greedy``: for a greedy,
+    context-free walk, the greedy token of linear nodes the caller read already (the
+    batched loop's prefetched nodes of every row in one pass); the walk reads the others.
     """
     context_free = history is None and not processors
     if backend == "triton" and tree.batch > 1:
@@ -96,7 +99,7 @@ def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, st
         draw = NodeDrawer(tree, b, verifier, streams.seed, step, b if key is None else int(key),
                           streams.purpose_key(Purpose.VERIFY_ACCEPT), streams.purpose_key(Purpose.VERIFY_RESIDUAL))
     res = walk(tree, b, read, sampling, verifier, streams, step, key=key, history=history,
-               processors=processors, node_draw=draw)
+               processors=processors, node_draw=draw, greedy_at=None if greedy is None else greedy.get)
     lin = tree.linear
     trials = sum(1 for i in res.path if int(lin.n_children[b, i]) > 0)
     return StepWalk(list(res.path), list(res.nodes), list(res.emitted), res.visited, trials,

@@ -199,6 +199,26 @@ def test_greedy_rows_equal_generate_and_batch_of_one(llamas, draft_kind):
     assert sum(len(layer._forward_pre_hooks) for layer in target.model.layers) == 0
 
 
+def test_greedy_batch_reads_its_prefetched_nodes_in_one_pass(llamas, monkeypatch):
+    """A greedy batch computes the greedy token of every row's prefetched likely path in one
+    ``greedy_tokens`` call a step (``decode._greedy_rows``); the walks read logits one node
+    at a time only off those paths. The tokens stay ``generate``'s."""
+    import rheoplan.decode as decode_mod
+    import rheoplan.verify as verify_mod
+
+    target, draft = llamas
+    batched, per_node = [], []
+    real_batch, real_node = decode_mod.greedy_tokens, verify_mod.greedy_tokens
+    monkeypatch.setattr(decode_mod, "greedy_tokens", lambda x, *a, **k: batched.append(x.shape[0]) or real_batch(x, *a, **k))
+    monkeypatch.setattr(verify_mod, "greedy_tokens", lambda x, *a, **k: per_node.append(1) or real_node(x, *a, **k))
+    rs = plan_and_decode(target, draft, PROMPTS, max_new_tokens=LIMITS, sampling=GREEDY, tree=TREE_HF, seed=0)
+    for p, n, r in zip(PROMPTS, LIMITS, rs):
+        assert r.tokens == greedy_reference(target, p, n)
+    visited = sum(st.visited for r in rs for st in r.steps if st.drafted)
+    assert batched and sum(batched) >= len(batched) * 2  # several rows' nodes a call
+    assert len(per_node) < visited / 2  # most visited nodes were read in the batched pass
+
+
 @pytest.mark.parametrize("draft_kind", ["none", "eagle3"])
 def test_rows_prefilled_in_groups_still_equal_generate(llamas, draft_kind, monkeypatch):
     """With a cost model the batched loop prefills prompts of similar lengths together

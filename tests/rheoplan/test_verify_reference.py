@@ -368,3 +368,27 @@ def test_greedy_walk_is_the_couplings_walk(verifier):
             rows = [int(t.linear.exp_row[0, i]) for i in got.path]
             proposals += sum(1 for r in rows if r >= 0 and int(t.y_token[0, r]) >= 0)
     assert accepted and rejected and proposals
+
+
+def test_greedy_walk_takes_the_callers_greedy_tokens():
+    """``greedy_at``: a greedy walk uses the tokens the caller computed (the batched loop's
+    one pass over every row's prefetched nodes) and reads the logits only where it gave
+    None; with the true greedy tokens it walks exactly as without them. Wrong tokens are
+    followed (the walk trusts its caller), which shows they are read at all."""
+    greedy = SamplingConfig(temperature=0.0)
+    for seed in range(8):
+        t, logits_at, _, _, _, _ = _tree_and_logits(V=6, seed=seed, T=1.0, verifier="rheo")
+        want = walk(t, 0, logits_at, greedy, "rheo", Streams(seed), 3)
+        known = {i: int(torch.argmax(logits_at(i))) for i in want.path[:1]}  # the root, as a caller would
+        read = []
+
+        def counting(i):
+            read.append(i)
+            return logits_at(i)
+
+        got = walk(t, 0, counting, greedy, "rheo", Streams(seed), 3, greedy_at=known.get)
+        assert (got.path, got.emitted, got.visited) == (want.path, want.emitted, want.visited)
+        assert 0 not in read and read == want.path[1:]
+        wrong = (known[0] + 1) % 6
+        off = walk(t, 0, logits_at, greedy, "rheo", Streams(seed), 3, greedy_at={0: wrong}.get)
+        assert off.emitted[0] == wrong
