@@ -1,6 +1,6 @@
-"""The twenty-ninth round's four step cuts against their previous form, in one process.
+"""The twenty-ninth round's five step cuts against their previous form, in one process.
 
-The round changed four things in a decode's steps (docs/results.md, "Twenty-ninth round"):
+The round changed five things in a decode's steps (docs/results.md, "Twenty-ninth round"):
 
 * a commit moves its accepted cache entries with one numba call per tensor
   (``rheoplan.kernels.cache_moves``) instead of torch's gather and write-back;
@@ -9,9 +9,12 @@ The round changed four things in a decode's steps (docs/results.md, "Twenty-nint
 * a batched EAGLE-3 draft call runs every pending target feature through ``fc`` in one
   product (``Eagle3Draft._fused_hidden``) instead of one product per pair;
 * a greedy batch reads the greedy token of every row's prefetched nodes in one pass
-  (``decode._greedy_rows``) instead of one pass per visited node.
+  (``decode._greedy_rows``) instead of one pass per visited node;
+* the walk's draw at a node splits its stream over numba's threads
+  (``kernels.gumbel.gumbel_max_stream_split``); undone here by running the node draws
+  on one thread (the split then takes the serial path).
 
-This script switches the four back to their previous form and forward again between runs:
+This script switches the five back to their previous form and forward again between runs:
 
 * ``--what moves``: the commit's moves alone on SmolLM2-shaped caches (30 layers of keys
   and values ``[rows, 3, width, 64]``, bfloat16, prefix views of larger buffers), kernel
@@ -67,12 +70,16 @@ def moves(args) -> None:
 
 @contextmanager
 def previous_form(on: bool):
-    """The four cuts undone while ``on`` (module attributes the decode reads at call time)."""
+    """The five cuts undone while ``on`` (module attributes the decode reads at call time)."""
+    import numba
+
     import rheoplan.decode as decode
     import rheoplan.distributions as dist
     import rheoplan.models._hf_common as hf_common
     import rheoplan.models.row_cache as row_cache
+    from rheoplan.kernels import parallel
     from rheoplan.kernels.cache_moves import reference
+    from rheoplan.kernels.verify.cpu import NodeDrawer
     from rheoplan.models.eagle3.draft import Eagle3Draft
 
     def per_pair(self, hids, feat_at):
@@ -80,18 +87,28 @@ def previous_form(on: bool):
             hids[i] = self.head.fuse(hids[i])
         return torch.stack(hids)
 
+    split_draw = NodeDrawer.__call__
+
+    def one_thread_draw(self, *args):
+        numba.set_num_threads(1)
+        try:
+            return split_draw(self, *args)
+        finally:
+            numba.set_num_threads(parallel.threads())
+
     saved = (row_cache.move_columns, hf_common.move_columns, dist._unprocessed, Eagle3Draft._fused_hidden,
-             decode._greedy_rows)
+             decode._greedy_rows, NodeDrawer.__call__)
     if on:
         row_cache.move_columns = hf_common.move_columns = reference.move_columns
         dist._unprocessed = lambda sampling, processors: False
         Eagle3Draft._fused_hidden = per_pair
         decode._greedy_rows = lambda *args: None
+        NodeDrawer.__call__ = one_thread_draw
     try:
         yield
     finally:
         (row_cache.move_columns, hf_common.move_columns, dist._unprocessed, Eagle3Draft._fused_hidden,
-         decode._greedy_rows) = saved
+         decode._greedy_rows, NodeDrawer.__call__) = saved
 
 
 def decodes(args) -> None:

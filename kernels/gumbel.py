@@ -17,7 +17,7 @@ kernels, never a key.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from rheoplan.kernels.philox import _philox_block, philox_words, unit_double
 from rheoplan.verify import FILTER_SLACK as _FILTER_SLACK
@@ -47,24 +47,26 @@ def residual_at(p, law, scale, t):
     return (r if r > 0.0 else 0.0) / scale
 
 
-@njit(cache=True)
-def gumbel_max_stream(p, law, scale, k0, c1, c2, c3, buf, top):
-    """``gumbel_max_uniform(r, u)`` for ``r = max(0, p - law) / scale`` (``law`` empty:
-    plain ``p``) and ``u`` the stream's first ``V`` numbers, generated here block by
-    block: the bound is the key of ``r``'s most likely token (``top``, or found here when
-    ``top < 0``: the first maximum, as torch's argmax), and only tokens that pass the
-    same filter get an exact key (first token on ties, as the reference)."""
+@njit(cache=True, inline="always")
+def _first_max(p, law, scale, lo, hi):
+    """``(t, r)``: the first token of ``lo..hi-1`` with the largest residual ``r`` (-1, -1.0
+    when none is above -1)."""
+    top, rtop = -1, -1.0
+    for t in range(lo, hi):
+        r = residual_at(p, law, scale, t)
+        if r > rtop:
+            top, rtop = t, r
+    return top, rtop
+
+
+@njit(cache=True, inline="always")
+def _screen(p, law, scale, k0, c1, c2, c3, top, thr, blk_lo, blk_hi):
+    """``(key, token)``: the best Gumbel key among the tokens of stream blocks
+    ``blk_lo..blk_hi-1`` that pass the screen (``top`` always does), the first on ties;
+    ``(-inf, -1)`` when none does."""
     V = p.shape[0]
-    if top < 0:
-        rtop = -1.0
-        for t in range(V):
-            r = residual_at(p, law, scale, t)
-            if r > rtop:
-                top, rtop = t, r
-    bound = np.log(residual_at(p, law, scale, top)) - np.log(-np.log(stream_at(k0, c1, c2, c3, top, buf)))
-    thr = np.exp(-bound) * (1.0 + _FILTER_SLACK)
-    best, arg = -np.inf, top
-    for blk in range((V + 3) // 4):
+    best, arg = -np.inf, -1
+    for blk in range(blk_lo, blk_hi):
         words = philox_words(np.uint64(blk + 1), c1, c2, c3, k0, np.uint64(0))
         for w in range(4):
             t = blk * 4 + w
@@ -76,4 +78,72 @@ def gumbel_max_stream(p, law, scale, k0, c1, c2, c3, buf, top):
                 key = np.log(r) - np.log(-np.log(u))
                 if key > best:  # tokens in increasing order: the first wins a tie
                     best, arg = key, t
-    return arg
+    return best, arg
+
+
+@njit(cache=True, inline="always")
+def _threshold(p, law, scale, k0, c1, c2, c3, top, buf):
+    """The screen's bound from ``top``'s key: a token can win only if ``1 - u <= r * thr``."""
+    bound = np.log(residual_at(p, law, scale, top)) - np.log(-np.log(stream_at(k0, c1, c2, c3, top, buf)))
+    return np.exp(-bound) * (1.0 + _FILTER_SLACK)
+
+
+@njit(cache=True)
+def gumbel_max_stream(p, law, scale, k0, c1, c2, c3, buf, top):
+    """``gumbel_max_uniform(r, u)`` for ``r = max(0, p - law) / scale`` (``law`` empty:
+    plain ``p``) and ``u`` the stream's first ``V`` numbers, generated here block by
+    block: the bound is the key of ``r``'s most likely token (``top``, or found here when
+    ``top < 0``: the first maximum, as torch's argmax), and only tokens that pass the
+    same filter get an exact key (first token on ties, as the reference)."""
+    V = p.shape[0]
+    if top < 0:
+        top, _ = _first_max(p, law, scale, 0, V)
+    thr = _threshold(p, law, scale, k0, c1, c2, c3, top, buf)
+    best, arg = _screen(p, law, scale, k0, c1, c2, c3, top, thr, 0, (V + 3) // 4)
+    return arg if arg >= 0 else top
+
+
+#: below this many tokens a draw is not split over threads (the split costs ~10 us)
+SPLIT_MIN = 8192
+
+
+@njit(cache=True, parallel=True)
+def _chunked(p, law, scale, k0, c1, c2, c3, top, thr, chunks, best, arg):
+    """``_screen`` (``top >= 0``) or ``_first_max`` (``top < 0``: ``best`` gets the
+    residuals) over ``chunks`` contiguous ranges of stream blocks, one per thread."""
+    V = p.shape[0]
+    blocks = (V + 3) // 4
+    per = (blocks + chunks - 1) // chunks
+    for c in prange(chunks):
+        lo, hi = c * per, min((c + 1) * per, blocks)
+        if top < 0:
+            arg[c], best[c] = _first_max(p, law, scale, min(4 * lo, V), min(4 * hi, V))
+        else:
+            best[c], arg[c] = _screen(p, law, scale, k0, c1, c2, c3, top, thr, lo, hi)
+
+
+@njit(cache=True)
+def gumbel_max_stream_split(p, law, scale, k0, c1, c2, c3, buf, top, chunks):
+    """``gumbel_max_stream`` with the vocabulary split into ``chunks`` ranges of stream
+    blocks screened on numba's threads (``SPLIT_MIN`` or fewer tokens, or one chunk: the
+    serial function). The same token: each range keeps its first best key, and the ranges
+    are merged in token order keeping the first of equal keys, which is the serial scan's
+    winner; the most likely token is merged the same way."""
+    V = p.shape[0]
+    if chunks <= 1 or V <= SPLIT_MIN:
+        return gumbel_max_stream(p, law, scale, k0, c1, c2, c3, buf, top)
+    best = np.empty(chunks)
+    arg = np.empty(chunks, dtype=np.int64)
+    if top < 0:
+        _chunked(p, law, scale, k0, c1, c2, c3, top, 0.0, chunks, best, arg)
+        rtop = -1.0
+        for c in range(chunks):
+            if best[c] > rtop:
+                top, rtop = arg[c], best[c]
+    thr = _threshold(p, law, scale, k0, c1, c2, c3, top, buf)
+    _chunked(p, law, scale, k0, c1, c2, c3, top, thr, chunks, best, arg)
+    key, win = -np.inf, -1
+    for c in range(chunks):
+        if best[c] > key:
+            key, win = best[c], arg[c]
+    return win if win >= 0 else top

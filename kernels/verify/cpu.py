@@ -17,13 +17,14 @@ can only matter when two Gumbel keys, or ``u`` and the accept probability, agree
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
 from rheoplan.kernels import parallel
 from rheoplan.kernels.noise import counter_rows
-from rheoplan.kernels.gumbel import NO_LAW, gumbel_max_stream, stream_at
+from rheoplan.kernels.gumbel import NO_LAW, gumbel_max_stream, gumbel_max_stream_split, stream_at
 from rheoplan.kernels.verify import VERIFIER_CODES
 from rheoplan.kernels.verify.reference import WalkOut
 
@@ -177,8 +178,9 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
     likely token are summed over ``V`` only when the proposal is rejected (0.06 ms a pass
     over 49152 tokens on the Zen 5 EPYC; an accepted node took that pass for nothing)."""
     buf = np.empty(4, dtype=np.uint64)
+    chunks = numba.get_num_threads()  # the draw's stream split over the threads: the same token
     if code == 0 or m >= K or y < 0:  # no proposal: X ~ p
-        return gumbel_max_stream(p, NO_LAW, 1.0, k0, res[1], res[2], res[3], buf, -1)
+        return gumbel_max_stream_split(p, NO_LAW, 1.0, k0, res[1], res[2], res[3], buf, -1, chunks)
     e = _write_proposal(sup_token, sup_q, n, m, K, y, code, law)
     certain = _mass_certain(p, law, sup_token, n)
     mass, top = (0.0, -1) if certain else _mass_and_top(p, law)
@@ -189,7 +191,7 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
         if not stream_at(k0, acc[1], acc[2], acc[3], 0, buf) < a:
             if certain:
                 mass, top = _mass_and_top(p, law)
-            x = gumbel_max_stream(p, law, mass, k0, res[1], res[2], res[3], buf, top)
+            x = gumbel_max_stream_split(p, law, mass, k0, res[1], res[2], res[3], buf, top, chunks)
     for i in range(n):  # every entry written above is a support token
         law[sup_token[i]] = 0.0
     return x
@@ -255,9 +257,10 @@ class NodeDrawer:
             tok, q = _NO_TOKENS, _NO_PROBS
         else:
             n, tok, q = int(self.sup_n[row]), self.sup_token[row], self.sup_q[row]
-        return int(walk_node_draw(pn, tok, q, n, self.m, self.K, int(y), self.code, np.uint64(self.seed),
-                                    self._counter(node, self.accept), self._counter(node, self.residual),
-                                    self.law))
+        # launched as a parallel kernel: its draw splits the vocabulary over the threads
+        return int(parallel.launch(walk_node_draw, pn, tok, q, n, self.m, self.K, int(y), self.code,
+                                   np.uint64(self.seed), self._counter(node, self.accept),
+                                   self._counter(node, self.residual), self.law))
 
 
 def _f64(x):
