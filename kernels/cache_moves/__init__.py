@@ -5,7 +5,7 @@ committed ones; a commit moves the accepted path's entries (tree offsets ``paths
 to offsets ``j`` and drops the rest (``rheoplan.models.row_cache.RowCache.commit_paths``,
 ``rheoplan.models._hf_common.commit_cache``). ``reference`` does it with torch ops (a
 gather into a copy and a write-back: two operator calls per tensor, 60 tensors for
-SmolLM2-135M); ``cpu`` with one numba call per layer. Same signature, same bits: the
+SmolLM2-135M); ``cpu`` with one numba call per tensor. Same signature, same bits: the
 entries are copied, not computed.
 
 ``move_columns`` picks ``cpu`` where its precondition holds (CPU tensors whose last axis is

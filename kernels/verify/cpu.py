@@ -176,7 +176,9 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
     An accepted proposal reads ``p`` at the support only: whether the residual has mass is
     decided there when it can be (``_mass_certain``, nearly always), and its mass and most
     likely token are summed over ``V`` only when the proposal is rejected (0.06 ms a pass
-    over 49152 tokens on the Zen 5 EPYC; an accepted node took that pass for nothing)."""
+    over 49152 tokens on the Zen 5 EPYC; an accepted node took that pass for nothing).
+    A draw splits the stream over numba's threads (``gumbel_max_stream_split``: the serial
+    draw's token), so launch it with ``parallel.launch``, as ``NodeDrawer`` does."""
     buf = np.empty(4, dtype=np.uint64)
     chunks = numba.get_num_threads()  # the draw's stream split over the threads: the same token
     if code == 0 or m >= K or y < 0:  # no proposal: X ~ p
