@@ -11,8 +11,8 @@ The round changed five things in a decode's steps (docs/results.md, "Twenty-nint
 * a greedy batch reads the greedy token of every row's prefetched nodes in one pass
   (``decode._greedy_rows``) instead of one pass per visited node;
 * the walk's draw at a node splits its stream over numba's threads
-  (``kernels.gumbel.gumbel_max_stream_split``); undone here by running the node draws
-  on one thread (the split then takes the serial path).
+  (``kernels.gumbel.gumbel_max_stream_split``); undone here by giving the node draws one
+  range (the split's serial path).
 
 This script switches the five back to their previous form and forward again between runs:
 
@@ -71,8 +71,6 @@ def moves(args) -> None:
 @contextmanager
 def previous_form(on: bool):
     """The five cuts undone while ``on`` (module attributes the decode reads at call time)."""
-    import numba
-
     import rheoplan.decode as decode
     import rheoplan.distributions as dist
     import rheoplan.models._hf_common as hf_common
@@ -90,11 +88,12 @@ def previous_form(on: bool):
     split_draw = NodeDrawer.__call__
 
     def one_thread_draw(self, *args):
-        numba.set_num_threads(1)
+        threads = parallel.threads
+        parallel.threads = lambda: 1  # the draw's count of ranges: one, the serial path
         try:
             return split_draw(self, *args)
         finally:
-            numba.set_num_threads(parallel.threads())
+            parallel.threads = threads
 
     saved = (row_cache.move_columns, hf_common.move_columns, dist._unprocessed, Eagle3Draft._fused_hidden,
              decode._greedy_rows, NodeDrawer.__call__)

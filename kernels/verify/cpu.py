@@ -17,7 +17,6 @@ can only matter when two Gumbel keys, or ``u`` and the accept probability, agree
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
@@ -166,7 +165,7 @@ def _mass_and_top(p, law):
 
 
 @njit(cache=True)
-def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
+def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law, chunks=1):
     """The emitted token at one node (``rheoplan.verify._coupling_draw`` with the walk's
     streams): the accept uniform is number 0 of counter ``acc``, the residual noise the
     first ``V`` numbers of counter ``res``; neither is generated where it is not used.
@@ -177,10 +176,12 @@ def walk_node_draw(p, sup_token, sup_q, n, m, K, y, code, k0, acc, res, law):
     decided there when it can be (``_mass_certain``, nearly always), and its mass and most
     likely token are summed over ``V`` only when the proposal is rejected (0.06 ms a pass
     over 49152 tokens on the Zen 5 EPYC; an accepted node took that pass for nothing).
-    A draw splits the stream over numba's threads (``gumbel_max_stream_split``: the serial
-    draw's token), so launch it with ``parallel.launch``, as ``NodeDrawer`` does."""
+    ``chunks``: a draw splits the stream into that many ranges on numba's threads
+    (``gumbel_max_stream_split``: the serial draw's token for any count; ``NodeDrawer``
+    passes ``parallel.threads()`` and launches it with ``parallel.launch``). A count
+    argument, not ``numba.get_num_threads()`` inside, which would keep numba from caching
+    the compiled function."""
     buf = np.empty(4, dtype=np.uint64)
-    chunks = numba.get_num_threads()  # the draw's stream split over the threads: the same token
     if code == 0 or m >= K or y < 0:  # no proposal: X ~ p
         return gumbel_max_stream_split(p, NO_LAW, 1.0, k0, res[1], res[2], res[3], buf, -1, chunks)
     e = _write_proposal(sup_token, sup_q, n, m, K, y, code, law)
@@ -262,7 +263,7 @@ class NodeDrawer:
         # launched as a parallel kernel: its draw splits the vocabulary over the threads
         return int(parallel.launch(walk_node_draw, pn, tok, q, n, self.m, self.K, int(y), self.code,
                                    np.uint64(self.seed), self._counter(node, self.accept),
-                                   self._counter(node, self.residual), self.law))
+                                   self._counter(node, self.residual), self.law, parallel.threads()))
 
 
 def _f64(x):

@@ -60,3 +60,24 @@ def test_functions_outside_the_kernels_keep_numbas_own_cache(tmp_path):
     ns = {}
     exec(compile(src.read_text(), str(src), "exec"), ns)
     assert all(c.from_function(ns["f"], str(src)) is None for c in ours)
+
+
+def test_the_walks_node_draw_is_saved_to_the_cache(tmp_path):
+    """``walk_node_draw`` compiles in a fresh process and writes its cache entry, with no
+    warning: a kernel that reads a dynamic global (``numba.get_num_threads()`` inside it,
+    as a first version of the split draw did) cannot be cached and is compiled again in
+    every process, ~seconds at the first walk."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, warnings\n"
+            "warnings.simplefilter('error')\n"
+            "from rheoplan.kernels.verify.cpu import walk_node_draw\n"
+            "V = 9000\n"
+            "walk_node_draw(np.full(V, 1.0 / V), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32), 0, 1, 3,"
+            " -1, 1, np.uint64(3), np.zeros(4, dtype=np.uint64), np.arange(4, dtype=np.uint64), np.zeros(V), 2)\n")
+    env = {**__import__("os").environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Cannot cache" not in out.stderr
+    assert list(tmp_path.rglob("*walk_node_draw*.nbi")), "no cache index written for walk_node_draw"
