@@ -94,22 +94,11 @@ def forward(args, model, tok) -> None:
 
 def decodes(args, model, tok, draft) -> None:
     import rheoplan.models.lean_llama as lean
-    from rheoplan.bench.batch import DEFAULT_TREE
-    from rheoplan.bench.decode import load_prompts
-    from rheoplan.config import SamplingConfig
-    from rheoplan.decode import plan_and_decode
-    from rheoplan.loading import encode_prompt, load_cost_model
+    from rheoplan.bench.batch import held_out_groups
 
     B = 1 if args.what == "decode" else args.rows
     groups = args.prompts if args.what == "decode" else args.batches
-    prompts = [encode_prompt(tok, p, chat=True) for _, p in load_prompts(B * groups)]
-    cost = load_cost_model(model, tok, draft, DEFAULT_TREE, draft_id="auto")
-    sampling = SamplingConfig(temperature=args.temperature)
-
-    def run(k):
-        batch = prompts[k] if B == 1 else prompts[B * k:B * k + B]
-        return plan_and_decode(model, draft, batch, max_new_tokens=args.tokens, sampling=sampling,
-                               tree=DEFAULT_TREE, seed=k, cost_model=cost)
+    run = held_out_groups(model, tok, draft, B, groups, args.tokens, args.temperature)
 
     run(0)  # warm-up: first-call work of the process
     wall = {True: 0.0, False: 0.0}
@@ -124,7 +113,6 @@ def decodes(args, model, tok, draft) -> None:
             t = time.perf_counter()
             res = run(k)
             wall[enabled] += time.perf_counter() - t
-            res = [res] if B == 1 else res
             got[enabled] = [r.tokens for r in res]
             tokens[enabled] += sum(len(r.tokens) for r in res)
             if B == 1:

@@ -111,24 +111,13 @@ def previous_form(on: bool):
 
 
 def decodes(args) -> None:
-    from rheoplan.bench.batch import DEFAULT_TREE
-    from rheoplan.bench.decode import load_prompts
-    from rheoplan.config import SamplingConfig
-    from rheoplan.decode import plan_and_decode
-    from rheoplan.loading import encode_prompt, load_cost_model, load_default
+    from rheoplan.bench.batch import held_out_groups
+    from rheoplan.loading import load_default
 
     model, tok, draft = load_default(dtype="bfloat16", draft_dtype="bfloat16")
     B = 1 if args.what == "decode" else args.rows
     groups = args.prompts if args.what == "decode" else args.batches
-    prompts = [encode_prompt(tok, p, chat=True) for _, p in load_prompts(B * groups)]
-    cost = load_cost_model(model, tok, draft, DEFAULT_TREE, draft_id="auto")
-    sampling = SamplingConfig(temperature=args.temperature)
-
-    def run(k):
-        batch = prompts[k] if B == 1 else prompts[B * k:B * k + B]
-        res = plan_and_decode(model, draft, batch, max_new_tokens=args.tokens, sampling=sampling,
-                              tree=DEFAULT_TREE, seed=k, cost_model=cost)
-        return [res] if B == 1 else res
+    run = held_out_groups(model, tok, draft, B, groups, args.tokens, args.temperature)
 
     run(0)  # warm-up: first-call work of the process
     phases = ("t_draft", "t_plan", "t_verify_forward", "t_walk", "t_commit", "t_step")

@@ -157,6 +157,24 @@ def _row_stats(results) -> dict:
             "kept_sum": sum(st.tree_size for st in drafted), "drafted_steps": len(drafted), "steps": steps}
 
 
+def held_out_groups(model, tok, draft, rows: int, groups: int, tokens: int, temperature: float):
+    """``run(k)``: group ``k`` of ``groups`` groups of held-out prompts decoded as ``rheoplan
+    generate`` and the batched loop decode them (``DEFAULT_TREE``, the cost model, seed
+    ``k``): one prompt when ``rows == 1``, else a static batch of ``rows``; returns its
+    ``DecodeResult`` list. What the paired examples (``examples/measure_*.py``) alternate."""
+    prompts = [encode_prompt(tok, p, chat=True) for _, p in load_prompts(rows * groups)]
+    cost = load_cost_model(model, tok, draft, DEFAULT_TREE, draft_id="auto")
+    sampling = SamplingConfig(temperature=temperature)
+
+    def run(k: int) -> list:
+        batch = prompts[k] if rows == 1 else prompts[rows * k:rows * k + rows]
+        res = plan_and_decode(model, draft, batch, max_new_tokens=tokens, sampling=sampling, tree=DEFAULT_TREE,
+                              seed=k, cost_model=cost)
+        return [res] if rows == 1 else res
+
+    return run
+
+
 def run_generate(model, pad_id: int, rows: list[list[int]], temperature: float, seed: int, tokens: int,
                  unpacked: bool = False) -> dict:
     """``generate`` on the left-padded batch; exactly ``tokens`` new tokens per row.

@@ -174,6 +174,18 @@ def test_greedy_tokens_is_where_the_greedy_law_puts_its_mass():
             greedy_tokens(y, SamplingConfig(temperature=0))
 
 
+def _broken(V: int, pos: int, kind: str) -> torch.Tensor:
+    """Three random rows of ``V`` logits, the middle one broken at column ``pos``: a NaN, a
+    +inf, no finite entry at all ('no_finite'), or 3e38 ('overflow': finite, +inf once
+    divided by a temperature below 1)."""
+    x = torch.randn(3, V, generator=torch.Generator().manual_seed(pos))
+    if kind == "no_finite":
+        x[1] = float("-inf")
+    else:
+        x[1, pos] = {"nan": float("nan"), "inf": float("inf"), "overflow": 3e38}[kind]
+    return x
+
+
 @pytest.mark.parametrize("V", [1, 17, 49152])
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.5), SamplingConfig(top_k=5)],
                          ids=["unprocessed", "T0.5", "top_k"])
@@ -184,13 +196,7 @@ def test_target_probs_refuses_a_broken_row_wherever_it_breaks(V, sampling, kind)
     first, a middle or the last column of the middle row of three, is refused with the
     broken-target message, and a valid row is not."""
     for pos in sorted({0, V // 2, V - 1}):
-        x = torch.randn(3, V, generator=torch.Generator().manual_seed(pos))
-        if kind == "nan":
-            x[1, pos] = float("nan")
-        elif kind == "inf":
-            x[1, pos] = float("inf")
-        else:
-            x[1] = float("-inf")
+        x = _broken(V, pos, kind)
         with pytest.raises(ValueError, match="target logits contain NaN or \\+inf"):
             target_probs(x, sampling)
         with pytest.raises(ValueError, match="target logits contain NaN or \\+inf"):
@@ -212,15 +218,7 @@ def test_draft_probs_refuses_a_broken_row_wherever_it_breaks(V, T, kind):
 
     s = SamplingConfig(temperature=T)
     for pos in sorted({0, V // 2, V - 1}):
-        x = torch.randn(3, V, generator=torch.Generator().manual_seed(pos))
-        if kind == "nan":
-            x[1, pos] = float("nan")
-        elif kind == "inf":
-            x[1, pos] = float("inf")
-        elif kind == "no_finite":
-            x[1] = float("-inf")
-        else:
-            x[1, pos] = 3e38
+        x = _broken(V, pos, kind)
         if kind == "overflow" and T == 1.0:
             assert torch.isfinite(draft_probs(x, s)).all()  # finite at T = 1: a valid law
             continue
