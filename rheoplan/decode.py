@@ -1092,7 +1092,7 @@ def _greedy_rows(fws: list, paths: list[list[int]], sizes: list[int], sampling) 
     """Per row, the greedy token of each node of its likely path (``paths[b]``, projected
     already), for rows with a drafted tree: one ``greedy_tokens`` pass over all of them
     instead of one per visited node and row (a 4-row step visits ~7; each read of 49,152
-    logits cost ~60 us in place). The check for broken logits covers every node read."""
+    logits cost ~70 us warm). The check for broken logits covers every node read."""
     items = [(b, i) for b, (n, p) in enumerate(zip(sizes, paths)) if n > 1 for i in dict.fromkeys(p)]
     out: list[dict[int, int]] = [{} for _ in paths]
     if items:
