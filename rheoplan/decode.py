@@ -42,6 +42,7 @@ from rheoplan.config import ConfigError, SamplingConfig, TreeConfig
 from rheoplan.costmodel import BatchPlan, Calibration, CostModel, CostPlan, Timings, prefill_groups
 from rheoplan.distributions import SubsetLogits, greedy_tokens
 from rheoplan.ir import DraftTree, empty_tree
+from rheoplan.kernels.argmax import first_max
 from rheoplan.kernels.plan.cpu_pass import decide as numba_decide, frontiers as numba_frontiers
 from rheoplan.models import as_draft, as_target
 from rheoplan.models.base import DraftModel, TargetModel
@@ -1054,7 +1055,8 @@ def _walk_rows(s: BatchState, live: list[_Row], t: DraftTree, fws: list, st0: St
     paths = [[0] if n == 1 else likely_path(t, b) for b, n in enumerate(sizes)]
     s.target.prefetch_rows(fws, paths)
     with_ctx = s.sampling.needs_context or bool(s.processors)
-    greedy = _greedy_rows(fws, paths, sizes, s.sampling) if s.sampling.greedy and not with_ctx else None
+    greedy = (_greedy_rows(fws, paths, sizes, s.sampling, s.backend) if s.sampling.greedy and not with_ctx
+              else None)
     # rows with nothing drafted draw their token together (one softmax over [R, V])
     roots = [] if with_ctx else [b for b, n in enumerate(sizes) if n == 1]
     root_walks = dict(zip(roots, verify_roots(t, [fws[b] for b in roots], roots, s.sampling, s.streams,
@@ -1088,15 +1090,18 @@ def _walk_rows(s: BatchState, live: list[_Row], t: DraftTree, fws: list, st0: St
     return walks, stops, stats
 
 
-def _greedy_rows(fws: list, paths: list[list[int]], sizes: list[int], sampling) -> list[dict[int, int]]:
+def _greedy_rows(fws: list, paths: list[list[int]], sizes: list[int], sampling,
+                 backend: str) -> list[dict[int, int]]:
     """Per row, the greedy token of each node of its likely path (``paths[b]``, projected
     already), for rows with a drafted tree: one ``greedy_tokens`` pass over all of them
     instead of one per visited node and row (a 4-row step visits ~7; each read of 49,152
-    logits cost ~70 us warm). The check for broken logits covers every node read."""
+    logits cost ~70 us warm), by the numba scan (``kernels.argmax``) unless ``backend``
+    is 'reference'. The check for broken logits covers every node read."""
     items = [(b, i) for b, (n, p) in enumerate(zip(sizes, paths)) if n > 1 for i in dict.fromkeys(p)]
     out: list[dict[int, int]] = [{} for _ in paths]
     if items:
-        toks = greedy_tokens(torch.stack([fws[b].logits(i).cpu() for b, i in items]), sampling).tolist()
+        toks = greedy_tokens(torch.stack([fws[b].logits(i).cpu() for b, i in items]), sampling,
+                             first_max=None if backend == "reference" else first_max).tolist()
         for (b, i), x in zip(items, toks):
             out[b][i] = x
     return out

@@ -262,10 +262,16 @@ def _greedy(scores: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_tokens(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None,
-                  processors: Sequence[LogitsProcessor] = (), check: bool = True) -> torch.Tensor:
+                  processors: Sequence[LogitsProcessor] = (), check: bool = True,
+                  first_max: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+                  ) -> torch.Tensor:
     """The token ``target_probs`` puts all its mass on when greedy, one per row (shape
     ``logits.shape[:-1]``; arguments as ``process_scores``), without building the one-hot
     law: the greedy walks (``rheoplan.verify``) read only this.
+
+    ``first_max(x) -> (top, index)``: a faster implementation of ``x.max(dim=-1)`` for the
+    context-free case (the numba scan ``rheoplan.kernels.argmax.first_max``, which the
+    walks of the numba backend pass); default: that torch call.
 
     Example:
         >>> greedy_tokens(torch.tensor([[0., 2., 2.], [5., 0., 1.]]), SamplingConfig(temperature=0)).tolist()
@@ -280,7 +286,8 @@ def greedy_tokens(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None
     # maximum, as ``_greedy``'s argmax), where ``process_scores`` then ``_greedy`` made two
     # (16 rows x 49k on the 2-core CPU: 0.56 -> 0.47 ms on their own, 0.87 -> 0.75 ms
     # inside batched decodes).
-    top, token = logits.to(torch.float32).max(dim=-1)
+    x = logits.to(torch.float32)
+    top, token = x.max(dim=-1) if first_max is None else first_max(x)
     if check and bool(broken_maxima(top)):
         raise ValueError(BROKEN_TARGET)
     return token

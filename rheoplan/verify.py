@@ -240,7 +240,8 @@ def gumbel_max_uniform(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams, steps: Sequence[int],
                keys: Sequence[int], nodes: Sequence[int],
-               draw: Callable[[torch.Tensor, list, list, list], list[int]] | None = None) -> list[int]:
+               draw: Callable[[torch.Tensor, list, list, list], list[int]] | None = None,
+               first_max: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[int]:
     """``walk`` of R root-only trees at once (a batch's autoregressive rows): row ``r``
     emits a draw of ``target_probs(logits[r])`` with the noise ``walk`` uses at that root,
     ``streams.gumbel(steps[r], keys[r], nodes[r], VERIFY_RESIDUAL, V)``. One softmax and
@@ -250,7 +251,8 @@ def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams,
     ``draw(p, steps, keys, nodes)``: those rows' tokens from a faster implementation of
     the same draws (the numba kernel ``rheoplan.kernels.verify.cpu.root_draws``, which
     generates the stream as it filters, never the whole ``[R, V]`` of uniforms); default:
-    ``streams.uniform`` row by row, then ``gumbel_max_uniform``."""
+    ``streams.uniform`` row by row, then ``gumbel_max_uniform``. ``first_max``: greedy
+    rows' pick by a faster ``max(dim=-1)`` (``greedy_tokens``)."""
     if not (len(steps) == len(keys) == len(nodes) == logits.shape[0]):
         raise ValueError(f"walk_roots: {logits.shape[0]} rows of logits for {len(steps)} steps, "
                          f"{len(keys)} keys and {len(nodes)} nodes")
@@ -259,7 +261,7 @@ def walk_roots(logits: torch.Tensor, sampling: SamplingConfig, streams: Streams,
     if sampling.greedy:
         # the law is a one-hot on the processed scores' argmax: argmax(log p + g) is that
         # token whatever the noise, so draw none, and skip building the [R, V] one-hot
-        return greedy_tokens(logits, sampling).tolist()
+        return greedy_tokens(logits, sampling, first_max=first_max).tolist()
     p = target_probs(logits, sampling)
     steps, keys, nodes = list(steps), list(keys), list(nodes)
     if active("batch_shared_root_noise"):  # test-only: every row draws with the first row's noise

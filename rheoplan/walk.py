@@ -27,8 +27,9 @@ from typing import Sequence
 import torch
 
 from rheoplan.config import SamplingConfig
-from rheoplan.distributions import BROKEN_TARGET, broken_rows, target_probs
+from rheoplan.distributions import BROKEN_TARGET, broken_rows, greedy_tokens, target_probs
 from rheoplan.ir import DraftTree
+from rheoplan.kernels.argmax import first_max
 from rheoplan.kernels.verify.cpu import NodeDrawer, root_draws
 from rheoplan.models.base import TreeLogits
 from rheoplan.mutation import active
@@ -98,12 +99,26 @@ def verify_tree(tree: DraftTree, fw, sampling: SamplingConfig, verifier: str, st
     if backend == "numba" and not sampling.greedy and not active("raw_q_ratio"):
         draw = NodeDrawer(tree, b, verifier, streams.seed, step, b if key is None else int(key),
                           streams.purpose_key(Purpose.VERIFY_ACCEPT), streams.purpose_key(Purpose.VERIFY_RESIDUAL))
+    greedy_at = None if greedy is None else greedy.get
+    if backend == "numba" and sampling.greedy and context_free:
+        greedy_at = _greedy_reader(read, sampling, greedy or {})
     res = walk(tree, b, read, sampling, verifier, streams, step, key=key, history=history,
-               processors=processors, node_draw=draw, greedy_at=None if greedy is None else greedy.get)
+               processors=processors, node_draw=draw, greedy_at=greedy_at)
     lin = tree.linear
     trials = sum(1 for i in res.path if int(lin.n_children[b, i]) > 0)
     return StepWalk(list(res.path), list(res.nodes), list(res.emitted), res.visited, trials,
                     int(lin.n[b]) - 1)
+
+
+def _greedy_reader(read, sampling: SamplingConfig, known: dict[int, int]):
+    """``walk``'s ``greedy_at`` for the numba backend: the greedy token of linear node ``i``
+    from ``known`` (read already), else from ``read(i)``'s logits by the numba scan for
+    the first maximum (``kernels.argmax``: torch's max with indices took ~4x as long over
+    49,152 logits), with ``greedy_tokens``' check."""
+    def at(i: int) -> int:
+        x = known.get(i)
+        return x if x is not None else int(greedy_tokens(read(i), sampling, first_max=first_max))
+    return at
 
 
 def verify_roots(tree: DraftTree, fws: Sequence, rows: Sequence[int], sampling: SamplingConfig, streams: Streams,
@@ -114,7 +129,8 @@ def verify_roots(tree: DraftTree, fws: Sequence, rows: Sequence[int], sampling: 
     ``steps[r]`` and ``keys[r]`` belong to tree ``rows[r]``.
 
     ``backend`` other than 'reference': the rows draw in one numba call that generates
-    each row's stream as it reads it (``rheoplan.kernels.verify.cpu.root_draws``)."""
+    each row's stream as it reads it (``rheoplan.kernels.verify.cpu.root_draws``); greedy
+    rows take their tokens from the numba scan (``rheoplan.kernels.argmax``)."""
     lin = tree.linear
     if not rows:
         return []
@@ -128,8 +144,9 @@ def verify_roots(tree: DraftTree, fws: Sequence, rows: Sequence[int], sampling: 
     def kernel_draw(p, steps, keys, nodes):
         return root_draws(p, streams.seed, steps, keys, nodes, streams.purpose_key(Purpose.VERIFY_RESIDUAL))
 
-    tokens = walk_roots(logits, sampling, streams, steps, keys, nodes,
-                        None if backend == "reference" else kernel_draw)
+    fast = backend != "reference"
+    tokens = walk_roots(logits, sampling, streams, steps, keys, nodes, kernel_draw if fast else None,
+                        first_max if fast else None)
     return [StepWalk([0], [v], [x], 1, 0, 0) for v, x in zip(nodes, tokens)]
 
 
