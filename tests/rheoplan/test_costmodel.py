@@ -12,7 +12,7 @@ import torch
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.costmodel import (PLAN_WIDTHS, ROW_SPREAD, Calibration, CostModel, ProjectionTimings, Timings, cache_key,
                                 cache_read, cache_write, measure_projection, node_class, prefill_groups,
-                                projection_timings, weight_bucket)
+                                projection_timings, slowest_row_tokens, weight_bucket)
 from rheoplan.ir import NodeKind
 from rheoplan.models.functional import hashed_context_lm
 from rheoplan.testing.oracle import functional_draft_fn
@@ -66,6 +66,20 @@ def test_a_depth_never_reached_continues_as_the_one_above():
     c = cal.continuation()
     assert c[0] == pytest.approx((8 + 1.0) / 10) and c[1] == pytest.approx(c[0])  # depth 1: no counts
     assert c[2] == pytest.approx((0 + 2 * c[1]) / 10) and c[3] == pytest.approx(c[2])
+
+
+def test_continuation_of_the_first_depths_only_is_a_prefix_and_checks_its_input():
+    cal = Calibration()
+    for d in range(5):
+        cal.cont_trials[d], cal.cont_accepts[d] = 10.0 + d, 7.0 - d
+        cal.width_trials[d] = [9.0, 8.0, 7.0]
+        cal.width_accepts[d] = [3.0, 4.0, 5.0 - d]
+    for w in (None, 1, 2, 3):
+        for n in (0, 1, 4, len(cal.cont_trials)):
+            assert cal.continuation(w, depths=n) == cal.continuation(w)[:n]
+    for bad in (-1, len(cal.cont_trials) + 1, 2.0, True):
+        with pytest.raises(ValueError, match="depths="):
+            cal.continuation(1, depths=bad)
 
 
 def test_update_counts_the_kept_children_of_the_accepted_path():
@@ -210,6 +224,48 @@ def linear_tm(fixed: float, per_token: float, draft: float = 0.5, overhead: floa
     return Timings((1, 64), (fixed + per_token, fixed + 64 * per_token), (fixed + per_token, fixed + 64 * per_token),
                    0, 1000, (1,), (draft,), overhead, overhead, sizes, rows,
                    tuple(tuple(fixed + per_token * B * n for n in rows) for B in sizes))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_rows_is_the_best_width_of_plan_for_batch(seed):
+    """``plan_rows`` reads each latency once for every width it tries: the same plan, to the
+    bit, as ``plan_for_batch`` at each width, and both maximise the documented rate
+    ``B * slowest(E(D)) / cost(D)`` (written out here), on random latencies, rates per width
+    and contexts."""
+    rng = random.Random(seed)
+    sizes = (1, 4, 16)
+    t = Timings((1, 16, 64), (10.0, 12.0 + rng.random(), 20.0), (11.0, 14.0, 25.0 + rng.random()), 64, 512,
+                (1, 3), (1.0, 0.8), 3.0, 2.0, sizes, (1, 4, 16),
+                tuple(tuple(10.0 + B * n * rng.uniform(0.05, 0.6) for n in (1, 4, 16)) for B in sizes),
+                batch_draft_ms=(1.0, 2.0, 4.5), batch_draft_width=2.0, batch_overhead_ms=(3.0, 5.0, 17.0),
+                batch_overhead_depth_ms=(0.4, rng.uniform(0.5, 3.0), 4.0), batch_ar_overhead_ms=(2.0, 2.5, 4.0))
+    cal = Calibration()
+    for d in range(6):
+        cal.cont_trials[d], cal.cont_accepts[d] = 100.0, rng.uniform(40, 95)
+        cal.width_trials[d] = [100.0] * PLAN_WIDTHS
+        cal.width_accepts[d] = sorted(rng.uniform(30, 95) for _ in range(PLAN_WIDTHS))
+    cost = CostModel(t)
+    for B in (2, 4, 9):
+        for ctx in (70, 333):
+            for waiting in (False, True):
+                want, best = None, (B / t.ar_step_batch(B, ctx) * 1e3, 0, 1)
+                for w in range(1, PLAN_WIDTHS + 1):
+                    p = cost.plan_for_batch(B, ctx=ctx, max_depth=6, width=w, continuation=cal.continuation(w),
+                                            rows_waiting=waiting)
+                    if want is None or p.tokens_per_s > want.tokens_per_s:
+                        want = p
+                    e, reach = 1.0, 1.0
+                    for d in range(1, 7):
+                        reach *= cal.continuation(w)[d - 1]
+                        e += reach
+                        ms = d * t.draft_batch(B, w) + t.verify_batch(B, 1 + w * d, ctx) + t.tree_overhead(B, d)
+                        rate = B * slowest_row_tokens(e, B, waiting) / ms * 1e3
+                        if rate > best[0]:
+                            best = (rate, d, w)
+                got = cost.plan_rows(B, ctx=ctx, max_depth=6, max_width=PLAN_WIDTHS, calibration=cal,
+                                     rows_waiting=waiting)
+                assert got == want
+                assert (got.tokens_per_s, got.depth, got.width if got.depth else 1) == best
 
 
 def test_plan_for_batch_grows_on_a_flat_curve_and_falls_back_to_ar_when_tokens_cost():
