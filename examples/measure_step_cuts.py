@@ -1,6 +1,7 @@
-"""The twenty-ninth round's five step cuts against their previous form, in one process.
+"""The twenty-ninth and thirtieth rounds' step cuts against their previous form, in one process.
 
-The round changed five things in a decode's steps (docs/results.md, "Twenty-ninth round"):
+The twenty-ninth round changed five things in a decode's steps (docs/results.md,
+"Twenty-ninth round"):
 
 * a commit moves its accepted cache entries with one numba call per tensor
   (``rheoplan.kernels.cache_moves``) instead of torch's gather and write-back;
@@ -14,7 +15,15 @@ The round changed five things in a decode's steps (docs/results.md, "Twenty-nint
   (``kernels.gumbel.gumbel_max_stream_split``); undone here by giving the node draws one
   range (the split's serial path).
 
-This script switches the five back to their previous form and forward again between runs:
+The thirtieth (``--round 30``; docs/results.md, "Thirtieth round"):
+
+* greedy walks of the numba backend take each node's token from a numba scan for the
+  first maximum (``rheoplan.kernels.argmax``) instead of torch's ``max`` with indices;
+* ``CostModel.plan_rows`` (a batch's tree, every step) reads each latency once for all
+  the widths it tries, and the rates of the depths it plans only.
+
+This script switches one round's cuts back to their previous form and forward again
+between runs:
 
 * ``--what moves``: the commit's moves alone on SmolLM2-shaped caches (30 layers of keys
   and values ``[rows, 3, width, 64]``, bfloat16, prefix views of larger buffers), kernel
@@ -24,13 +33,13 @@ This script switches the five back to their previous form and forward again betw
   alternating batch by batch. Both print tokens/s, ms per step by phase and how many
   prompts / batches got the same tokens (the draft's one product rounds differently from
   its per-pair products, so a batch's trees, and at T > 0 its tokens, may differ: both
-  exact).
+  exact; the thirtieth round's cuts change no token).
 
-docs/results.md, "Twenty-ninth round", quotes it:
+docs/results.md quotes it:
 
     python examples/measure_step_cuts.py --what moves [--rows 4] [--calls 200]
-    python examples/measure_step_cuts.py --what decode [--prompts 12] [--temperature 1]
-    python examples/measure_step_cuts.py --what batch [--rows 4] [--batches 6] [--temperature 1]
+    python examples/measure_step_cuts.py --what decode [--prompts 12] [--temperature 1] [--round 29]
+    python examples/measure_step_cuts.py --what batch [--rows 4] [--batches 6] [--temperature 1] [--round 29]
 """
 
 from __future__ import annotations
@@ -68,9 +77,58 @@ def moves(args) -> None:
           f"({med['reference'] / med['kernel']:.1f}x); bit-identical: {same}")
 
 
+def previous_form(on: bool, round_: int):
+    """``round_``'s cuts undone while ``on``."""
+    return (previous_form_29 if round_ == 29 else previous_form_30)(on)
+
+
 @contextmanager
-def previous_form(on: bool):
-    """The five cuts undone while ``on`` (module attributes the decode reads at call time)."""
+def previous_form_30(on: bool):
+    """The thirtieth round's two cuts undone while ``on``: torch's max with indices for
+    greedy picks, and ``plan_rows`` as ``plan_for_batch`` at each width (all of it per
+    width, every depth's rate)."""
+    import rheoplan.decode as decode
+    import rheoplan.walk as walk
+    from rheoplan.costmodel import PLAN_WIDTHS, BatchPlan, CostModel, slowest_row_tokens
+    from rheoplan.kernels.argmax import reference
+
+    def plan_for_batch(self, batch, ctx, max_depth, width, cont, rows_waiting):  # its loop as it was
+        tm = self.timings
+        ar_ms = tm.ar_step_batch(batch, ctx)
+        best = BatchPlan(batch, 0, 0, 1.0, ar_ms, batch / ar_ms * 1e3, batch / ar_ms * 1e3)
+        e, reach = 1.0, 1.0
+        for d in range(1, max_depth + 1):
+            reach *= float(cont[d - 1])
+            e += reach
+            cost = (d * tm.draft_batch(batch, width) + tm.verify_batch(batch, 1 + width * d, ctx)
+                    + tm.tree_overhead(batch, d))
+            rate = batch * slowest_row_tokens(e, batch, rows_waiting) / cost * 1e3
+            if rate > best.tokens_per_s:
+                best = BatchPlan(batch, d, width * d, e, cost, rate, best.ar_tokens_per_s, width)
+        return best
+
+    def plan_rows(self, batch, *, ctx, max_depth, max_width, calibration, rows_waiting=False):
+        best = None
+        for w in range(1, min(max_width, PLAN_WIDTHS) + 1):
+            p = plan_for_batch(self, batch, ctx, max_depth, w, list(calibration.continuation(w)), rows_waiting)
+            if best is None or p.tokens_per_s > best.tokens_per_s:
+                best = p
+        return best
+
+    saved = (decode.first_max, walk.first_max, CostModel.plan_rows)
+    if on:
+        decode.first_max = walk.first_max = reference.first_max
+        CostModel.plan_rows = plan_rows
+    try:
+        yield
+    finally:
+        decode.first_max, walk.first_max, CostModel.plan_rows = saved
+
+
+@contextmanager
+def previous_form_29(on: bool):
+    """The twenty-ninth round's five cuts undone while ``on`` (module attributes the
+    decode reads at call time)."""
     import rheoplan.decode as decode
     import rheoplan.distributions as dist
     import rheoplan.models._hf_common as hf_common
@@ -127,7 +185,7 @@ def decodes(args) -> None:
     for k in range(groups):
         got = {}
         for old in ((False, True) if k % 2 == 0 else (True, False)):
-            with previous_form(old):
+            with previous_form(old, args.round):
                 t = time.perf_counter()
                 res = run(k)
                 wall[old] += time.perf_counter() - t
@@ -156,6 +214,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt (decode, batch)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--round", type=int, choices=(29, 30), default=30, help="whose cuts to switch (decode, batch)")
     args = ap.parse_args()
     for name in ("rows", "prompts", "batches", "tokens", "threads"):
         if getattr(args, name) < 1:
