@@ -20,7 +20,9 @@ The thirtieth (``--round 30``; docs/results.md, "Thirtieth round"):
 * greedy walks of the numba backend take each node's token from a numba scan for the
   first maximum (``rheoplan.kernels.argmax``) instead of torch's ``max`` with indices;
 * ``CostModel.plan_rows`` (a batch's tree, every step) reads each latency once for all
-  the widths it tries, and the rates of the depths it plans only.
+  the widths it tries, and the rates of the depths it plans only;
+* a decode lowers its pass list once (``DecodeState.lowered``) instead of every step;
+  undone here by lowering the default list once more before each step's plan.
 
 This script switches one round's cuts back to their previous form and forward again
 between runs:
@@ -91,6 +93,8 @@ def previous_form_30(on: bool):
     import rheoplan.walk as walk
     from rheoplan.costmodel import PLAN_WIDTHS, BatchPlan, CostModel, slowest_row_tokens
     from rheoplan.kernels.argmax import reference
+    from rheoplan.pipeline import lower
+    from rheoplan.planner.default import DEFAULT_PIPELINE
 
     def plan_for_batch(self, batch, ctx, max_depth, width, cont, rows_waiting):  # its loop as it was
         tm = self.timings
@@ -115,14 +119,21 @@ def previous_form_30(on: bool):
                 best = p
         return best
 
-    saved = (decode.first_max, walk.first_max, CostModel.plan_rows)
+    plan_tree = decode.plan_tree
+
+    def lowered_each_step(*args, backend, **kw):  # the lowering every step's plan made
+        lower(DEFAULT_PIPELINE, backend)
+        return plan_tree(*args, backend=backend, **kw)
+
+    saved = (decode.first_max, walk.first_max, CostModel.plan_rows, decode.plan_tree)
     if on:
         decode.first_max = walk.first_max = reference.first_max
         CostModel.plan_rows = plan_rows
+        decode.plan_tree = lowered_each_step
     try:
         yield
     finally:
-        decode.first_max, walk.first_max, CostModel.plan_rows = saved
+        decode.first_max, walk.first_max, CostModel.plan_rows, decode.plan_tree = saved
 
 
 @contextmanager

@@ -315,9 +315,12 @@ class DecodeState:
     prefix_len: int = field(init=False)  #: tokens committed before the root
     step: int = 0
     result: DecodeResult = field(default_factory=lambda: DecodeResult(tokens=[]))
+    #: ``passes`` lowered to ``backend`` once per decode (``pipeline.lower``: ~45 us a step)
+    lowered: list = field(init=False)
 
     def __post_init__(self) -> None:
         self.streams = Streams(self.seed)
+        self.lowered = lower(DEFAULT_PIPELINE if self.passes is None else self.passes, self.backend)
         self.root, self.prefix_len = self.prompt[-1], len(self.prompt) - 1
         if self.cost is not None and self.calibration is None:
             self.calibration = self.cost.fresh_calibration(self.sampling.temperature)
@@ -565,11 +568,11 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
         return _root_only(s.root, s.prefix_len, s.tree, s.plan_device)
     drf = s.draft
     on_device = s.backend == "triton"
-    passes = s.passes
+    passes = s.lowered
     if s.cost is not None:
         # every step asks the head: no back-off after a step where no tree paid (one
         # sequence: a skipped step missed trees that would have paid; docs/cli.md)
-        passes = _cost_passes(s, st, passes)
+        passes = _cost_passes(s, st)
 
     def draft_fn(tr, nodes):
         t_d = time.perf_counter()
@@ -609,19 +612,19 @@ def _cut_emitted(emitted, remaining: int, eos) -> tuple[list[int], str | None]:
     return out, None
 
 
-def _cost_passes(s, st: StepStats, passes):
-    """The pass list with the cost-aware passes (from the calibration so far) around it;
-    each decision is recorded in ``st``. The list is lowered first, so the cost gate wraps
-    the backend's fast expand; the gates and the prune decide with the backend's
-    ``decide`` (numba: one kernel call; otherwise the reference in ``planner/cost_prune``)."""
+def _cost_passes(s, st: StepStats):
+    """The decode's lowered pass list (``s.lowered``) with the cost-aware passes (from the
+    calibration so far) around it; each decision is recorded in ``st``. The list is
+    lowered, so the cost gate wraps the backend's fast expand; the gates and the prune
+    decide with the backend's ``decide`` (numba: one kernel call; otherwise the reference
+    in ``planner/cost_prune``)."""
     plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
     numba = s.backend == "numba"
 
     def seen(d):
         st.predicted_tokens, st.predicted_ms = d.expected, d.predicted_ms
 
-    return cost_pipeline(plan, lower(DEFAULT_PIPELINE if passes is None else passes, s.backend),
-                         on_decision=seen, decide=numba_decide if numba else None,
+    return cost_pipeline(plan, s.lowered, on_decision=seen, decide=numba_decide if numba else None,
                          frontiers=numba_frontiers if numba else None)
 
 
@@ -906,9 +909,11 @@ class BatchState:
     step: int = 0  #: batch steps so far (names dumped IR; each row counts its own steps)
     #: prompts wait to join as rows finish (continuous batching): no row waits for the slowest
     rows_waiting: bool = False
+    lowered: list = field(init=False)  #: as ``DecodeState.lowered``
 
     def __post_init__(self) -> None:
         self.streams = Streams(self.seed)
+        self.lowered = lower(DEFAULT_PIPELINE if self.passes is None else self.passes, self.backend)
         self.rows = [_Row(i, p, n, k) for i, (p, n, k) in enumerate(zip(self.prompts, self.limits, self.keys))]
         if self.max_batch is None:
             self.max_batch = len(self.rows)
@@ -952,7 +957,7 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
     prefix = [r.prefix_len for r in live]
     keys = [r.key for r in live]
     steps = [r.step for r in live]
-    tree, passes = s.tree, s.passes
+    tree, passes = s.tree, s.lowered
     plan = None
     if s.draft is not None and s.cost is not None and len(live) > 1:
         plan = _rows_plan(s, live)
@@ -967,10 +972,8 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
             st.predicted_ms = s.cost.timings.ar_step_batch(len(live), max(prefix))
         return root_only_rows(roots, prefix, s.tree)
     drf = s.draft
-    if plan is not None:
-        passes = lower(DEFAULT_PIPELINE if passes is None else passes, s.backend)
-    elif s.cost is not None:
-        passes = _cost_passes(s, st, passes)
+    if plan is None and s.cost is not None:
+        passes = _cost_passes(s, st)
 
     def draft_fn(tr, nodes):
         t_d = time.perf_counter()
