@@ -22,7 +22,9 @@ The thirtieth (``--round 30``; docs/results.md, "Thirtieth round"):
 * ``CostModel.plan_rows`` (a batch's tree, every step) reads each latency once for all
   the widths it tries, and the rates of the depths it plans only;
 * a decode lowers its pass list once (``DecodeState.lowered``) instead of every step;
-  undone here by lowering the default list once more before each step's plan.
+  undone here by lowering the default list once more before each step's plan;
+* a greedy batch picks its read rows' tokens on the projection's output as it is
+  (``greedy_tokens(rows=)``) instead of on a stack of those rows.
 
 This script switches one round's cuts back to their previous form and forward again
 between runs:
@@ -86,9 +88,9 @@ def previous_form(on: bool, round_: int):
 
 @contextmanager
 def previous_form_30(on: bool):
-    """The thirtieth round's two cuts undone while ``on``: torch's max with indices for
-    greedy picks, and ``plan_rows`` as ``plan_for_batch`` at each width (all of it per
-    width, every depth's rate)."""
+    """The thirtieth round's cuts undone while ``on``: torch's max with indices for greedy
+    picks, ``plan_rows`` as ``plan_for_batch`` at each width (all of it per width, every
+    depth's rate), a lowering before each plan, a stack of a greedy batch's read rows."""
     import rheoplan.decode as decode
     import rheoplan.walk as walk
     from rheoplan.costmodel import PLAN_WIDTHS, BatchPlan, CostModel, slowest_row_tokens
@@ -125,15 +127,17 @@ def previous_form_30(on: bool):
         lower(DEFAULT_PIPELINE, backend)
         return plan_tree(*args, backend=backend, **kw)
 
-    saved = (decode.first_max, walk.first_max, CostModel.plan_rows, decode.plan_tree)
+    saved = (decode.first_max, walk.first_max, CostModel.plan_rows, decode.plan_tree, decode._rows_of_one_block)
     if on:
         decode.first_max = walk.first_max = reference.first_max
         CostModel.plan_rows = plan_rows
         decode.plan_tree = lowered_each_step
+        decode._rows_of_one_block = lambda rows: None  # the stack of the read rows
     try:
         yield
     finally:
-        decode.first_max, walk.first_max, CostModel.plan_rows, decode.plan_tree = saved
+        (decode.first_max, walk.first_max, CostModel.plan_rows, decode.plan_tree,
+         decode._rows_of_one_block) = saved
 
 
 @contextmanager

@@ -263,15 +263,18 @@ def _greedy(scores: torch.Tensor) -> torch.Tensor:
 
 def greedy_tokens(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None,
                   processors: Sequence[LogitsProcessor] = (), check: bool = True,
-                  first_max: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-                  ) -> torch.Tensor:
+                  first_max: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                  rows: Sequence[int] | None = None) -> torch.Tensor:
     """The token ``target_probs`` puts all its mass on when greedy, one per row (shape
     ``logits.shape[:-1]``; arguments as ``process_scores``), without building the one-hot
     law: the greedy walks (``rheoplan.verify``) read only this.
 
     ``first_max(x) -> (top, index)``: a faster implementation of ``x.max(dim=-1)`` for the
     context-free case (the numba scan ``rheoplan.kernels.argmax.first_max``, which the
-    walks of the numba backend pass); default: that torch call.
+    walks of the numba backend pass); default: that torch call. ``rows``: the rows of a
+    2-D ``logits`` to pick and check, in that order (default: every row); a caller whose
+    rows lie in a larger tensor (the batched walk's projected block) passes it as it is,
+    with no copy of the rows it wants (the others are read, not checked).
 
     Example:
         >>> greedy_tokens(torch.tensor([[0., 2., 2.], [5., 0., 1.]]), SamplingConfig(temperature=0)).tolist()
@@ -279,6 +282,8 @@ def greedy_tokens(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None
     """
     if not sampling.greedy:
         raise ValueError(f"greedy_tokens: sampling.temperature={sampling.temperature}: allowed 0 (greedy)")
+    if rows is not None and (sampling.needs_context or processors or logits.numel() == 0):
+        logits, rows = logits[list(rows)], None
     if sampling.needs_context or processors or logits.numel() == 0:
         return _greedy(process_scores(logits, sampling, input_ids, processors, check))
     # Nothing processes greedy scores without a context rule: one pass over V gives both the
@@ -288,6 +293,9 @@ def greedy_tokens(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None
     # inside batched decodes).
     x = logits.to(torch.float32)
     top, token = x.max(dim=-1) if first_max is None else first_max(x)
+    if rows is not None:
+        at = torch.as_tensor(list(rows), dtype=torch.int64)
+        top, token = top[at], token[at]
     if check and bool(broken_maxima(top)):
         raise ValueError(BROKEN_TARGET)
     return token

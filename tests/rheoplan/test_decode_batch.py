@@ -219,6 +219,24 @@ def test_greedy_batch_reads_its_prefetched_nodes_in_one_pass(llamas, monkeypatch
     assert len(per_node) < visited / 2  # most visited nodes were read in the batched pass
 
 
+def test_rows_of_one_projection_are_found_in_place():
+    """``_rows_of_one_block``: rows that are whole rows of one contiguous output (what
+    ``prefetch_rows`` stores) are located in it; a copy, a row of another tensor or a part
+    of a row is not."""
+    from rheoplan.decode import _rows_of_one_block
+
+    out = torch.randn(7, 11)
+    parts = out.split([3, 4])
+    rows = [parts[1][2], parts[0][0], parts[1][0]]
+    block, at = _rows_of_one_block(rows)
+    assert block is out and at == [5, 0, 3]
+    assert all(torch.equal(out[i], r) for i, r in zip(at, rows))
+    assert _rows_of_one_block([parts[0][0], out[1].clone()]) is None
+    assert _rows_of_one_block([out[0], torch.randn(7, 11)[1]]) is None
+    assert _rows_of_one_block([out[0, :5]]) is None
+    assert _rows_of_one_block([out.t()[0]]) is None
+
+
 @pytest.mark.parametrize("draft_kind", ["none", "eagle3"])
 def test_rows_prefilled_in_groups_still_equal_generate(llamas, draft_kind, monkeypatch):
     """With a cost model the batched loop prefills prompts of similar lengths together

@@ -138,6 +138,29 @@ def test_bad_input_is_named(call, parts):
         assert re.search(part, str(err.value)), (part, str(err.value))
 
 
+def test_greedy_tokens_of_some_rows_pick_and_check_those_rows_only():
+    """``greedy_tokens(rows=)`` is ``greedy_tokens`` of those rows, in that order, with or
+    without the fast scan and a context rule; a broken row it does not read is left alone,
+    one it reads is refused."""
+    from rheoplan.distributions import greedy_tokens
+    from rheoplan.kernels.argmax import first_max
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.round(torch.randn(6, 300, generator=g) * 2)  # ties
+    ids = torch.randint(0, 300, (3, 4), generator=g)
+    at = [4, 0, 4]
+    for fm in (None, first_max):
+        greedy = SamplingConfig(temperature=0)
+        assert torch.equal(greedy_tokens(x, greedy, first_max=fm, rows=at), greedy_tokens(x[at], greedy))
+        pen = SamplingConfig(temperature=0, repetition_penalty=1.3)
+        assert torch.equal(greedy_tokens(x, pen, ids, first_max=fm, rows=at), greedy_tokens(x[at], pen, ids))
+        y = x.clone()
+        y[2, 7] = float("nan")
+        assert torch.equal(greedy_tokens(y, greedy, first_max=fm, rows=at), greedy_tokens(x[at], greedy))
+        with pytest.raises(ValueError, match="NaN"):
+            greedy_tokens(y, greedy, first_max=fm, rows=[0, 2])
+
+
 def test_no_filter_no_sort_fast_path_is_the_softmax():
     x = torch.randn(2, 50)
     assert torch.equal(target_probs(x, SamplingConfig()), torch.softmax(x.float().double(), -1))
