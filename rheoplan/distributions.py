@@ -272,9 +272,10 @@ def greedy_tokens(logits: torch.Tensor, sampling: SamplingConfig, input_ids=None
     ``first_max(x) -> (top, index)``: a faster implementation of ``x.max(dim=-1)`` for the
     context-free case (the numba scan ``rheoplan.kernels.argmax.first_max``, which the
     walks of the numba backend pass); default: that torch call. ``rows``: the rows of a
-    2-D ``logits`` to pick and check, in that order (default: every row); a caller whose
-    rows lie in a larger tensor (the batched walk's projected block) passes it as it is,
-    with no copy of the rows it wants (the others are read, not checked).
+    2-D ``logits`` to pick and check, in that order (default: every row; ``input_ids``
+    then holds one row per picked row); a caller whose rows lie in a larger tensor (the
+    batched walk's projected block) passes it as it is, with no copy of the rows it wants
+    (the others are read, not checked).
 
     Example:
         >>> greedy_tokens(torch.tensor([[0., 2., 2.], [5., 0., 1.]]), SamplingConfig(temperature=0)).tolist()
