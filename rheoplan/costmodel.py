@@ -219,6 +219,10 @@ class Timings:
         vals += list(self.batch_overhead_depth_ms)
         if any(not (v >= 0 and math.isfinite(v)) for v in vals):
             raise ValueError("Timings: every latency must be finite and >= 0 ms")
+        # the context-free parts of ``verify_ends`` / ``verify_batch``, computed once per
+        # size (a 4-row plan reads ~12 of them a step, each several ``interp`` calls); not
+        # a field: equality, hashing and ``to_dict`` see the latencies only
+        object.__setattr__(self, "_memo", {})
 
     def verify(self, n: int, ctx: int) -> float:
         """``c_v(n, ctx)``: one verify forward of ``n`` tokens over ``ctx`` cached tokens (ms)."""
@@ -226,7 +230,11 @@ class Timings:
 
     def verify_ends(self, n: int) -> tuple[float, float]:
         """``c_v(n)`` at ``ctx_lo`` and at ``ctx_hi`` cached tokens (ms), before ``at_ctx``."""
-        return interp(self.sizes, self.verify_lo, n), interp(self.sizes, self.verify_hi, n)
+        key = ("ends", n)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = (interp(self.sizes, self.verify_lo, n), interp(self.sizes, self.verify_hi, n))
+        return got
 
     def at_ctx(self, lo, hi, ctx: int):
         """The verify latency at ``ctx`` cached tokens from its values at ``ctx_lo`` and
@@ -269,11 +277,15 @@ class Timings:
         total = batch * row_tokens
         if not self.batch_sizes:
             return self.verify(total, ctx)
-        at_b = [interp(self.batch_row_sizes, row, row_tokens) for row in self.batch_verify]
-        v = interp(self.batch_sizes, at_b, batch)
-        scale = self.batch_tree_scale if row_tokens > 1 else self.batch_ar_scale
-        if scale:
-            v *= interp(self.batch_sizes, scale, batch)
+        key = ("grid", batch, row_tokens)
+        v = self._memo.get(key)
+        if v is None:  # the grid at ctx_lo, scaled (no context in it)
+            at_b = [interp(self.batch_row_sizes, row, row_tokens) for row in self.batch_verify]
+            v = interp(self.batch_sizes, at_b, batch)
+            scale = self.batch_tree_scale if row_tokens > 1 else self.batch_ar_scale
+            if scale:
+                v *= interp(self.batch_sizes, scale, batch)
+            self._memo[key] = v
         v += self.verify(total, ctx) - self.verify(total, self.ctx_lo)
         return max(v, 1e-3)
 

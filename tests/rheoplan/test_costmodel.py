@@ -198,6 +198,20 @@ def test_verify_batch_interpolates_the_grid_and_adds_the_context_term():
     assert t.ar_step_batch(4, 100) == pytest.approx(14.0 + 4 * t.ar_overhead_ms)
 
 
+def test_latencies_read_twice_are_the_same_numbers_and_stay_out_of_the_record():
+    """``Timings`` keeps the context-free parts of ``verify_ends`` / ``verify_batch`` once
+    computed: a second read, at any context, is what a fresh ``Timings`` computes, and
+    the kept parts are neither compared nor saved."""
+    t = grid_tm(batch_tree_scale=(1.0, 1.1), batch_ar_scale=(1.0, 0.9))
+    reads = [(B, n, ctx) for B in (1, 2, 4, 7) for n in (1, 2, 3, 9) for ctx in (100, 150, 333)]
+    first = [t.verify_batch(*r) for r in reads] + [t.verify_ends(n) for n in (1, 5, 64)]
+    again = [t.verify_batch(*r) for r in reversed(reads)][::-1] + [t.verify_ends(n) for n in (1, 5, 64)]
+    fresh = [grid_tm(batch_tree_scale=(1.0, 1.1), batch_ar_scale=(1.0, 0.9)).verify_batch(*r) for r in reads]
+    assert first == again and first[:len(reads)] == fresh
+    assert t == grid_tm(batch_tree_scale=(1.0, 1.1), batch_ar_scale=(1.0, 0.9))
+    assert Timings.from_dict(t.to_dict()) == t and "_memo" not in t.to_dict()
+
+
 def test_timings_with_a_grid_round_trip_and_old_records_still_load():
     t = grid_tm()
     assert Timings.from_dict(t.to_dict()) == t
