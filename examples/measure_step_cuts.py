@@ -20,7 +20,8 @@ The thirtieth (``--round 30``; docs/results.md, "Thirtieth round"):
 * greedy walks of the numba backend take each node's token from a numba scan for the
   first maximum (``rheoplan.kernels.argmax``) instead of torch's ``max`` with indices;
 * ``CostModel.plan_rows`` (a batch's tree, every step) reads each latency once for all
-  the widths it tries, and the rates of the depths it plans only;
+  the widths it tries, and the rates of the depths it plans only; ``Timings`` keeps the
+  context-free parts of its verify latencies once computed;
 * a decode lowers its pass list once (``DecodeState.lowered``) instead of every step;
   undone here by lowering the default list once more before each step's plan;
 * a greedy batch picks its read rows' tokens on the projection's output as it is
@@ -93,7 +94,7 @@ def previous_form_30(on: bool):
     depth's rate), a lowering before each plan, a stack of a greedy batch's read rows."""
     import rheoplan.decode as decode
     import rheoplan.walk as walk
-    from rheoplan.costmodel import PLAN_WIDTHS, BatchPlan, CostModel, slowest_row_tokens
+    from rheoplan.costmodel import PLAN_WIDTHS, BatchPlan, CostModel, Timings, interp, slowest_row_tokens
     from rheoplan.kernels.argmax import reference
     from rheoplan.pipeline import lower
     from rheoplan.planner.default import DEFAULT_PIPELINE
@@ -127,17 +128,36 @@ def previous_form_30(on: bool):
         lower(DEFAULT_PIPELINE, backend)
         return plan_tree(*args, backend=backend, **kw)
 
-    saved = (decode.first_max, walk.first_max, CostModel.plan_rows, decode.plan_tree, decode._rows_of_one_block)
+    def verify_ends(self, n):  # as it was: computed on every read
+        return interp(self.sizes, self.verify_lo, n), interp(self.sizes, self.verify_hi, n)
+
+    def verify_batch(self, batch, row_tokens, ctx):  # as it was
+        if batch == 1:
+            return self.verify(row_tokens, ctx)
+        total = batch * row_tokens
+        if not self.batch_sizes:
+            return self.verify(total, ctx)
+        v = interp(self.batch_sizes, [interp(self.batch_row_sizes, row, row_tokens) for row in self.batch_verify],
+                   batch)
+        scale = self.batch_tree_scale if row_tokens > 1 else self.batch_ar_scale
+        if scale:
+            v *= interp(self.batch_sizes, scale, batch)
+        v += self.verify(total, ctx) - self.verify(total, self.ctx_lo)
+        return max(v, 1e-3)
+
+    saved = (decode.first_max, walk.first_max, CostModel.plan_rows, decode.plan_tree, decode._rows_of_one_block,
+             Timings.verify_ends, Timings.verify_batch)
     if on:
         decode.first_max = walk.first_max = reference.first_max
         CostModel.plan_rows = plan_rows
         decode.plan_tree = lowered_each_step
         decode._rows_of_one_block = lambda rows: None  # the stack of the read rows
+        Timings.verify_ends, Timings.verify_batch = verify_ends, verify_batch
     try:
         yield
     finally:
-        (decode.first_max, walk.first_max, CostModel.plan_rows, decode.plan_tree,
-         decode._rows_of_one_block) = saved
+        (decode.first_max, walk.first_max, CostModel.plan_rows, decode.plan_tree, decode._rows_of_one_block,
+         Timings.verify_ends, Timings.verify_batch) = saved
 
 
 @contextmanager
