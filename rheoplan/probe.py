@@ -32,7 +32,7 @@ from rheoplan.costmodel import Timings, cache_dir, cache_key, cache_read, cache_
 from rheoplan.decode import plan_and_decode
 from rheoplan.ir import empty_tree
 from rheoplan.models import as_draft, as_target, hashed_context_lm
-from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache, output_head
+from rheoplan.models._hf_common import base_model, crop_cache, new_cache, output_head, run_base_rows
 from rheoplan.models.base import DraftModel
 from rheoplan.models.eagle3.head import Eagle3Head
 from rheoplan.models.hf_target import HFTarget
@@ -478,12 +478,20 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
     ``batch_sizes`` and ``n`` in ``row_sizes`` (each row monotone in ``n``).
 
     Each forward is what a batched decode's verify forward does (``forward_trees``, the
-    span ``StepStats.t_verify_forward`` times): the decoder stack over a rectangular
-    ``[B, n]`` block (rows padded to the widest tree) with a 4-D mask (every row sees its
-    cached prefix and the block's causal part; all zeros for one-token rows). The output
-    projections are left out: the walk makes them, so they are in the bookkeeping ``c_o``
-    measured from real decodes (counting them here too priced every step's projections
-    twice). The cache is filled with random keys and
+    span ``StepStats.t_verify_forward`` times), through the same call
+    (``_hf_common.run_base_rows``, the lean decoder forward and its folded attention): the
+    decoder stack over a rectangular ``[B, n]`` block (rows padded to the widest tree) with
+    a bool mask (every row sees its cached prefix and the block's causal part; all True for
+    one-token rows), each after an output projection as in a decode (``batch_verify_ms``).
+    Why the decode's call: the grid once called the transformers model itself, whose
+    per-layer dispatch and mask handling a decode skips; on a 2-core Zen 4 EPYC its 4-row
+    forwards of 2-3 tokens read 1.10-1.20x what the decode's took (one scale,
+    ``batch_tree_scale``, measured at 7 tokens, corrected 0.93 of it), so 4-row trees
+    looked 4 ms dearer than they were and the cost model kept plain steps that ran 10%
+    slower than one level of two children (docs/results.md, "Thirty-first round"). The
+    output projections are left out: the walk makes them, so they are in the bookkeeping
+    ``c_o`` measured from real decodes (counting them here too priced every step's
+    projections twice). The cache is filled with random keys and
     values (the latency does not depend on them, and it saves a prefill of ``B * ctx``
     tokens) and cropped back to ``ctx`` after every forward. With the default grid, 15
     short forwards (x ``reps + 1``), timed round-robin per batch size (``round_robin_ms``).
@@ -499,10 +507,18 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
     gen = torch.Generator().manual_seed(0)
     grid = []
     for B in batch_sizes:
-        grid.append(_curve(row_sizes, round_robin_ms(batch_forwards(model, B, row_sizes, ctx, gen), reps=reps,
-                                                     timer=timer),
+        grid.append(_curve(row_sizes, batch_verify_ms(model, B, row_sizes, ctx, reps=reps, timer=timer, gen=gen),
                            f"the batched verify latency of {B} rows", log))
     return tuple(grid)
+
+
+def batch_verify_ms(model, B: int, row_sizes: Sequence[int], ctx: int, *, reps: int,
+                    timer: Timer = time.perf_counter, gen: torch.Generator | None = None) -> list[float]:
+    """Median ms (``round_robin_ms``) of ``batch_forwards(model, B, row_sizes, ctx)``, each
+    timed after an output projection (``output_projection_gap``), as a decode runs its
+    forwards after the walk's projections and as ``chain_verify_ms`` times one row's."""
+    return round_robin_ms(batch_forwards(model, B, row_sizes, ctx, gen), reps=reps, timer=timer,
+                          before=output_projection_gap(model))
 
 
 def batch_forwards(model, B: int, row_sizes: Sequence[int], ctx: int,
@@ -527,19 +543,15 @@ def batch_forwards(model, B: int, row_sizes: Sequence[int], ctx: int,
     for n in row_sizes:
         tok = torch.randint(0, vocab, (B, n), generator=gen).to(p.device)
         pos = (ctx + torch.arange(n, device=p.device)).expand(B, n)
-        if n == 1:
-            # all-zero, as ``run_base_rows`` passes: a masked one-token step takes
-            # transformers' folded one-query attention, an unmasked one ``enable_gqa``
-            mask = torch.zeros(B, 1, 1, ctx + 1, dtype=p.dtype, device=p.device)
-        else:
-            allowed = torch.ones(n, ctx + n, dtype=torch.bool, device=p.device)
-            allowed[:, ctx:] = torch.ones(n, n, dtype=torch.bool, device=p.device).tril()
-            mask = additive_mask(allowed, p.dtype).expand(B, 1, n, ctx + n)
+        # every row sees its ``ctx`` cached entries and the block's causal part: the bool
+        # mask a batched decode's ``RowCache.forward`` hands ``run_base_rows`` (all True
+        # for one-token rows, which then pass an all-zero mask, as a plain step does)
+        allowed = torch.ones(B, n, ctx + n, dtype=torch.bool, device=p.device)
+        allowed[:, :, ctx:] = torch.ones(n, n, dtype=torch.bool, device=p.device).tril()
 
-        def fwd(tok=tok, pos=pos, mask=mask, cache=cache) -> None:
+        def fwd(tok=tok, pos=pos, allowed=allowed, cache=cache) -> None:
             with torch.no_grad():
-                base(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True,
-                     **{_cache_kwarg(base): cache})
+                run_base_rows(base, cache, tok, pos, allowed)
             crop_cache(cache, ctx)
             if p.device.type == "cuda":
                 torch.cuda.synchronize(p.device)
@@ -662,7 +674,8 @@ def timings_key(model_id: str, device, dtype: str, draft_id: str, tree, batch_si
                      kv="in-place",  # KV appends without a copy of the cache (growing_cache.GrowingLayer)
                      gap="projection",  # c_v timed after an output projection (older records: back to back)
                      scales="anchored",  # batched scales against the grid timed right after (older: its own)
-                     grid="checked")  # a grid row off its anchors timed again (older records could keep a spike)
+                     grid="checked",  # a grid row off its anchors timed again (older records could keep a spike)
+                     grid_call="decode")  # the grid through the decode's run_base_rows (older: the model's forward)
 
 
 def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=None,
@@ -771,10 +784,10 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
             # plain step once read 1.36x its grid point so (and 16 rows 0.91x), the cost model
             # then priced plain 4-row steps 15% above what they took and drafted trees that lost
             # 7% at T = 0 (docs/results.md, "Sixteenth measurement")
-            ar_now = round_robin_ms(batch_forwards(model, B, (1,), ctx[0]), reps=reps, timer=timer)[0]
+            ar_now = batch_verify_ms(model, B, (1,), ctx[0], reps=reps, timer=timer)[0]
             (ms, n), = measure_batch_tree_verify(model, draft, ids, tree=tree, sampling=sampling, batch_sizes=[B])
             k = max(2, int(round(n)))
-            tree_now = round_robin_ms(batch_forwards(model, B, (k,), ctx[0]), reps=reps, timer=timer)[0]
+            tree_now = batch_verify_ms(model, B, (k,), ctx[0], reps=reps, timer=timer)[0]
             i = list(batch_sizes).index(B)
             fresh = {1: ar_now, k: tree_now}
             if grid_disagrees(batch_row_sizes, grid[i], fresh):

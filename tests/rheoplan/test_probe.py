@@ -12,6 +12,7 @@ from _decode_models import tiny_llama
 from rheoplan import probe
 from rheoplan.config import TreeConfig
 from rheoplan.costmodel import Timings
+from rheoplan.models import _hf_common
 from rheoplan.models.eagle3.head import Eagle3Config, Eagle3Head
 from rheoplan.models.packed_linear import PackedLinear, pack_linears, packing_available
 
@@ -486,7 +487,7 @@ def test_measure_batch_verify_grid_on_a_tiny_model():
 
     def counting(*a, **kw):
         ids = kw["input_ids"]
-        assert kw[probe._cache_kwarg(model.model)].get_seq_length() == 8  # cropped back every time
+        assert kw[_hf_common._cache_kwarg(model.model)].get_seq_length() == 8  # cropped back every time
         ticks.append(ids.shape[0] * ids.shape[1])
         return real(*a, **kw)
 
@@ -525,6 +526,36 @@ def test_measure_batch_verify_grid_on_a_tiny_model():
                        (dict(batch_sizes=(0, 1)), "batch_sizes"), (dict(ctx=0), "ctx=0")):
         with pytest.raises(ValueError, match=match):
             probe.measure_batch_verify(model, **bad)
+
+
+def test_batch_forwards_run_the_decodes_own_call_with_its_mask(monkeypatch):
+    """The grid times what a batched decode's verify forward runs (``run_base_rows``: the
+    lean forward, not the transformers model's own, slower call) with the bool mask a
+    ``RowCache`` forward builds, over a cache cropped back to ``ctx`` after every call, and
+    after an output projection."""
+    model = tiny_llama(seed=1, vocab=16)
+    seen = []
+    real = probe.run_base_rows
+
+    def spy(base, cache, tok, pos, allowed, **kw):
+        seen.append((tuple(tok.shape), pos.clone(), allowed.clone(), _hf_common.cache_length(cache)))
+        return real(base, cache, tok, pos, allowed, **kw)
+
+    monkeypatch.setattr(probe, "run_base_rows", spy)
+    for fwd in probe.batch_forwards(model, 3, (1, 4), ctx=5):
+        fwd()
+        fwd()
+    assert [s[0] for s in seen] == [(3, 1), (3, 1), (3, 4), (3, 4)]
+    assert all(s[3] == 5 for s in seen)  # cropped back to ctx after every forward
+    for (B, n), pos, allowed, _ in seen:
+        assert torch.equal(pos, (5 + torch.arange(n)).expand(B, n))
+        want = torch.ones(B, n, 5 + n, dtype=torch.bool)
+        want[:, :, 5:] = torch.ones(n, n, dtype=torch.bool).tril()
+        assert torch.equal(allowed, want)
+    gaps = []
+    monkeypatch.setattr(probe, "output_projection_gap", lambda m: lambda: gaps.append(None))
+    probe.batch_verify_ms(model, 2, (1, 2), 5, reps=2)
+    assert len(gaps) == 2 * (1 + 2)  # before every call, the warm-up ones included
 
 
 def test_measure_batch_steps_takes_medians_of_the_live_steps_and_splits_the_bookkeeping_by_depth(monkeypatch):
@@ -703,7 +734,7 @@ def test_cached_latencies_far_from_a_forward_timed_now_get_a_note(charged_ms, fl
     def counting(*a, **kw):
         ids = kw["input_ids"]
         if ids.shape[1] == 1:  # the timed one-token forwards (not the prefill)
-            ctxs.append(kw[probe._cache_kwarg(model.model)].get_seq_length())
+            ctxs.append(kw[_hf_common._cache_kwarg(model.model)].get_seq_length())
             ticks.append(charged_ms)
         return real(*a, **kw)
 
