@@ -364,6 +364,13 @@ def test_measured_batch_draft_and_bookkeeping_replace_the_model():
     # the measured call (the slope would price it at 5.0 + 3.5 - 5.5 = 3.0)
     assert t.draft_batch(4, 2) == pytest.approx(5.0) and t.draft_batch(4, 3) == pytest.approx(5.0 + 7.5 - 5.5)
     assert t.draft_batch(4, 1) == pytest.approx(5.0)
+    # a batch-1 curve that falls with the width (its one-node calls are each step's first, which
+    # take the accepted tokens in) prices no narrower frontier above the measured call, however
+    # far past its widest point the batch's frontier rows go
+    falling = grid_tm(draft_widths=(1, 3), draft_ms=(1.9, 1.2), batch_draft_ms=(2.0, 2.6), batch_draft_width=8 / 3,
+                      batch_overhead_ms=(1.5, 3.0), batch_ar_overhead_ms=(0.5, 1.0))
+    assert falling.draft_batch(4, 1) == pytest.approx(2.6) and falling.draft_batch(4, 2) == pytest.approx(2.6)
+    assert falling.draft_batch(4, 3) == pytest.approx(2.6)  # wider, but the curve falls: no more
     assert t.ar_step_batch(4, 100) == pytest.approx(14.0 + 1.0)
     assert Timings.from_dict(t.to_dict()) == t
     with pytest.raises(ValueError, match="one latency per batch size"):
