@@ -5,7 +5,7 @@ tokens per row, ``rheoplan.probe.measure_batch_verify``). Until the thirty-first
 that grid called the transformers model itself (``model.model(input_ids=...,
 attention_mask=...)``), while a batched decode runs ``_hf_common.run_base_rows``: the lean
 decoder forward (no per-layer dispatch) with its folded attention. On a 2-core Zen 4 EPYC
-the model's own call took 1.10-1.20x the decode's at 4 rows x 2-3 tokens, and the cost
+the model's own call took 1.08-1.23x the decode's at 4 rows x 2-3 tokens, and the cost
 model kept plain 4-row steps that ran 10% slower than one level of two children
 (docs/results.md, "Thirty-first round").
 

@@ -485,7 +485,7 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
     one-token rows), each after an output projection as in a decode (``batch_verify_ms``).
     Why the decode's call: the grid once called the transformers model itself, whose
     per-layer dispatch and mask handling a decode skips; on a 2-core Zen 4 EPYC its 4-row
-    forwards of 2-3 tokens read 1.10-1.20x what the decode's took (one scale,
+    forwards of 2-3 tokens read 1.08-1.23x what the decode's took (one scale,
     ``batch_tree_scale``, measured at 7 tokens, corrected 0.93 of it), so 4-row trees
     looked 4 ms dearer than they were and the cost model kept plain steps that ran 10%
     slower than one level of two children (docs/results.md, "Thirty-first round"). The
