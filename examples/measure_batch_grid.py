@@ -34,37 +34,14 @@ import torch
 TREES = ((1, 1, 2, 1), (1, 1, 2, 2), (2, 2, 2, 4), (3, 3, 3, 6))
 
 
-def model_call_forwards(model, B: int, row_sizes, ctx: int) -> list:
-    """``probe.batch_forwards`` as it was before the thirty-first round: the same cache,
-    tokens and mask, through the transformers model's own forward."""
-    from rheoplan.models._hf_common import _cache_kwarg, additive_mask, base_model, crop_cache, new_cache
+def model_call(base, cache, tok, pos, allowed) -> None:
+    """The grid's forward as it was before the thirty-first round: the same cache, tokens
+    and mask (``probe.batch_forwards``), through the transformers model's own forward."""
+    from rheoplan.models._hf_common import _cache_kwarg, additive_mask
 
-    base = base_model(model)
-    p = next(model.parameters())
-    cfg = model.config
-    n_kv, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        cache = new_cache(model)
-        for layer in range(len(base.layers)):
-            kv = torch.randn(2, B, n_kv, ctx, head_dim, generator=gen).to(p.dtype)
-            cache.update(kv[0], kv[1], layer)
-    out = []
-    for n in row_sizes:
-        tok = torch.randint(0, cfg.vocab_size, (B, n), generator=gen)
-        pos = (ctx + torch.arange(n)).expand(B, n)
-        allowed = torch.ones(n, ctx + n, dtype=torch.bool)
-        allowed[:, ctx:] = torch.ones(n, n, dtype=torch.bool).tril()
-        mask = additive_mask(allowed, p.dtype).expand(B, 1, n, ctx + n)
-
-        def fwd(tok=tok, pos=pos, mask=mask) -> None:
-            with torch.no_grad():
-                base(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True,
-                     **{_cache_kwarg(base): cache})
-            crop_cache(cache, ctx)
-
-        out.append(fwd)
-    return out
+    B, n, S = allowed.shape  # every row alike: one mask expanded over the rows, as the old grid built it
+    mask = additive_mask(allowed[0], next(base.parameters()).dtype).expand(B, 1, n, S)
+    base(input_ids=tok, position_ids=pos, attention_mask=mask, use_cache=True, **{_cache_kwarg(base): cache})
 
 
 def main(argv=None) -> int:
@@ -86,7 +63,7 @@ def main(argv=None) -> int:
     from rheoplan import SamplingConfig, TreeConfig, plan_and_decode
     from rheoplan.bench.batch import encode_prompt, load_prompts
     from rheoplan.loading import load_default
-    from rheoplan.probe import batch_verify_ms, output_projection_gap, round_robin_ms
+    from rheoplan.probe import batch_forwards, batch_verify_ms, output_projection_gap, round_robin_ms
 
     model, tok, draft = load_default(dtype="bfloat16", draft_dtype="bfloat16")
     prompts = [encode_prompt(tok, p, chat=True) for _, p in load_prompts(args.rows)]
@@ -102,7 +79,7 @@ def main(argv=None) -> int:
         real = statistics.median(1e3 * res[0].steps[i].t_verify_forward for i in live)
         n = int(round(statistics.median(1 + max(r.steps[i].tree_size for r in res) for i in live)))
         ours = batch_verify_ms(model, args.rows, (n,), args.ctx, reps=args.reps)[0]
-        theirs = round_robin_ms(model_call_forwards(model, args.rows, (n,), args.ctx), reps=args.reps,
+        theirs = round_robin_ms(batch_forwards(model, args.rows, (n,), args.ctx, run=model_call), reps=args.reps,
                                 before=output_projection_gap(model))[0]
         print(f"| {depth} x {frontier} x {slots}, {budget} | {n} | {real:.2f} | {ours:.2f} | {theirs:.2f} "
               f"| {real / ours:.2f} | {real / theirs:.2f} |")

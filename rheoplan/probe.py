@@ -486,7 +486,7 @@ def measure_batch_verify(model, *, batch_sizes: Sequence[int] = BATCH_SIZES,
     Why the decode's call: the grid once called the transformers model itself, whose
     per-layer dispatch and mask handling a decode skips; on a 2-core Zen 4 EPYC its 4-row
     forwards of 2-3 tokens read 1.08-1.23x what the decode's took (one scale,
-    ``batch_tree_scale``, measured at 7 tokens, corrected 0.93 of it), so 4-row trees
+    ``batch_tree_scale``, measured at 7 tokens, read 0.93: not enough at 2-3), so 4-row trees
     looked 4 ms dearer than they were and the cost model kept plain steps that ran 10%
     slower than one level of two children (docs/results.md, "Thirty-first round"). The
     output projections are left out: the walk makes them, so they are in the bookkeeping
@@ -522,11 +522,13 @@ def batch_verify_ms(model, B: int, row_sizes: Sequence[int], ctx: int, *, reps: 
 
 
 def batch_forwards(model, B: int, row_sizes: Sequence[int], ctx: int,
-                   gen: torch.Generator | None = None) -> list[Callable[[], None]]:
+                   gen: torch.Generator | None = None, run=None) -> list[Callable[[], None]]:
     """One call per ``n`` in ``row_sizes``: the rectangular batched verify forward of ``B``
     rows x ``n`` new tokens over ``ctx`` cached tokens per row that ``measure_batch_verify``
     times (random keys and values, cropped back to ``ctx`` after each call; the calls share
-    one cache, freed with them)."""
+    one cache, freed with them). ``run(base, cache, tokens, positions, allowed)`` makes the
+    forward (default: ``run_base_rows``, the decode's own call; ``examples/measure_batch_grid.py``
+    passes the transformers model's call to compare)."""
     base = base_model(model)
     p = next(model.parameters())
     cfg = model.config
@@ -551,7 +553,7 @@ def batch_forwards(model, B: int, row_sizes: Sequence[int], ctx: int,
 
         def fwd(tok=tok, pos=pos, allowed=allowed, cache=cache) -> None:
             with torch.no_grad():
-                run_base_rows(base, cache, tok, pos, allowed)
+                (run or run_base_rows)(base, cache, tok, pos, allowed)
             crop_cache(cache, ctx)
             if p.device.type == "cuda":
                 torch.cuda.synchronize(p.device)
