@@ -23,14 +23,18 @@ from pathlib import Path
 import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.costmodel import PRIORS_FILE, Calibration, CostModel, load_priors
+from rheoplan.costmodel import (PRIORS_FILE, Calibration, CostModel, cache_key, cache_read, cache_write, load_priors,
+                                remeasure_requested)
+from rheoplan.kernels import source_digest
+from rheoplan.kernels.decoder_glue import cpu as glue_kernels
+from rheoplan.models._hf_common import base_model
 from rheoplan.models.eagle3 import load_eagle3_checkpoint
 from rheoplan.models.early_exit import early_exit_draft
 from rheoplan.models.gqa_attention import fold_note, fold_pays, gqa_pays, one_query_note
-from rheoplan.models.lean_llama import lean_note
+from rheoplan.models.lean_llama import fuse_glue, glue_fused, lean_capable, lean_note
 from rheoplan.models.packed_linear import PackedLinear, few_row_kernel, pack_if_it_pays
 from rheoplan.models.smollm import GGUF_FILE, load_smollm2, resolve_dtype
-from rheoplan.probe import choose_dtype, choose_head_dtype, measure_timings
+from rheoplan.probe import GLUE_PROBES, choose_dtype, choose_head_dtype, glue_timings, measure_timings, model_identity
 
 #: the default target's identity in the measurement caches
 SMOLLM2_ID = f"SmolLM2-135M-Instruct ({GGUF_FILE})"
@@ -125,6 +129,7 @@ def load_default(*, method: str = "rheo", draft: str = "auto", dtype: str = "aut
         if torch_dtype != torch.float32:
             model = model.to(torch_dtype)
     pack_if_it_pays(model, "target")
+    fuse_glue_if_it_pays(model, "target")
     for note in (one_query_note(model), fold_note(model), lean_note(model)):
         if note is not None:
             print(f"target: {note}", file=sys.stderr)
@@ -161,8 +166,9 @@ def speed_tag(model) -> str:
     run the numba kernel (``pack_if_it_pays``; with the kernel's version), ``' fold-rows'``
     / ``' fold-batches'`` when its masked several-token forwards of one row / of batches
     fold the query heads (``gqa_attention.fold_pays``), ``' lean'`` when its decoder runs
-    ``lean_llama.lean_forward`` (no transformers dispatch per layer), else ``''``. Part of
-    the latency caches' keys."""
+    ``lean_llama.lean_forward`` (no transformers dispatch per layer; ``' lean glue'`` with
+    its glue fused, ``fuse_glue_if_it_pays``), else ``''``. Part of the latency caches'
+    keys."""
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
     kinds = sorted({m.kind for m in modules if isinstance(m, PackedLinear)})
     few = any("few-rows" in k for k in kinds)
@@ -170,8 +176,48 @@ def speed_tag(model) -> str:
     if isinstance(model, torch.nn.Module) and hasattr(model, "config") and gqa_pays(model):
         tag += "".join(f" fold-{name}" for name, rows in (("rows", 1), ("batches", 2)) if fold_pays(model, rows))
     if isinstance(model, torch.nn.Module) and hasattr(model, "config") and lean_note(model) is not None:
-        tag += " lean"
+        tag += " lean" + (" glue" if glue_fused(base_model(model)) else "")
     return tag
+
+
+#: ``fuse_glue_if_it_pays``' cache file (under ``rheoplan.costmodel.cache_dir()``)
+GLUE_CACHE = "glue.json"
+
+
+def fuse_glue_if_it_pays(model, what: str, log=None) -> bool:
+    """Fuse the decoder glue of ``model`` (``lean_llama.fuse_glue``: norms, residual sums
+    and rotary embedding in one numba call each) where its lean forwards run in bfloat16
+    on the CPU, ``probe.glue_timings`` measured them faster fused and the fused forwards gave
+    the same hidden states bit for bit (the kernels' norms sum in torch's order where they
+    found it, ``decoder_glue.cpu.summation_lanes``); cached per machine, torch version, threads,
+    model, its products (``speed_tag``) and the kernels' sources (``RHEOPLAN_REMEASURE=1``
+    measures again). Prints the decision; returns whether the glue is fused."""
+    log = sys.stderr if log is None else log
+    base = base_model(model)
+    p = next(model.parameters())
+    if p.dtype != torch.bfloat16 or p.device.type != "cpu" or not lean_capable(base) or not glue_kernels.norm_applies():
+        return False
+    key = cache_key("glue", model_identity(model), p.device, dtype="bfloat16", products=speed_tag(model).strip(),
+                    kernels=source_digest()[:12])
+    rec = None if remeasure_requested() else cache_read(GLUE_CACHE, key)
+    if not (rec and isinstance(rec.get("unfused"), list) and isinstance(rec.get("fused"), list)
+            and type(rec.get("same")) is bool):
+        unfused, fused, same = glue_timings(model)
+        rec = {"unfused": unfused, "fused": fused, "same": same}
+        cache_write(GLUE_CACHE, key, rec)
+    probes = ", ".join(f"{r}x{t}" for r, t in GLUE_PROBES)
+    timed = f"{sum(rec['fused']):.1f} against {sum(rec['unfused']):.1f} ms for forwards of {probes} tokens"
+    pays = rec["same"] and sum(rec["fused"]) < sum(rec["unfused"])
+    fuse_glue(base, pays)
+    if pays:
+        print(f"{what}: norms, residual sums and rotary embedding fused into one numba call each "
+              f"({timed}; the same outputs bit for bit)", file=log)
+    elif not rec["same"]:
+        print(f"{what}: decoder glue kept as torch operators (the fused forwards' outputs differed from "
+              "theirs here)", file=log)
+    else:
+        print(f"{what}: decoder glue kept as torch operators (fused measured no faster here: {timed})", file=log)
+    return pays
 
 
 def auto_tree(tree: TreeConfig, depth, budget) -> TreeConfig:

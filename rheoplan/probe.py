@@ -36,6 +36,7 @@ from rheoplan.models._hf_common import base_model, crop_cache, new_cache, output
 from rheoplan.models.base import DraftModel
 from rheoplan.models.eagle3.head import Eagle3Head
 from rheoplan.models.hf_target import HFTarget
+from rheoplan.models.lean_llama import fuse_glue
 from rheoplan.models.packed_linear import PACKING_RULE, pack_where_it_pays, unpack_linears
 from rheoplan.pipeline import PassContext
 from rheoplan.plan import plan_tree
@@ -560,6 +561,39 @@ def batch_forwards(model, B: int, row_sizes: Sequence[int], ctx: int,
 
         forwards.append(fwd)
     return forwards
+
+
+#: the forwards ``glue_timings`` times, (rows, new tokens per row) over ``GLUE_CONTEXT``
+#: cached tokens: a one-token step, one row's tree verify, a batch's tree verify
+GLUE_PROBES = ((1, 1), (1, 8), (4, 2))
+GLUE_CONTEXT = 64
+
+
+def glue_timings(model, reps: int = 7, timer: Timer = time.perf_counter) -> tuple[list[float], list[float], bool]:
+    """``(unfused, fused, same)``: the median ms of each ``GLUE_PROBES`` forward (the
+    decode's own call, ``batch_forwards``) with the decoder's glue as torch operators and
+    fused (``lean_llama.fuse_glue``), alternating call by call, and whether the two gave the
+    same hidden states bit for bit in every probe. Leaves the glue unfused."""
+    base = base_model(model)
+    pairs = []
+    for rows, tokens in GLUE_PROBES:
+        pair = []
+        for on in (False, True):
+            got: list[torch.Tensor] = []
+
+            def run(b, cache, tok, pos, allowed, on=on, got=got) -> None:
+                fuse_glue(b, on)
+                got[:] = [run_base_rows(b, cache, tok, pos, allowed)]
+            # the same seed on both sides: the same cache and tokens
+            fwd, = batch_forwards(model, rows, [tokens], GLUE_CONTEXT, torch.Generator().manual_seed(tokens), run=run)
+            pair.append((fwd, got))
+        pairs.append(pair)
+    try:
+        ms = round_robin_ms([fwd for pair in pairs for fwd, _ in pair], reps=reps, timer=timer)
+    finally:
+        fuse_glue(base, False)
+    same = all(torch.equal(a[0], b[0]) for (_, a), (_, b) in pairs)
+    return ms[0::2], ms[1::2], same
 
 
 def batched_decode_unavailable() -> str | None:

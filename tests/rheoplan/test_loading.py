@@ -113,3 +113,48 @@ def test_speed_tag_names_the_attention_fold_so_latencies_timed_without_it_are_me
     head = loading.load_head(ckpt, model, "float32").head
     monkeypatch.setattr(loading, "fold_pays", lambda m, rows: True)
     assert "fold" not in loading.speed_tag(head)  # the head attends its own way
+
+
+@pytest.mark.parametrize("unfused, fused, same, want", [
+    ([20.0, 22.0, 24.0], [18.0, 20.0, 23.0], True, True),  # faster and the same bits: fused
+    ([20.0, 22.0, 24.0], [21.0, 22.0, 24.0], True, False),  # no faster
+    ([20.0, 22.0, 24.0], [18.0, 20.0, 23.0], False, False),  # faster, but other outputs
+])
+def test_the_decoder_glue_is_fused_where_it_measured_faster_with_the_same_bits(monkeypatch, tmp_path, capsys,
+                                                                               unfused, fused, same, want):
+    from rheoplan.kernels.decoder_glue import cpu
+    from rheoplan.models.lean_llama import fuse_glue, glue_fused
+
+    if not cpu.norm_applies():
+        pytest.skip("torch's summation order not found on this CPU")
+    monkeypatch.setenv("RHEOPLAN_CACHE_DIR", str(tmp_path))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    calls = []
+    monkeypatch.setattr(loading, "glue_timings", lambda m: calls.append(m) or (unfused, fused, same))
+    assert not loading.fuse_glue_if_it_pays(model, "target")  # float32: nothing to fuse, nothing timed
+    assert calls == [] and not glue_fused(model.model)
+    model = model.to(torch.bfloat16)
+    try:
+        assert loading.fuse_glue_if_it_pays(model, "target") is want
+        assert glue_fused(model.model) is want and len(calls) == 1
+        assert ("fused into one numba call each" in capsys.readouterr().err) is want
+        fuse_glue(model.model, False)
+        assert loading.fuse_glue_if_it_pays(model, "target") is want  # from the cache: not timed again
+        assert len(calls) == 1
+    finally:
+        fuse_glue(model.model, False)
+
+
+def test_the_glue_probe_times_both_forwards_and_compares_their_bits():
+    from rheoplan.kernels.decoder_glue import cpu
+    from rheoplan.models.lean_llama import glue_fused
+    from rheoplan.probe import GLUE_PROBES, glue_timings
+
+    if not cpu.norm_applies():
+        pytest.skip("torch's summation order not found on this CPU")
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval().to(torch.bfloat16)
+    unfused, fused, same = glue_timings(model, reps=2)
+    assert len(unfused) == len(fused) == len(GLUE_PROBES) and min(unfused + fused) > 0
+    assert same and not glue_fused(model.model)

@@ -242,3 +242,116 @@ def test_modules_swapped_after_a_first_forward_are_the_ones_checked(monkeypatch)
         mlp = MyMLP(model.config)
         base.layers[0].mlp = mlp  # a class lean_forward does not mirror, swapped in later
         assert not lean.lean_ok(base) and not lean.lean_capable(base)
+
+
+def _count_glue_calls(monkeypatch) -> list[str]:
+    calls = []
+    for name in ("rms_norm", "add_rms_norm", "rope"):
+        real = getattr(lean.glue, name)
+        monkeypatch.setattr(lean.glue, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    return calls
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16 here")
+@pytest.mark.parametrize("parents", [[-1], [-1, 0, 0, 1, 1, 2, 3]])
+def test_the_fused_glue_gives_transformers_outputs_and_cache_bit_for_bit(monkeypatch, parents):
+    """bfloat16, the loaders' packed and fused products: with the glue fused, a prefill (more
+    than ``GLUE_MAX_ROWS`` tokens: torch's operators) then a one-token step or a tree verify
+    (the kernels), against transformers' forward."""
+    from rheoplan.kernels.decoder_glue import cpu
+
+    if not cpu.norm_applies():
+        pytest.skip("torch's summation order not found on this CPU")
+    model = _llama(torch.bfloat16, packed=True)
+    lean.fuse_glue(model.model)
+    try:
+        calls = _count_glue_calls(monkeypatch)
+        (a0, a1, ca), (b0, b1, cb) = _both(monkeypatch, lambda: _one_row(model, parents, prefix_len=lean.GLUE_MAX_ROWS + 1))
+    finally:
+        lean.fuse_glue(model.model, False)
+    # the step ran fused (2 norms and 2 rotary calls a layer, the final norm), the prefill did not
+    assert len(calls) == 4 * model.config.num_hidden_layers + 1
+    assert torch.equal(a0, b0) and torch.equal(a1, b1)
+    for (ka, va), (kb, vb) in zip(ca, cb):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16 here")
+def test_the_fused_glue_of_several_rows_with_features_is_transformers_forward_bit_for_bit(monkeypatch):
+    """Rows of a batch (4 x 3 tokens) and the feature capture's layer inputs, fused and not."""
+    from rheoplan.kernels.decoder_glue import cpu
+
+    if not cpu.norm_applies():
+        pytest.skip("torch's summation order not found on this CPU")
+    model = _llama(torch.bfloat16, packed=True)
+    base = model.model
+    B, P, q = 4, 5, 3
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 97, (B, P + q), generator=g)
+    seen = []
+
+    @lean.capture_hook
+    def capture(layer, args, kwargs):
+        seen.append(args[0].clone())
+
+    hooks = [base.layers[i].register_forward_pre_hook(capture, with_kwargs=True) for i in (0, 2)]
+
+    def run():
+        seen.clear()
+        cache = new_cache(model)
+        with torch.no_grad():
+            h0 = run_base_rows(base, cache, ids[:, :P], torch.arange(P).expand(B, P),
+                               torch.ones(B, P, P, dtype=torch.bool).tril())
+            allowed = torch.ones(B, q, P + q, dtype=torch.bool)
+            allowed[:, :, P:] = torch.ones(q, q, dtype=torch.bool).tril()
+            h1 = run_base_rows(base, cache, ids[:, P:], (P + torch.arange(q)).expand(B, q), allowed)
+        return h0, h1, _layers(cache), list(seen)
+
+    lean.fuse_glue(base)
+    try:
+        calls = _count_glue_calls(monkeypatch)
+        (a0, a1, ca, fa), (b0, b1, cb, fb) = _both(monkeypatch, run)
+    finally:
+        lean.fuse_glue(base, False)
+        for h in hooks:
+            h.remove()
+    assert calls  # the 12-token verify ran fused
+    assert torch.equal(a0, b0) and torch.equal(a1, b1)
+    assert len(fa) == len(fb) == 4 and all(torch.equal(x, y) for x, y in zip(fa, fb))
+    for (ka, va), (kb, vb) in zip(ca, cb):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_the_fused_glue_steps_aside_for_float32_and_patched_norms(monkeypatch):
+    from transformers.models.llama import modeling_llama as ml
+
+    model = _llama(torch.float32, packed=False)
+    lean.fuse_glue(model.model)
+    try:
+        calls = _count_glue_calls(monkeypatch)
+        _one_row(model, [-1, 0])
+        assert calls == []  # float32: torch's operators, transformers' bits
+        assert lean.glue_fused(model.model)
+        model = model.to(torch.bfloat16)
+
+        class MyNorm(ml.LlamaRMSNorm):
+            pass
+
+        model.model.layers[1].post_attention_layernorm.__class__ = MyNorm
+        _one_row(model, [-1, 0])
+        assert calls == []  # a norm that is not transformers' own runs its own forward
+    finally:
+        lean.fuse_glue(model.model, False)
+    assert not lean.glue_fused(model.model)
+
+
+def test_the_speed_tag_keys_latencies_on_the_fused_glue():
+    from rheoplan.loading import speed_tag
+
+    model = _llama(torch.bfloat16, packed=False)
+    assert speed_tag(model).endswith(" lean")
+    lean.fuse_glue(model.model)
+    try:
+        assert speed_tag(model).endswith(" lean glue")
+    finally:
+        lean.fuse_glue(model.model, False)
