@@ -33,13 +33,14 @@ patch it), no forward hook on any module it calls but the feature capture's
 nothing, which ``lean_forward`` calls itself), no global module hooks, not training, and
 no gradient being recorded, no ``forward`` set on an inlined container's instance (a spy,
 accelerate's hooks). Anything else runs transformers' forward, as before;
-With its glue fused (``fuse_glue``, bfloat16 forwards of a few tokens) the norms, residual
-sums and rotary embedding run as numba kernels instead (``rheoplan.kernels.decoder_glue``):
-one call each instead of eight operators for a norm, the same bits.
-
 ``tests/rheoplan/models/test_lean_llama.py`` checks both against each other, bit for bit
 (float32 and bfloat16, plain and packed weights, one row and several, the captured
 features), and that a foreign hook sends the forward back to transformers.
+
+With its glue fused (``fuse_glue``: bfloat16 forwards of at most ``GLUE_MAX_ROWS`` tokens)
+the norms, residual sums and rotary embedding run as numba kernels instead
+(``rheoplan.kernels.decoder_glue``): one call each instead of eight operators for a norm,
+the same bits (the same tests, fused).
 """
 
 from __future__ import annotations
@@ -293,7 +294,7 @@ def _fused_layers(base, hidden, cos, signed_sin, half, mask, cache, attend, kw) 
             hook(layer, (hidden,), {})  # the feature capture reads the layer's input
         attn, mlp = layer.self_attn, layer.mlp
         d = attn.head_dim
-        q = glue.rope(attn.q_proj.forward(h), cos, signed_sin, d).view(*shape, -1, d).transpose(1, 2).contiguous()
+        q = glue.rope(attn.q_proj.forward(h), cos, signed_sin, d).view(*shape, -1, d).transpose(1, 2)
         k = glue.rope(attn.k_proj.forward(h), cos, signed_sin, d).view(*shape, -1, d).transpose(1, 2)
         v = attn.v_proj.forward(h).view(*shape, -1, d).transpose(1, 2)
         k, v = cache.update(k, v, attn.layer_idx, kwargs=kw)
