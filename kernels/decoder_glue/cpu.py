@@ -67,6 +67,17 @@ _LEVEL_POWER = 4
 
 
 @njit(inline="always")
+def _add_group(x, i, lanes, acc):
+    """``acc[0, k] += (vector 4i + k of x)^2`` lane by lane, ``k < 4``: one step of torch's
+    ``multi_row_sum`` over the row's vectors of ``lanes`` floats."""
+    for k in range(_ILP):
+        base = (i * _ILP + k) * lanes
+        for m in range(lanes):
+            v = _widen(x[base + m])
+            acc[0, k, m] += v * v
+
+
+@njit(inline="always")
 def _sum_of_squares(x, lanes):
     """sum(x[j]^2) over one row of bfloat16 bits, each square rounded to float32 (torch's
     ``pow(2)``), summed in the order of torch's CPU ``sum`` over a contiguous float32 row
@@ -80,11 +91,7 @@ def _sum_of_squares(x, lanes):
     i = 0
     while i + step <= size:
         for _ in range(step):
-            for k in range(_ILP):
-                base = (i * _ILP + k) * lanes
-                for m in range(lanes):
-                    v = _widen(x[base + m])
-                    acc[0, k, m] += v * v
+            _add_group(x, i, lanes, acc)
             i += 1
         for j in range(1, _LEVELS):
             for k in range(_ILP):
@@ -94,11 +101,7 @@ def _sum_of_squares(x, lanes):
             if i & ((step - 1) << (j * _LEVEL_POWER)) != 0:
                 break
     while i < size:
-        for k in range(_ILP):
-            base = (i * _ILP + k) * lanes
-            for m in range(lanes):
-                v = _widen(x[base + m])
-                acc[0, k, m] += v * v
+        _add_group(x, i, lanes, acc)
         i += 1
     for j in range(1, _LEVELS):
         for k in range(_ILP):
