@@ -4,8 +4,8 @@ Why: a decode-time forward of SmolLM2-135M has 30 layers of small operations aro
 products: two norms of eight torch operators each, the rotary embedding of the queries
 and keys (a concatenation, a roll, two products and a sum), the residual sums. On the
 2-core Zen 4 AMD EPYC (bfloat16, packed weights, 4 rows x 1 token) those took ~5 of a
-23 ms forward, ~50 us a norm in place against ~7 for one call here (docs/results.md,
-"Thirty-second round"). Each function here is one kernel call, its tensors handed over
+23 ms forward: a norm ~50 us in place, ~20 warm as eight operators, 6-8 warm as one call
+here (docs/results.md, "Thirty-second round"). Each function here is one kernel call, its tensors handed over
 as raw addresses (``data_ptr``): building numpy views of torch tensors cost ~1.7 us a
 tensor, more than the arithmetic of a few rows.
 
