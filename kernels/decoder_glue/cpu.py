@@ -34,11 +34,7 @@ from llvmlite import ir as llvm_ir
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
-from rheoplan.kernels.linear.cpu import _float32_bits, _rounded_bfloat16_bits, _widen
-
-#: the bfloat16 pattern every NaN becomes (c10's conversion's), as in ``kernels.linear.cpu``
-_NAN = np.uint16(0x7FC0)
-
+from rheoplan.kernels.linear.cpu import _widen, bfloat16_bits as _round
 
 @intrinsic
 def _bits_at(typingctx, address):
@@ -48,14 +44,6 @@ def _bits_at(typingctx, address):
     def codegen(context, builder, signature, args):
         return builder.inttoptr(args[0], llvm_ir.PointerType(llvm_ir.IntType(16)))
     return sig, codegen
-
-
-@njit(inline="always")
-def _round(v):
-    """float32 ``v`` as the nearest bfloat16's bits (ties to even), as torch rounds."""
-    if v != v:
-        return _NAN
-    return _rounded_bfloat16_bits(_float32_bits(np.float32(v)))
 
 
 #: torch's reduction of a contiguous float32 row (``aten/src/ATen/native/cpu/SumKernel.cpp``:
@@ -222,6 +210,8 @@ def row_stride(x: torch.Tensor) -> int | None:
     leading axes merged), or None where no single stride spans them or the last axis is
     not contiguous. Plain Python on the shape: a ``view`` to find it cost more than the
     kernels' arithmetic."""
+    if x.is_contiguous():  # the common case (a hidden state, a product's whole output)
+        return x.shape[-1] if x.dim() else None
     shape, strides = x.shape, x.stride()
     if not shape or (shape[-1] > 1 and strides[-1] != 1):
         return None

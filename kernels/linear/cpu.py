@@ -113,16 +113,22 @@ def _narrow(out, v):
     return _rounded_bfloat16_bits(np.float32(v).view(np.uint32))
 
 
+@njit(inline="always")
+def bfloat16_bits(v):
+    """The float32 ``v`` as the bits of the bfloat16 torch rounds it to: nearest, ties to
+    even, every NaN ``_BFLOAT16_NAN`` (the kernels' one rounding to bfloat16; also
+    ``rheoplan.kernels.decoder_glue.cpu``'s)."""
+    if v != v:
+        return np.uint16(_BFLOAT16_NAN)
+    return _rounded_bfloat16_bits(_float32_bits(np.float32(v)))
+
+
 @overload(_narrow, inline="always")
 def _narrow_impl(out, v):
     if out.dtype == types.float32:
         return lambda out, v: v
     if out.dtype == types.uint16:
-        def to_bfloat16_bits(out, v):
-            if v != v:
-                return np.uint16(_BFLOAT16_NAN)
-            return _rounded_bfloat16_bits(_float32_bits(v))
-        return to_bfloat16_bits
+        return lambda out, v: bfloat16_bits(v)
     return None
 
 

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rheoplan.kernels.decoder_glue.reference import rms_norm as rms_norm_reference
+
 
 class Eagle3LoadError(ValueError):
     """A checkpoint or config does not match the EAGLE-3 head format, or does not fit the
@@ -213,10 +215,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dt)
+        return rms_norm_reference(x, self.weight, self.eps)  # the one definition of the formula
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
