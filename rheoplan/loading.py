@@ -28,7 +28,7 @@ from rheoplan.costmodel import (PRIORS_FILE, Calibration, CostModel, cache_key, 
 from rheoplan.kernels import source_digest
 from rheoplan.kernels.decoder_glue import cpu as glue_kernels
 from rheoplan.models._hf_common import base_model
-from rheoplan.models.eagle3 import load_eagle3_checkpoint
+from rheoplan.models.eagle3 import Eagle3Head, load_eagle3_checkpoint
 from rheoplan.models.early_exit import early_exit_draft
 from rheoplan.models.gqa_attention import fold_note, fold_pays, gqa_pays, one_query_note
 from rheoplan.models.lean_llama import fuse_glue, glue_fused, lean_capable, lean_note
@@ -157,7 +157,50 @@ def load_head(path, model, draft_dtype: str = "auto"):
     if dt != torch.float32:
         drf = load_eagle3_checkpoint(path, model, dtype=dt)
     pack_if_it_pays(drf.head, "draft head")
+    fuse_head_glue(drf.head, model)
     return drf
+
+
+def fuse_head_glue(head: Eagle3Head, target, log=None) -> bool:
+    """Fuse ``head``'s glue (``Eagle3Head.fuse_glue``: its norms, residual sum and rotary
+    embedding in one numba call each) where the target's glue runs fused
+    (``fuse_glue_if_it_pays``: the same kernels, at the head's width, measured faster here
+    and gave torch's bits in the target's forwards), the head runs in bfloat16 on the CPU,
+    and a probe call of the head (3 pairs, random inputs) gives the same outputs bit for bit
+    fused and not. Prints the decision where it fuses; returns it."""
+    log = sys.stderr if log is None else log
+    p = next(head.parameters())
+    on = (isinstance(target, torch.nn.Module) and lean_capable(base_model(target))
+          and glue_fused(base_model(target)) and p.dtype == torch.bfloat16 and p.device.type == "cpu"
+          and _head_glue_same(head))
+    head.fuse_glue(on)
+    if on:
+        print("draft head: norms, residual sum and rotary embedding fused as the target's (the same "
+              "outputs bit for bit)", file=log)
+    return on
+
+
+def _head_glue_same(head: Eagle3Head, pairs: int = 3) -> bool:
+    """Whether one call of ``head`` over ``pairs`` new pairs (random embeddings and target
+    features, a causal block) gives the same hidden states, keys, values and draft logits
+    with its glue fused as without."""
+    cfg, p = head.config, next(head.parameters())
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(pairs, cfg.hidden_size, generator=g).to(p.dtype)
+    feats = torch.randn(pairs, 3 * cfg.target_hidden_size, generator=g).to(p.dtype)
+    positions = torch.arange(pairs)
+    allowed = torch.ones(pairs, pairs, dtype=torch.bool).tril()
+    before = head.glue_fused
+    outs = []
+    try:
+        with torch.no_grad():
+            for on in (False, True):
+                head.fuse_glue(on)
+                hidden, (k, v) = head(embeds, feats, positions, None, allowed, pairs)
+                outs.append((hidden, k, v, head.draft_logits(hidden)))
+    finally:
+        head.fuse_glue(before)
+    return all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 def speed_tag(model) -> str:
@@ -167,8 +210,8 @@ def speed_tag(model) -> str:
     / ``' fold-batches'`` when its masked several-token forwards of one row / of batches
     fold the query heads (``gqa_attention.fold_pays``), ``' lean'`` when its decoder runs
     ``lean_llama.lean_forward`` (no transformers dispatch per layer; ``' lean glue'`` with
-    its glue fused, ``fuse_glue_if_it_pays``), else ``''``. Part of the latency caches'
-    keys."""
+    its glue fused, ``fuse_glue_if_it_pays``), ``' glue'`` for an EAGLE-3 head whose glue
+    runs fused (``fuse_head_glue``), else ``''``. Part of the latency caches' keys."""
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
     kinds = sorted({m.kind for m in modules if isinstance(m, PackedLinear)})
     few = any("few-rows" in k for k in kinds)
@@ -177,6 +220,8 @@ def speed_tag(model) -> str:
         tag += "".join(f" fold-{name}" for name, rows in (("rows", 1), ("batches", 2)) if fold_pays(model, rows))
     if isinstance(model, torch.nn.Module) and hasattr(model, "config") and lean_note(model) is not None:
         tag += " lean" + (" glue" if glue_fused(base_model(model)) else "")
+    if isinstance(model, Eagle3Head) and model.glue_fused:
+        tag += " glue"
     return tag
 
 

@@ -238,11 +238,8 @@ def lean_forward(base: torch.nn.Module, input_ids: torch.Tensor, position_ids: t
 
 #: decoder models whose glue runs fused (``fuse_glue``)
 _FUSED: weakref.WeakSet = weakref.WeakSet()
-#: most tokens (rows x new tokens) of a forward whose glue runs fused: the kernels do a row at
-#: a time, so more rows (a prompt's prefill) keep torch's operators, faster there (a residual
-#: sum and its norm, warm, on the 2-core Zen 4 AMD EPYC: 4 rows 13 us fused against 22, 16
-#: rows 28 against 28, 32 rows 47 against 34)
-GLUE_MAX_ROWS = 16
+#: most tokens (rows x new tokens) of a forward whose glue runs fused (the kernels' own bound)
+GLUE_MAX_ROWS = glue.MAX_ROWS
 
 
 def fuse_glue(base: torch.nn.Module, on: bool = True) -> None:

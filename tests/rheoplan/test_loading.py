@@ -146,6 +146,36 @@ def test_the_decoder_glue_is_fused_where_it_measured_faster_with_the_same_bits(m
         fuse_glue(model.model, False)
 
 
+def test_the_heads_glue_is_fused_where_the_targets_is_and_gives_the_same_bits(tiny, monkeypatch, capsys):
+    from rheoplan.models.lean_llama import fuse_glue
+
+    model, ckpt = tiny
+    base = model.model
+    try:
+        fuse_glue(base, False)  # the target's glue not fused: nor the head's
+        head = loading.load_head(ckpt, model, "bfloat16").head
+        assert not head.glue_fused and "glue" not in loading.speed_tag(head)
+        fuse_glue(base, True)
+        head = loading.load_head(ckpt, model, "bfloat16").head
+        assert head.glue_fused and loading.speed_tag(head).endswith(" glue")  # its latencies measured again
+        assert "draft head: norms, residual sum and rotary embedding fused" in capsys.readouterr().err
+        assert not loading.load_head(ckpt, model, "float32").head.glue_fused  # the kernels are bfloat16's
+        monkeypatch.setattr(loading, "_head_glue_same", lambda h: False)  # other bits: kept unfused
+        assert not loading.load_head(ckpt, model, "bfloat16").head.glue_fused
+    finally:
+        fuse_glue(base, False)
+
+
+def test_the_head_glue_probe_compares_every_output():
+    cfg = Eagle3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                       num_key_value_heads=2)
+    head = Eagle3Head(cfg).to(torch.bfloat16).eval()
+    assert loading._head_glue_same(head) and not head.glue_fused  # the same bits; the flag as it was
+    real = head.draft_logits
+    head.draft_logits = lambda h: real(h) + (1 if head.glue_fused else 0)  # one output differs when fused
+    assert not loading._head_glue_same(head)
+
+
 def test_the_glue_probe_times_both_forwards_and_compares_their_bits():
     from rheoplan.kernels.decoder_glue import cpu
     from rheoplan.models.lean_llama import glue_fused

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rheoplan.kernels import decoder_glue as glue
 from rheoplan.kernels.decoder_glue.reference import rms_norm as rms_norm_reference
 
 
@@ -248,6 +249,27 @@ class Eagle3Attention(nn.Module):
         v = self.v_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        return self._attend(q, k, v, past, allowed)
+
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                      past: tuple[torch.Tensor, torch.Tensor] | None,
+                      allowed: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """``forward`` with the rotary embedding of the queries and of the keys in one
+        ``decoder_glue.rope`` call each, over the projections' rows (``signed_sin``:
+        ``sin`` with its first half negated, as the kernel takes it). The same bits:
+        ``rotate_half(x) * sin`` and ``roll(x) * signed_sin`` are the same products."""
+        n, hd = x.shape[0], self.head_dim
+        q = glue.rope(self.q_proj(x), cos, signed_sin, hd).view(n, self.n_heads, hd).transpose(0, 1)
+        k = glue.rope(self.k_proj(x), cos, signed_sin, hd).view(n, self.n_kv, hd).transpose(0, 1)
+        v = self.v_proj(x).view(n, self.n_kv, hd).transpose(0, 1)
+        return self._attend(q, k, v, past, allowed)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None,
+                allowed: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The attention of rotated ``q [heads, n, hd]`` over ``past`` and the new ``k`` /
+        ``v [kv, n, hd]``, through ``o_proj``; returns it and the whole k/v."""
+        n = q.shape[1]
         if past is not None:
             k = torch.cat([past[0], k], dim=1)
             v = torch.cat([past[1], v], dim=1)
@@ -300,6 +322,23 @@ class Eagle3Layer(nn.Module):
         h = hidden + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv
+
+    def forward_fused(self, embeds, hidden, cos, sin, past, allowed):
+        """``forward`` with its glue in ``rheoplan.kernels.decoder_glue`` (``Eagle3Head.fuse_glue``):
+        each norm, the residual sum with the norm after it and each rotary embedding one
+        call, the same bits (each call falls back to the reference where its kernel does
+        not apply)."""
+        norms = (self.input_layernorm, self.hidden_norm, self.post_attention_layernorm)
+        if any(type(m) is not RMSNorm for m in norms):  # a replaced norm runs its own forward
+            return self.forward(embeds, hidden, cos, sin, past, allowed)
+        x = torch.cat([glue.rms_norm(embeds, self.input_layernorm.weight, self.input_layernorm.eps),
+                       glue.rms_norm(hidden, self.hidden_norm.weight, self.hidden_norm.eps)], dim=-1)
+        half = cos.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        attn, kv = self.self_attn.forward_fused(x, cos, signed_sin, past, allowed)
+        pn = self.post_attention_layernorm
+        h, normed = glue.add_rms_norm(hidden, attn, pn.weight, pn.eps)
+        return h + self.mlp(normed), kv
 
 
 class Eagle3Head(nn.Module):
@@ -399,7 +438,27 @@ class Eagle3Head(nn.Module):
         """
         h = self.fuse(hidden)
         cos, sin = self.cos_sin(h, positions, max_position)
+        if self._glue_applies(h) and type(self.midlayer) is Eagle3Layer:  # (a subclass: its own forward)
+            return self.midlayer.forward_fused(embeds, h, cos, sin, past, allowed)
         return self.midlayer(embeds, h, cos, sin, past, allowed)
+
+    def fuse_glue(self, on: bool = True) -> None:
+        """Run (``on``) or stop running the head's norms, residual sum and rotary embedding
+        through ``rheoplan.kernels.decoder_glue`` (one numba call each, bfloat16 on the
+        CPU, the same bits) in calls of at most ``decoder_glue.MAX_ROWS`` pairs without
+        autograd. The loader turns it on where the target's glue paid
+        (``rheoplan.loading.fuse_head_glue``); training never runs it (its tensors need
+        gradients)."""
+        self.glue_fused = bool(on)
+
+    #: whether ``fuse_glue`` is on (off until the loader turns it on)
+    glue_fused: bool = False
+
+    def _glue_applies(self, h: torch.Tensor) -> bool:
+        """Whether this call's glue runs fused: ``fuse_glue`` on, bfloat16 CPU rows, at most
+        ``decoder_glue.MAX_ROWS`` of them, and no gradient to track."""
+        return (self.glue_fused and h.dtype == torch.bfloat16 and h.is_cpu and h.shape[0] <= glue.MAX_ROWS
+                and not torch.is_grad_enabled())
 
     def cos_sin(self, h: torch.Tensor, positions: torch.Tensor,
                 max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -430,6 +489,8 @@ class Eagle3Head(nn.Module):
 
     def draft_logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(norm(h))`` over the draft vocabulary, ``[n, draft_vocab]``."""
+        if self._glue_applies(out_hidden) and type(self.norm) is RMSNorm:
+            return self.lm_head(glue.rms_norm(out_hidden, self.norm.weight, self.norm.eps))
         return self.lm_head(self.norm(out_hidden))
 
     def target_logits(self, out_hidden: torch.Tensor) -> torch.Tensor:

@@ -68,3 +68,78 @@ def test_the_rope_table_gives_the_rotary_modules_cos_and_sin_bit_for_bit(dtype, 
     other = head.cos_sin(h.float(), torch.tensor([5]), 5)  # another dtype: a table of its own
     assert other[0].dtype == torch.float32 and torch.equal(other[0], head.rotary(h.float()[None, :1],
                                                                                 torch.tensor([[5]]))[0][0])
+
+
+def _bf16_head(seed: int = 0) -> Eagle3Head:
+    """A SmolLM2-sized head (H 576, 9 / 3 heads of 64) in bfloat16 with random weights, norms
+    included, so every glue step has something to round."""
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(vocab_size=300, draft_vocab_size=120, hidden_size=576, intermediate_size=256,
+                       num_attention_heads=9, num_key_value_heads=3, target_hidden_size=576)
+    head = Eagle3Head(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.05)
+        for norm in (head.norm, head.midlayer.input_layernorm, head.midlayer.hidden_norm,
+                     head.midlayer.post_attention_layernorm):
+            norm.weight.add_(1.0)
+    return head
+
+
+def _head_call(head: Eagle3Head, n: int, cached: int, g: torch.Generator):
+    """One call over ``n`` new pairs after ``cached`` entries: (hidden, k, v, draft logits)."""
+    cfg, dt = head.config, head.fc.weight.dtype
+    embeds = torch.randn(n, cfg.hidden_size, generator=g).to(dt)
+    feats = (3 * torch.randn(n, 3 * cfg.target_hidden_size, generator=g)).to(dt)
+    past = None if not cached else tuple(torch.randn(cfg.num_key_value_heads, cached, cfg.head_dim,
+                                                     generator=g).to(dt) for _ in range(2))
+    allowed = torch.ones(n, cached + n, dtype=torch.bool).tril(cached)
+    hidden, (k, v) = head(embeds, feats, torch.arange(n) + cached, past, allowed, cached + n)
+    return hidden, k, v, head.draft_logits(hidden)
+
+
+@pytest.mark.parametrize("n, cached", [(1, 0), (3, 40), (16, 7), (17, 5)])
+def test_the_fused_glue_gives_the_heads_outputs_bit_for_bit(monkeypatch, n, cached):
+    from rheoplan.kernels.decoder_glue import cpu
+
+    calls = []
+    for name in ("rms_norm", "add_rms_norm", "rope"):
+        real = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    head = _bf16_head()
+    with torch.no_grad():
+        want = _head_call(head, n, cached, torch.Generator().manual_seed(n))
+        assert calls == []  # off until fuse_glue
+        head.fuse_glue(True)
+        got = _head_call(head, n, cached, torch.Generator().manual_seed(n))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    if n > 16:  # more rows than decoder_glue.MAX_ROWS: torch's operators
+        assert calls == []
+    else:  # two rotary embeddings always; the norms where torch's summation order was found here
+        assert calls.count("rope") == 2
+        if cpu.norm_applies():
+            assert sorted(set(calls)) == ["add_rms_norm", "rms_norm", "rope"] and calls.count("rms_norm") == 3
+
+
+def test_the_fused_glue_steps_aside_for_gradients_float32_and_subclassed_layers(monkeypatch):
+    from rheoplan.kernels.decoder_glue import cpu
+    from rheoplan.models.eagle3.head import Eagle3Layer
+
+    calls = []
+    monkeypatch.setattr(cpu, "rope", lambda *a: calls.append("rope"))  # would break any call it got
+    head = _bf16_head()
+    head.fuse_glue(True)
+    hidden, _, _, logits = _head_call(head, 2, 3, torch.Generator().manual_seed(1))  # autograd on: training
+    assert hidden.requires_grad and logits.requires_grad and calls == []
+    with torch.no_grad():
+        _head_call(head.float(), 2, 3, torch.Generator().manual_seed(1))
+        assert calls == []
+
+        class Stacked(Eagle3Layer):  # a subclass keeps its own forward (examples/measure_head_layers.py)
+            pass
+        head = _bf16_head()
+        head.fuse_glue(True)
+        head.midlayer.__class__ = Stacked
+        _head_call(head, 2, 3, torch.Generator().manual_seed(1))
+        assert calls == []
