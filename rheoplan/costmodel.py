@@ -177,6 +177,13 @@ class Timings:
     #: Given, ``batch_overhead_ms`` is the one-depth price; empty (records before it):
     #: ``batch_overhead_ms`` is the fixed tree's, at every depth
     batch_overhead_depth_ms: tuple[float, ...] = ()
+    #: per ``batch_sizes`` entry: the bookkeeping of a tree step of one drafted depth and one
+    #: node per row (``probe.narrow_tree``), against ``batch_overhead_ms``' tree of
+    #: ``batch_overhead_width`` nodes per row: the one-depth price then grows with the nodes
+    #: per row (``overhead_batch``). Empty (records before it): one price at every width
+    batch_overhead_narrow_ms: tuple[float, ...] = ()
+    #: nodes per row of the one-depth tree behind ``batch_overhead_ms`` (0: not recorded)
+    batch_overhead_width: int = 0
 
     def __post_init__(self) -> None:
         if not self.sizes or len(self.sizes) != len(self.verify_lo) or len(self.sizes) != len(self.verify_hi):
@@ -206,6 +213,11 @@ class Timings:
         if self.batch_overhead_depth_ms and len(self.batch_overhead_depth_ms) != len(self.batch_overhead_ms):
             raise ValueError(f"Timings: batch_overhead_depth_ms must hold one latency per batch size "
                              f"({len(self.batch_sizes)}), with batch_overhead_ms")
+        if self.batch_overhead_narrow_ms and (len(self.batch_overhead_narrow_ms) != len(self.batch_overhead_ms)
+                                              or self.batch_overhead_width < 2):
+            raise ValueError(f"Timings: batch_overhead_narrow_ms must hold one latency per batch size "
+                             f"({len(self.batch_sizes)}), with batch_overhead_ms and a batch_overhead_width >= 2 "
+                             f"(got {self.batch_overhead_width})")
         for name in ("batch_tree_scale", "batch_ar_scale"):
             f = getattr(self, name)
             if f and (len(f) != len(self.batch_sizes) or any(not (v > 0 and math.isfinite(v)) for v in f)):
@@ -216,7 +228,7 @@ class Timings:
         vals = list(self.verify_lo) + list(self.verify_hi) + list(self.draft_ms) + [self.overhead_ms, self.ar_overhead_ms]
         vals += [v for r in self.batch_verify for v in r] + [v for x in steps for v in x]
         vals.append(self.overhead_depth_ms)
-        vals += list(self.batch_overhead_depth_ms)
+        vals += list(self.batch_overhead_depth_ms) + list(self.batch_overhead_narrow_ms)
         if any(not (v >= 0 and math.isfinite(v)) for v in vals):
             raise ValueError("Timings: every latency must be finite and >= 0 ms")
         # the context-free parts of ``verify_ends`` / ``verify_batch``, computed once per
@@ -311,19 +323,32 @@ class Timings:
             v += max(0.0, self.draft(batch * row_width) - self.draft(batch * self.batch_draft_width))
         return max(v, 1e-3)
 
-    def overhead_batch(self, batch: int) -> float:
+    def overhead_batch(self, batch: int, width: int | None = None) -> float:
         """``c_o`` of a tree step with ``batch`` rows (ms), at one drafted depth where the
         bookkeeping was measured by depth (``batch_overhead_depth_ms``), else at the fixed
         tree's: measured (``batch_overhead_ms``, interpolated in ``B``), else ``batch * c_o``
         (each row planned, walked and committed on its own: an upper bound where the loop
-        vectorises some of it)."""
+        vectorises some of it).
+
+        ``width``: the nodes per row of that depth, where the one-node price was measured
+        too (``batch_overhead_narrow_ms``): linear in the width through the one-node and
+        the ``batch_overhead_width``-node measurements (never below 0). Why: the walk
+        projects and visits, and the commit moves, each row's nodes; on the 2-core Zen 4
+        AMD EPYC at 4 rows and T = 1 a one-depth step of one node a row cost 6.3 ms of
+        bookkeeping and one of three nodes 8.7, and the one price of three nodes kept
+        every 4-row step plain where always drafting one node ran 2% faster
+        (docs/results.md, "Thirty-third round")."""
         if batch == 1:
             return self.overhead_ms
         if self.batch_overhead_ms:
-            return max(interp(self.batch_sizes, self.batch_overhead_ms, batch), 0.0)
+            wide = max(interp(self.batch_sizes, self.batch_overhead_ms, batch), 0.0)
+            if width is None or not self.batch_overhead_narrow_ms:
+                return wide
+            narrow = max(interp(self.batch_sizes, self.batch_overhead_narrow_ms, batch), 0.0)
+            return max(narrow + (width - 1) * (wide - narrow) / (self.batch_overhead_width - 1), 0.0)
         return batch * self.overhead_ms
 
-    def tree_overhead(self, batch: int, depth: int) -> float:
+    def tree_overhead(self, batch: int, depth: int, width: int | None = None) -> float:
         """``c_o(B, D)``: the bookkeeping of a tree step of ``batch`` rows whose tree was
         drafted ``depth`` deep (ms).
 
@@ -346,13 +371,16 @@ class Timings:
         Several rows without measurements: ``B`` rows' worth of the one-row price, as
         ``overhead_batch``.
 
+        ``width``: the nodes per row at each depth (``overhead_batch``; several rows only,
+        the per-depth part as measured).
+
         Example: c_o 4.5 ms at one depth, 0.8 ms per further depth -> a 3-deep tree 6.1 ms.
         """
         further = max(int(depth) - 1, 0)
         if batch != 1 and self.batch_overhead_ms:
             per = max(interp(self.batch_sizes, self.batch_overhead_depth_ms, batch), 0.0) \
                 if self.batch_overhead_depth_ms else 0.0
-            return self.overhead_batch(batch) + per * further
+            return self.overhead_batch(batch, width) + per * further
         one = self.overhead_ms + self.overhead_depth_ms * further
         return one if batch == 1 else batch * one
 
@@ -402,7 +430,7 @@ class Timings:
             raise ValueError(f"Timings: missing fields {missing}")
         for k in ("sizes", "verify_lo", "verify_hi", "draft_widths", "draft_ms", "batch_sizes", "batch_row_sizes",
                   "batch_draft_ms", "batch_overhead_ms", "batch_overhead_depth_ms", "batch_ar_overhead_ms",
-                  "batch_tree_scale",
+                  "batch_overhead_narrow_ms", "batch_tree_scale",
                   "batch_ar_scale"):
             if k in known:
                 known[k] = tuple(known[k])
@@ -1026,7 +1054,7 @@ class CostModel:
           rates; ``scale``: ``Calibration.scale``, realised / predicted so far);
         * ``slowest(E)``: ``slowest_row_tokens(E, B, rows_waiting)``, the slowest row's
           tokens per step, which a static batch waits for (``E`` while rows wait to join);
-        * ``cost(D) = D * c_d(B, width) + c_v(B, 1 + width * D, ctx) + c_o(B, D)``, and for
+        * ``cost(D) = D * c_d(B, width) + c_v(B, 1 + width * D, ctx) + c_o(B, D, width)``, and for
           ``D = 0`` a plain autoregressive step, ``c_v(B, 1) + B * c_o'``.
 
         ``continuation`` defaults to the prior calibration's (``Calibration.continuation``;
@@ -1054,7 +1082,7 @@ class CostModel:
                     overhead_ms: dict[int, float]) -> "BatchPlan":
         """``plan_for_batch`` past its checks, given the plain step's latency ``ar_ms``;
         ``verify_ms`` / ``overhead_ms`` memoise ``c_v(batch, n, ctx)`` by ``n`` and
-        ``c_o(batch, d)`` by ``d`` across the widths ``plan_rows`` tries (the same
+        ``c_o(batch, d, width)`` by ``(d, width)`` across the widths ``plan_rows`` tries (the same
         numbers, computed once: the loop's latency reads were ~0.25 ms a 4-row step)."""
         tm = self.timings
         best = BatchPlan(batch, 0, 0, 1.0, ar_ms, batch / ar_ms * 1e3, batch / ar_ms * 1e3)
@@ -1067,9 +1095,9 @@ class CostModel:
             v = verify_ms.get(n)
             if v is None:
                 v = verify_ms[n] = tm.verify_batch(batch, n, ctx)
-            o = overhead_ms.get(d)
+            o = overhead_ms.get((d, width))
             if o is None:
-                o = overhead_ms[d] = tm.tree_overhead(batch, d)
+                o = overhead_ms[(d, width)] = tm.tree_overhead(batch, d, width)
             cost = d * draft_ms + v + o
             rate = batch * slowest_row_tokens(e, batch, rows_waiting) / cost * 1e3
             if rate > best.tokens_per_s:

@@ -621,6 +621,13 @@ def one_depth_tree(tree):
     return tree.with_(depth=1, budget=min(tree.budget, tree.slots))
 
 
+def narrow_tree(tree):
+    """``tree`` cut to one drafted depth of one node (the root's best child, of ``slots``
+    drafted): the narrowest tree step, whose bookkeeping against ``one_depth_tree``'s gives
+    how it grows with the nodes per row (``Timings.batch_overhead_narrow_ms``)."""
+    return tree.with_(depth=1, frontier=1, budget=1)
+
+
 def overhead_by_depth(full_ms: float, one_ms: float, depth: int) -> tuple[float, float]:
     """``(c_o at one depth, c_o per further depth)`` from the bookkeeping of a ``depth``-deep
     fixed tree and of a one-depth tree (ms); the per-depth cost is never below 0 (a noisy
@@ -637,13 +644,14 @@ def measure_batch_steps(model, draft, prompt_ids: Sequence[int], *, tree, sampli
                         steps: int = 8) -> tuple[tuple[float, ...], ...]:
     """Per batch size ``B`` in ``batch_sizes`` (each > 1): short batched decodes of ``B``
     copies of ``prompt_ids`` with the fixed tree ``tree``, with it cut to one depth
-    (``one_depth_tree``) and without a draft, giving ``(draft ms per batched call,
-    bookkeeping ms per tree step of one drafted depth, per further depth, per
-    autoregressive step, forward ms per autoregressive step)`` of the whole batch (medians
-    over the steps while every row was live, the first step left out: it runs the prompts
-    through the draft; ``overhead_by_depth`` splits the two trees' bookkeeping). Needs
-    batched decoding (``batched_decode_unavailable() is None``)."""
-    draft_ms, tree_oh, depth_oh, ar_oh, ar_fw = [], [], [], [], []
+    (``one_depth_tree``), to one node a row (``narrow_tree``) and without a draft, giving
+    ``(draft ms per batched call, bookkeeping ms per tree step of one drafted depth, per
+    further depth, per autoregressive step, forward ms per autoregressive step, per tree
+    step of one node a row)`` of the whole batch (medians over the steps while every row
+    was live, the first step left out: it runs the prompts through the draft;
+    ``overhead_by_depth`` splits the two trees' bookkeeping). Needs batched decoding
+    (``batched_decode_unavailable() is None``)."""
+    draft_ms, tree_oh, depth_oh, ar_oh, ar_fw, narrow_oh = [], [], [], [], [], []
 
     def live_steps(res):
         live = min(len(r.steps) for r in res)  # steps while every row was in the batch
@@ -662,7 +670,9 @@ def measure_batch_steps(model, draft, prompt_ids: Sequence[int], *, tree, sampli
         ar_steps = live_steps(plan_and_decode(model, None, rows, max_new_tokens=steps, sampling=sampling, seed=0))
         ar_oh.append(_overhead_ms_of(ar_steps))
         ar_fw.append(statistics.median([1e3 * s.t_verify_forward for s in ar_steps]))
-    return tuple(draft_ms), tuple(tree_oh), tuple(depth_oh), tuple(ar_oh), tuple(ar_fw)
+        narrow_oh.append(_overhead_ms_of(live_steps(plan_and_decode(
+            model, draft, rows, max_new_tokens=steps, sampling=sampling, tree=narrow_tree(tree), seed=0))))
+    return tuple(draft_ms), tuple(tree_oh), tuple(depth_oh), tuple(ar_oh), tuple(ar_fw), tuple(narrow_oh)
 
 
 #: the small fixed tree ``measure_batch_tree_verify`` decodes with (depth, budget): about
@@ -718,6 +728,7 @@ def timings_key(model_id: str, device, dtype: str, draft_id: str, tree, batch_si
                      kv="in-place",  # KV appends without a copy of the cache (growing_cache.GrowingLayer)
                      gap="projection",  # c_v timed after an output projection (older records: back to back)
                      scales="anchored",  # batched scales against the grid timed right after (older: its own)
+                     narrow="one-node",  # the batched one-depth price by nodes per row (older: one price)
                      grid="checked",  # a grid row off its anchors timed again (older records could keep a spike)
                      tree_anchor="min-of-2",  # the real tree forward the faster of two decodes (older: one)
                      grid_call="decode")  # the grid through the decode's run_base_rows (older: the model's forward)
@@ -815,15 +826,19 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                                                        tree=one_depth_tree(tree), seed=0)
     full = _overhead_ms(res)
     overhead, per_depth = overhead_by_depth(full, _overhead_ms(res1), tree.depth)
+    wide = one_depth_tree(tree).budget  # nodes per row of the one-depth price
     bar.update()
     ar = plan_and_decode(model, None, ids, max_new_tokens=max(4, steps // 2), sampling=sampling, seed=0)
     bar.update()
     stepped: dict = {}
     if grid and batched_decode_unavailable() is None:
-        d, o, od, a, tree_scale, ar_scale = [], [], [], [], [], []
+        d, o, od, a, tree_scale, ar_scale, on = [], [], [], [], [], [], []
+        # one row's one-node price (batch sizes between 1 and the next interpolate to it)
+        narrow = _overhead_ms(plan_and_decode(model, draft, ids, max_new_tokens=steps, sampling=sampling,
+                                              tree=narrow_tree(tree), seed=0)) if 1 in batch_sizes else 0.0
         for B in more:
-            bd, bo, bod, ba, bfw = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling,
-                                                       batch_sizes=[B])
+            bd, bo, bod, ba, bfw, bon = measure_batch_steps(model, draft, ids, tree=tree, sampling=sampling,
+                                                            batch_sizes=[B])
             # each real forward against the grid's forward of its shape timed right after it,
             # not against the grid of the minute before: on the noisy 2-core CPU a real 4-row
             # plain step once read 1.36x its grid point so (and 16 rows 0.91x), the cost model
@@ -854,6 +869,7 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
             o += bo
             od += bod
             a += ba
+            on += bon
             tree_scale.append(max(ms, 1e-3) / max(ak, 1e-3))
             ar_scale.append(max(bfw[0], 1e-3) / max(a1, 1e-3))
             bar.update()
@@ -864,6 +880,9 @@ def measure_timings(model, draft, prompt_ids: Sequence[int], *, tree, sampling=N
                        batch_draft_width=(1 + (tree.depth - 1) * tree.frontier) / max(1, tree.depth),
                        batch_overhead_ms=pick(overhead, o), batch_overhead_depth_ms=pick(per_depth, od),
                        batch_ar_overhead_ms=pick(_overhead_ms(ar), a),
+                       # the one-depth price by nodes per row: one node, and the one-depth tree's
+                       **(dict(batch_overhead_narrow_ms=pick(narrow, on), batch_overhead_width=wide)
+                          if wide >= 2 else {}),
                        # a real small-tree forward and a real plain step's forward over the grid's
                        batch_tree_scale=pick(1.0, tree_scale), batch_ar_scale=pick(1.0, ar_scale))
     tm = Timings(tuple(sizes), lo_hi[0], lo_hi[1], ctx[0], ctx[1],
@@ -1138,6 +1157,9 @@ def _describe(tm: Timings) -> str:
     elif tm.batch_draft_ms:
         d = ", ".join(f"{B}:{x:.1f}/{o:.1f}" for B, x, o in zip(tm.batch_sizes, tm.batch_draft_ms, tm.batch_overhead_ms))
         out += f"; batched draft call / overhead ms by rows [{d}]"
+    if tm.batch_overhead_narrow_ms:
+        d = ", ".join(f"{B}:{x:.1f}" for B, x in zip(tm.batch_sizes, tm.batch_overhead_narrow_ms))
+        out += f"; batched overhead ms at one depth of one node a row (of {tm.batch_overhead_width}) by rows [{d}]"
     if tm.batch_tree_scale:
         d = ", ".join(f"{B}:{x:.2f}" for B, x in zip(tm.batch_sizes, tm.batch_tree_scale))
         out += f"; real tree forward / grid by rows [{d}]"

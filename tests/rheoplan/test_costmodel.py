@@ -415,6 +415,54 @@ def test_bookkeeping_grows_with_the_drafted_depth():
                 batch_ar_overhead_ms=(0.5, 1.0))
 
 
+
+def test_the_batched_one_depth_price_grows_with_the_nodes_per_row():
+    """With the one-node price measured (``batch_overhead_narrow_ms``), a several-row tree
+    step's bookkeeping is linear in its nodes per row through that and the one-depth tree's
+    (``batch_overhead_width`` nodes); the per-depth part and one row stay as they were."""
+    kw = dict(overhead_depth_ms=0.8, batch_draft_ms=(2.0, 5.0), batch_overhead_ms=(1.5, 9.0),
+              batch_overhead_depth_ms=(0.8, 3.0), batch_ar_overhead_ms=(0.5, 4.0))
+    one = grid_tm(**kw)
+    t = grid_tm(**kw, batch_overhead_narrow_ms=(1.5, 6.0), batch_overhead_width=3)
+    assert t.tree_overhead(4, 1, width=1) == pytest.approx(6.0)
+    assert t.tree_overhead(4, 1, width=2) == pytest.approx(7.5)
+    assert t.tree_overhead(4, 1, width=3) == pytest.approx(9.0) == one.tree_overhead(4, 1, width=3)
+    assert t.tree_overhead(4, 1, width=5) == pytest.approx(12.0)  # past the widest measured: the same line
+    assert t.tree_overhead(4, 2, width=1) == pytest.approx(6.0 + 3.0)  # + one further depth
+    assert t.tree_overhead(4, 1) == 9.0  # no width (the cost passes): the one-depth tree's price
+    assert t.tree_overhead(2, 1, width=1) == pytest.approx(1.5 + 4.5 / 3)  # interpolated in B
+    assert t.tree_overhead(1, 2, width=1) == one.tree_overhead(1, 2)  # one row: its own fields
+    assert one.tree_overhead(4, 1, width=1) == 9.0  # records before it: one price at every width
+    assert grid_tm(**kw, batch_overhead_narrow_ms=(1.5, 12.0), batch_overhead_width=3).tree_overhead(
+        4, 1, width=10) == 0.0  # a narrow price above the wide one (noise) never goes below 0
+    assert Timings.from_dict(t.to_dict()) == t
+    assert t.one_row().batch_overhead_narrow_ms == () and t.one_row().batch_overhead_width == 0
+    with pytest.raises(ValueError, match="batch_overhead_narrow_ms"):
+        grid_tm(**kw, batch_overhead_narrow_ms=(6.0,), batch_overhead_width=3)
+    with pytest.raises(ValueError, match="batch_overhead_width >= 2"):
+        grid_tm(**kw, batch_overhead_narrow_ms=(1.5, 6.0), batch_overhead_width=1)
+    with pytest.raises(ValueError, match=">= 0"):
+        grid_tm(**kw, batch_overhead_narrow_ms=(1.5, -6.0), batch_overhead_width=3)
+
+
+def test_plan_rows_drafts_a_narrow_tree_priced_by_its_own_bookkeeping():
+    """At 4 rows, one node a row one depth deep: at the three-node price it loses to plain
+    steps; priced by its own nodes it pays, and the plan drafts it, not the two-node tree
+    that would pay at the one-node price (each width priced by its own nodes)."""
+    kw = dict(batch_draft_ms=(2.0, 2.5), batch_overhead_ms=(1.5, 9.0), batch_overhead_depth_ms=(0.8, 3.0),
+              batch_ar_overhead_ms=(0.5, 3.0))
+    cal = Calibration()
+    cal.width_trials[0] = [100.0, 100.0, 100.0]
+    cal.width_accepts[0] = [60.0, 95.0, 99.0]  # two nodes would pay at one node's price, not at their own
+    # a verify forward of 4 rows x 2 tokens 1 ms above one of 4 x 1 (an AMX-like flat curve)
+    grid = dict(batch_sizes=(1, 4), batch_row_sizes=(1, 2), batch_verify=((10.0, 11.0), (14.0, 15.0)))
+    flat = CostModel(tm(**grid, **kw))
+    assert flat.plan_rows(4, ctx=100, max_depth=1, max_width=1, calibration=cal).depth == 0  # one node: plain
+    narrow = CostModel(tm(**grid, **kw, batch_overhead_narrow_ms=(1.5, 3.5), batch_overhead_width=3))
+    p = narrow.plan_rows(4, ctx=100, max_depth=1, max_width=3, calibration=cal)
+    assert (p.depth, p.width, p.budget) == (1, 1, 1) and p.tokens_per_s > p.ar_tokens_per_s
+
+
 # -- the walk's output projections -----------------------------------------------------------
 
 

@@ -569,19 +569,22 @@ def test_measure_batch_steps_takes_medians_of_the_live_steps_and_splits_the_book
         # step times in s: draft 4 ms (2 calls), verify 10 ms, whole step 20 ms -> 6 ms bookkeeping
         # at depth 3, 16 ms -> 2 ms at one depth; the first step (prompt through the draft) and
         # row 1's extra steps are left out
-        t = 0.016 if tree is not None and tree.depth == 1 else 0.020
+        # a one-node tree (frontier 1): 15 ms -> 1 ms
+        t = (0.015 if tree is not None and tree.frontier == 1 else 0.016 if tree is not None and tree.depth == 1
+             else 0.020)
         st = lambda t_step: StepStats(1, 1, 2, 1, 1, t_draft=0.004, t_verify_forward=0.010, t_step=t_step)  # noqa: E731
         steps = [st(0.5)] + [st(t)] * 3
         return [DecodeResult(tokens=[0], steps=steps), DecodeResult(tokens=[0], steps=steps + [st(9.0)] * 5)][:len(rows)]
 
     monkeypatch.setattr(probe, "plan_and_decode", fake)
-    d, o, od, a, fw = probe.measure_batch_steps(None, "draft", [1, 2], tree=tree, sampling=None, batch_sizes=(2,),
-                                                steps=8)
-    assert seen == [(False, 2, 8, 3), (False, 2, 8, 1), (True, 2, 8, None)]
+    d, o, od, a, fw, on = probe.measure_batch_steps(None, "draft", [1, 2], tree=tree, sampling=None,
+                                                    batch_sizes=(2,), steps=8)
+    assert seen == [(False, 2, 8, 3), (False, 2, 8, 1), (True, 2, 8, None), (False, 2, 8, 1)]
     assert d == pytest.approx((4 / 3,))  # 4 ms over the tree's 3 depths
     assert o == pytest.approx((2.0,)) and od == pytest.approx((2.0,))  # 2 ms at one depth, +2 per further
     assert a == pytest.approx((6.0,))  # the plain steps: 20 - 4 - 10 (their draft time is 0 in life)
     assert fw == pytest.approx((10.0,))  # the plain steps' forward
+    assert on == pytest.approx((1.0,))  # one node a row at one depth
 
 
 def test_measure_batch_tree_verify_takes_the_real_forward_and_widest_row(monkeypatch):
@@ -629,7 +632,7 @@ def test_batched_scales_set_each_real_forward_against_the_grid_timed_right_after
     def steps(model, draft, ids, *, batch_sizes, **kw):
         order.append(("decode", tuple(batch_sizes)))
         # draft, tree bookkeeping at one depth and per further depth, plain bookkeeping, plain forward
-        return (3.0,), (9.0,), (1.5,), (4.0,), (20.0,)
+        return (3.0,), (9.0,), (1.5,), (4.0,), (20.0,), (6.0,)
 
     def tree_verify(model, draft, ids, *, batch_sizes, **kw):
         order.append(("tree decode", tuple(batch_sizes)))
@@ -653,6 +656,10 @@ def test_batched_scales_set_each_real_forward_against_the_grid_timed_right_after
     assert tm.batch_tree_scale[1] == pytest.approx(1.0, rel=0.05)
     assert tm.batch_verify == busy and tm.batch_overhead_ms[1] == 9.0 and tm.batch_overhead_depth_ms[1] == 1.5
     assert tm.tree_overhead(4, 3) == pytest.approx(12.0)  # 9 + 2 further depths x 1.5
+    # one node a row: 6 ms at one depth against the one-depth tree's 9 at its tree.slots nodes
+    assert tm.batch_overhead_narrow_ms[1] == 6.0 and tm.batch_overhead_width == min(tree.budget, tree.slots)
+    assert tm.tree_overhead(4, 1, width=1) == pytest.approx(6.0)
+    assert tm.tree_overhead(4, 3, width=tm.batch_overhead_width) == pytest.approx(12.0)
 
 
 def _batched_timings(monkeypatch, grids, plain_ms, tree_ms, log):
@@ -675,7 +682,7 @@ def _batched_timings(monkeypatch, grids, plain_ms, tree_ms, log):
         return fn
 
     monkeypatch.setattr(probe, "measure_batch_verify", grid)
-    monkeypatch.setattr(probe, "measure_batch_steps", lambda *a, **k: ((3.0,), (9.0,), (0.0,), (4.0,), (plain_ms,)))
+    monkeypatch.setattr(probe, "measure_batch_steps", lambda *a, **k: ((3.0,), (9.0,), (0.0,), (4.0,), (plain_ms,), (6.0,)))
     monkeypatch.setattr(probe, "measure_batch_tree_verify", lambda *a, **k: ((tree_ms, 3.0),))
     monkeypatch.setattr(probe, "batch_forwards", lambda model, B, ns, ctx, gen=None:
                         [spend(plain_ms if n == 1 else tree_ms) for n in ns])
