@@ -108,7 +108,7 @@ def previous_form_30(on: bool):
             reach *= float(cont[d - 1])
             e += reach
             cost = (d * tm.draft_batch(batch, width) + tm.verify_batch(batch, 1 + width * d, ctx)
-                    + tm.tree_overhead(batch, d))
+                    + tm.tree_overhead(batch, d, width))
             rate = batch * slowest_row_tokens(e, batch, rows_waiting) / cost * 1e3
             if rate > best.tokens_per_s:
                 best = BatchPlan(batch, d, width * d, e, cost, rate, best.ar_tokens_per_s, width)
