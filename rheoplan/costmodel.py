@@ -335,9 +335,9 @@ class Timings:
         the ``batch_overhead_width``-node measurements (never below 0). Why: the walk
         projects and visits, and the commit moves, each row's nodes; on the 2-core Zen 4
         AMD EPYC at 4 rows and T = 1 a one-depth step of one node a row cost 6.3 ms of
-        bookkeeping and one of three nodes 8.7, and the one price of three nodes kept
-        every 4-row step plain where always drafting one node ran 2% faster
-        (docs/results.md, "Thirty-third round")."""
+        bookkeeping and one of three nodes 8.7; priced at three nodes, 4-row batches at T = 0
+        drafted 45% of their steps at 142.4 tok/s, priced by nodes 82% at 147.8 (interleaved;
+        docs/results.md, "Thirty-third round")."""
         if batch == 1:
             return self.overhead_ms
         if self.batch_overhead_ms:

@@ -219,6 +219,16 @@ class RMSNorm(nn.Module):
         return rms_norm_reference(x, self.weight, self.eps)  # the one definition of the formula
 
 
+def _hook_free(*modules: nn.Module) -> bool:
+    """Whether no forward hook, of these modules or global, would see their calls: the fused
+    glue calls their parts directly (``Eagle3Head.fuse_glue``)."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return False
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
@@ -438,8 +448,10 @@ class Eagle3Head(nn.Module):
         """
         h = self.fuse(hidden)
         cos, sin = self.cos_sin(h, positions, max_position)
-        if self._glue_applies(h) and type(self.midlayer) is Eagle3Layer:  # (a subclass: its own forward)
-            return self.midlayer.forward_fused(embeds, h, cos, sin, past, allowed)
+        m = self.midlayer
+        if (self._glue_applies(h) and type(m) is Eagle3Layer  # (a subclass: its own forward)
+                and _hook_free(m, m.self_attn, m.input_layernorm, m.hidden_norm, m.post_attention_layernorm)):
+            return m.forward_fused(embeds, h, cos, sin, past, allowed)
         return self.midlayer(embeds, h, cos, sin, past, allowed)
 
     def fuse_glue(self, on: bool = True) -> None:
@@ -489,7 +501,7 @@ class Eagle3Head(nn.Module):
 
     def draft_logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(norm(h))`` over the draft vocabulary, ``[n, draft_vocab]``."""
-        if self._glue_applies(out_hidden) and type(self.norm) is RMSNorm:
+        if self._glue_applies(out_hidden) and type(self.norm) is RMSNorm and _hook_free(self.norm):
             return self.lm_head(glue.rms_norm(out_hidden, self.norm.weight, self.norm.eps))
         return self.lm_head(self.norm(out_hidden))
 

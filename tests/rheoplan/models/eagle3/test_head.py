@@ -122,7 +122,7 @@ def test_the_fused_glue_gives_the_heads_outputs_bit_for_bit(monkeypatch, n, cach
             assert sorted(set(calls)) == ["add_rms_norm", "rms_norm", "rope"] and calls.count("rms_norm") == 3
 
 
-def test_the_fused_glue_steps_aside_for_gradients_float32_and_subclassed_layers(monkeypatch):
+def test_the_fused_glue_steps_aside_for_gradients_float32_subclassed_layers_and_hooks(monkeypatch):
     from rheoplan.kernels.decoder_glue import cpu
     from rheoplan.models.eagle3.head import Eagle3Layer
 
@@ -143,3 +143,9 @@ def test_the_fused_glue_steps_aside_for_gradients_float32_and_subclassed_layers(
         head.midlayer.__class__ = Stacked
         _head_call(head, 2, 3, torch.Generator().manual_seed(1))
         assert calls == []
+        head.midlayer.__class__ = Eagle3Layer
+        seen = []
+        handle = head.midlayer.post_attention_layernorm.register_forward_hook(lambda *a: seen.append(1))
+        _head_call(head, 2, 3, torch.Generator().manual_seed(1))  # a hooked module sees its call
+        assert calls == [] and seen == [1]
+        handle.remove()
