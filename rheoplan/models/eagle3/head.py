@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from rheoplan.kernels import decoder_glue as glue
 from rheoplan.kernels.decoder_glue.reference import rms_norm as rms_norm_reference
@@ -222,8 +223,6 @@ class RMSNorm(nn.Module):
 def _hook_free(*modules: nn.Module) -> bool:
     """Whether no forward hook, of these modules or global, would see their calls: the fused
     glue calls their parts directly (``Eagle3Head.fuse_glue``)."""
-    from torch.nn.modules import module as torch_module
-
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return False
     return not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
