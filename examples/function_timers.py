@@ -31,6 +31,14 @@ import torch
 TARGETS = [
     ("rheoplan.planner.cost_depth", "another_depth_pays"),
     ("rheoplan.planner.cost_prune", "decide"),
+    # the fused cost pipeline a decode plans with (no passes to time: the pass timers stay
+    # empty unless RHEOPLAN_DEBUG >= 1 brings the pass list back)
+    ("rheoplan.decode", "plan_cost_tree"),
+    ("rheoplan.kernels.plan.cpu_pipeline", "another_depth_pays"),
+    ("rheoplan.kernels.plan.cpu_pipeline", "decide"),
+    ("rheoplan.kernels.plan.cpu_pipeline", "expand_assign"),
+    ("rheoplan.kernels.plan.cpu_pipeline", "empty_tree"),
+    ("rheoplan.kernels.plan.cpu_pipeline", "linearize"),
     ("rheoplan.kernels.slot_expansion.cpu_pass", "draft_probs"),
     ("rheoplan.kernels.slot_expansion.cpu_pass", "rank_support_rows"),
     ("rheoplan.kernels.slot_expansion.cpu_pass", "draw_rows"),

@@ -23,7 +23,9 @@ The thirtieth (``--round 30``; docs/results.md, "Thirtieth round"):
   the widths it tries, and the rates of the depths it plans only; ``Timings`` keeps the
   context-free parts of its verify latencies once computed;
 * a decode lowers its pass list once (``DecodeState.lowered``) instead of every step;
-  undone here by lowering the default list once more before each step's plan;
+  undone here by lowering the default list once more before each step's plan (since the
+  thirty-fourth round a one-row decode plans with the fused cost pipeline, which lowers
+  nothing, so this one is undone for batches of several rows only);
 * a greedy batch picks its read rows' tokens on the projection's output as it is
   (``greedy_tokens(rows=)``) instead of on a stack of those rows.
 

@@ -1,8 +1,9 @@
 """The planner's own cost, free of the models: record the plans of real decodes, replay them.
 
 Decodes held-out prompts with the defaults of ``rheoplan generate`` (bfloat16, the shipped
-head, the cost model) and records every call of ``plan_tree``: its arguments and the draft
-head's answers. Then it plans every recorded step again with a draft that hands back the
+head, the cost model) and records every plan of the decode loop (``plan_tree``, or the
+fused cost pipeline ``kernels.plan.cpu_pipeline.plan_cost_tree`` that a decode runs when
+nothing watches its passes): its arguments and the draft head's answers. Then it plans every recorded step again with a draft that hands back the
 recorded answers, checks that each replayed tree is the recorded one (same linear tokens),
 and times the replay: the passes, the cost model's gates and the tree's setup, with no
 draft call and no target forward in between. A change to the planner measured this way
@@ -10,7 +11,8 @@ needs no quiet machine spell: the same steps are planned again and again in one 
 
 Run it once per version of the code (``git stash`` in between) and compare the medians;
 ``--passes`` prints the time of each pass per step, ``--profile N`` the N functions with the
-most time of their own (cProfile). The replay is hot (the caches stay warm from one plan to
+most time of their own (cProfile). ``--passes`` replays the fused plans through their pass
+list (``cost_pipeline`` over the numba passes: the same trees), whose passes it can time. The replay is hot (the caches stay warm from one plan to
 the next): inside a decode the same plan takes about twice as long (``examples/
 function_timers.py``, ``_plan`` minus ``draft_answer``).
 
@@ -32,30 +34,53 @@ import torch
 
 @contextlib.contextmanager
 def recording():
-    """Within the block, every ``plan_tree`` call of the decode loop is recorded: yields the
-    list it fills with ``(roots, kwargs, draft answers, linear tokens)``."""
+    """Within the block, every plan of the decode loop (``plan_tree`` or the fused
+    ``plan_cost_tree``, whose keyword arguments hold ``plan``) is recorded: yields the list it
+    fills with ``(roots, kwargs, draft answers, linear tokens)``."""
     import rheoplan.decode as dec
 
     records = []
-    real = dec.plan_tree
+    real = dec.plan_tree, dec.plan_cost_tree
 
-    def recorded(draft_fn, roots, **kw):
-        answers = []
+    def recorder(planner):
+        def recorded(draft_fn, roots, **kw):
+            answers = []
 
-        def draft(tree, nodes):
-            out = draft_fn(tree, nodes)
-            answers.append(out)
-            return out
+            def draft(tree, nodes):
+                out = draft_fn(tree, nodes)
+                answers.append(out)
+                return out
 
-        t = real(draft, roots, **kw)
-        records.append((roots, kw, answers, t.linear.token.clone()))
-        return t
+            t = planner(draft, roots, **kw)
+            kw.pop("on_decision", None)  # the decode's statistics: a replay leaves them alone
+            records.append((roots, kw, answers, t.linear.token.clone()))
+            return t
+        return recorded
 
-    dec.plan_tree = recorded
+    dec.plan_tree, dec.plan_cost_tree = recorder(real[0]), recorder(real[1])
     try:
         yield records
     finally:
-        dec.plan_tree = real
+        dec.plan_tree, dec.plan_cost_tree = real
+
+
+def plan_again(draft, roots, kw: dict, instruments=(), via_passes: bool = False):
+    """The recorded plan ``kw`` of ``roots`` again, with ``draft``: by the planner that made
+    it, or, for a fused plan with ``instruments`` or ``via_passes``, by its pass list (the
+    same tree)."""
+    from rheoplan.kernels.plan.cpu_pass import decide, frontiers
+    from rheoplan.kernels.plan.cpu_pipeline import plan_cost_tree
+    from rheoplan.pipeline import lower
+    from rheoplan.plan import plan_tree
+    from rheoplan.planner.default import DEFAULT_PIPELINE, cost_pipeline
+
+    if "plan" not in kw:
+        return plan_tree(draft, roots, **{**kw, "instruments": list(kw.get("instruments", ())) + list(instruments)})
+    if not instruments and not via_passes:
+        return plan_cost_tree(draft, roots, **kw)
+    rest = {k: v for k, v in kw.items() if k != "plan"}
+    passes = cost_pipeline(kw["plan"], lower(DEFAULT_PIPELINE, "numba"), decide=decide, frontiers=frontiers)
+    return plan_tree(draft, roots, passes=passes, backend="numba", instruments=list(instruments), **rest)
 
 
 def record(args):
@@ -80,25 +105,22 @@ def record(args):
 
 def replay(records, instruments=()) -> float:
     """Plan every recorded step again; seconds in all."""
-    from rheoplan.plan import plan_tree
-
     t0 = time.perf_counter()
     for roots, kw, answers, _ in records:
         it = iter(answers)
-        extra = {"instruments": list(kw.get("instruments", ())) + list(instruments)}
-        plan_tree(lambda tree, nodes: next(it), roots, **{**kw, **extra})
+        plan_again(lambda tree, nodes: next(it), roots, kw, instruments)
     return time.perf_counter() - t0
 
 
 def check(records) -> None:
-    """Every replayed tree is the recorded one (else the replay measures another plan)."""
-    from rheoplan.plan import plan_tree
-
+    """Every replayed tree is the recorded one (else the replay measures another plan),
+    fused plans through their pass list too."""
     for i, (roots, kw, answers, lin) in enumerate(records):
-        it = iter(answers)
-        t = plan_tree(lambda tree, nodes: next(it), roots, **kw)
-        if not torch.equal(t.linear.token, lin):
-            raise ValueError(f"step {i}: the replayed tree differs from the recorded one")
+        for via_passes in ((False, True) if "plan" in kw else (False,)):
+            it = iter(answers)
+            t = plan_again(lambda tree, nodes: next(it), roots, kw, via_passes=via_passes)
+            if not torch.equal(t.linear.token, lin):
+                raise ValueError(f"step {i}: the replayed tree differs from the recorded one")
 
 
 def main() -> None:

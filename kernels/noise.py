@@ -20,10 +20,24 @@ from rheoplan.kernels.philox import streams_uniform as _numba_streams_uniform
 from rheoplan.rng import Purpose, Streams, gumbel_from_uniform, philox_counter
 
 
+#: ``counter_rows`` builds up to this many rows with Python ints
+_FEW_ROWS = 8
+
+
 def counter_rows(step, trees, nodes, purpose: int) -> np.ndarray:
     """The ``[R, 4]`` uint64 Philox counters of rows ``(step, trees[r], nodes[r])``
     (``rheoplan.rng.philox_counter`` elementwise; ``step`` one int or one per row), as the
-    numba generator and draws take them."""
+    numba generator and draws take them.
+
+    A few rows (a step's frontier) are built as Python ints, one ``philox_counter`` call
+    per row: ~10 numpy operations on tiny arrays cost ~40 us in a decode's plan, where the
+    interpreter comes back to them cold after each forward. Wrapped to 64 bits as numpy
+    wraps (int64, then to uint64), so both ways give the same words."""
+    if len(nodes) <= _FEW_ROWS:
+        steps = [int(step)] * len(nodes) if np.isscalar(step) else np.asarray(step).tolist()
+        rows = [philox_counter(s, t, v, purpose)
+                for s, t, v in zip(steps, np.asarray(trees).tolist(), np.asarray(nodes).tolist())]
+        return np.array(rows, dtype=np.int64).reshape(len(nodes), 4).astype(np.uint64)
     v = np.asarray(nodes).astype(np.uint64)
     if not np.isscalar(step):
         step = np.asarray(step).astype(np.uint64)

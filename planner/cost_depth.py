@@ -45,7 +45,7 @@ def another_depth_pays(plan: CostPlan, tree: DraftTree, frontier: int, budget: i
         return False
     now = (decisions or decide)(plan, tree, budget)
     tm = plan.timings
-    ctx = int(tree.prefix_len.max())
+    ctx = max(tree.prefix_len.tolist())
     B = tree.batch
     gain, width = 0.0, 0
     for b, f in enumerate((frontiers_fn or frontiers)(tree, frontier)):

@@ -138,9 +138,10 @@ def cost_prune_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, on_decisi
     if on_decision is not None:  # an observer (the decode loop's statistics); it changes nothing
         on_decision(d)
     kept = torch.zeros_like(tree.kept)  # the only table this pass writes: the rest is shared
+    k = kept.numpy() if kept.device.type == "cpu" else kept  # (host trees: numpy's scatter, no torch op)
     for b in range(tree.batch):
-        kept[b, d.order[b][: d.chosen[b]]] = True
-        kept[b, 0] = True
+        k[b, d.order[b][: d.chosen[b]]] = True
+        k[b, 0] = True
     return tree.replace(kept=kept)
 
 

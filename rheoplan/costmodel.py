@@ -833,8 +833,12 @@ class CostPlan:
     scale: float = 1.0  #: ``Calibration.scale``: realised / predicted accepted tokens so far
 
     @classmethod
-    def from_calibration(cls, timings: Timings, cal: Calibration, skip_draft: bool = False) -> "CostPlan":
-        return cls(timings, cal.acceptance(), cal.continuation(), skip_draft, cal.scale())
+    def from_calibration(cls, timings: Timings, cal: Calibration, skip_draft: bool = False,
+                         depths: int | None = None) -> "CostPlan":
+        """The plan of ``cal`` as it stands. ``depths``: keep the continuation rates of the
+        first ``depths`` depths only (``Calibration.continuation``): the gates of a tree
+        ``depths`` deep read no others, and the decode computes 64 rates a step otherwise."""
+        return cls(timings, cal.acceptance(), cal.continuation(depths=depths), skip_draft, cal.scale())
 
 
 def node_acceptance(plan: CostPlan, tree: DraftTree, b: int = 0) -> torch.Tensor:

@@ -44,10 +44,11 @@ from rheoplan.distributions import SubsetLogits, greedy_tokens
 from rheoplan.ir import DraftTree, empty_tree
 from rheoplan.kernels.argmax import first_max
 from rheoplan.kernels.plan.cpu_pass import decide as numba_decide, frontiers as numba_frontiers
+from rheoplan.kernels.plan.cpu_pipeline import plan_cost_tree
 from rheoplan.models import as_draft, as_target
 from rheoplan.models.base import DraftModel, TargetModel
 from rheoplan.mutation import active
-from rheoplan.pipeline import DumpIR, PassContext, lower
+from rheoplan.pipeline import DumpIR, PassContext, debug_level, lower
 from rheoplan.plan import plan_tree
 from rheoplan.planner.default import DEFAULT_PIPELINE, cost_pipeline
 from rheoplan.planner.linearize import linearize
@@ -317,10 +318,15 @@ class DecodeState:
     result: DecodeResult = field(default_factory=lambda: DecodeResult(tokens=[]))
     #: ``passes`` lowered to ``backend`` once per decode (``pipeline.lower``: ~45 us a step)
     lowered: list = field(init=False)
+    #: the cost-aware plan may run fused (``kernels.plan.cpu_pipeline``): numba, the built-in
+    #: passes, and ``RHEOPLAN_DEBUG`` 0 (no instrument; read once a decode); a step that
+    #: dumps its IR runs the pass list
+    fused_plan: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.streams = Streams(self.seed)
         self.lowered = lower(DEFAULT_PIPELINE if self.passes is None else self.passes, self.backend)
+        self.fused_plan = self.backend == "numba" and self.passes is None and debug_level() == 0
         self.root, self.prefix_len = self.prompt[-1], len(self.prompt) - 1
         if self.cost is not None and self.calibration is None:
             self.calibration = self.cost.fresh_calibration(self.sampling.temperature)
@@ -568,18 +574,13 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
         return _root_only(s.root, s.prefix_len, s.tree, s.plan_device)
     drf = s.draft
     on_device = s.backend == "triton"
-    passes = s.lowered
-    if s.cost is not None:
-        # every step asks the head: no back-off after a step where no tree paid (one
-        # sequence: a skipped step missed trees that would have paid; docs/cli.md)
-        passes = _cost_passes(s, st)
 
     def draft_fn(tr, nodes):
         t_d = time.perf_counter()
         # The device planner sizes its frontier on the host (every entry is a real node):
         # the draft gets the ids as a device tensor, with no host sync. The CPU planners
         # pad with -1 and pass a list.
-        valid = nodes[0] if on_device else nodes[0][nodes[0] >= 0].tolist()
+        valid = nodes[0] if on_device else [v for v in nodes[0].tolist() if v >= 0]
         out = draft_answer(drf, tr, valid)
         st.t_draft += time.perf_counter() - t_d
         return out
@@ -587,6 +588,16 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
     instruments = []
     if s.dump_ir is not None and (s.dump_steps is None or s.step in s.dump_steps):
         instruments.append(DumpIR(s.dump_ir))
+    if s.cost is None:
+        passes = s.lowered
+    else:
+        # every step asks the head: no back-off after a step where no tree paid (one
+        # sequence: a skipped step missed trees that would have paid; docs/cli.md)
+        plan, seen = _cost_plan(s, st)
+        if s.fused_plan and not instruments:  # nothing watches the passes: run them fused
+            return plan_cost_tree(draft_fn, [s.root], tree=s.tree, sampling=s.sampling, plan=plan,
+                                  prefix_len=[s.prefix_len], seed=s.seed, step=s.step, on_decision=seen)
+        passes = _cost_passes(s, plan, seen)
     return plan_tree(draft_fn, [s.root], tree=s.tree, sampling=s.sampling, prefix_len=[s.prefix_len],
                      seed=s.seed, step=s.step, passes=passes, instruments=instruments, backend=s.backend,
                      device=s.plan_device)
@@ -612,18 +623,21 @@ def _cut_emitted(emitted, remaining: int, eos) -> tuple[list[int], str | None]:
     return out, None
 
 
-def _cost_passes(s, st: StepStats):
-    """The decode's lowered pass list (``s.lowered``) with the cost-aware passes (from the
-    calibration so far) around it; each decision is recorded in ``st``. The list is
-    lowered, so the cost gate wraps the backend's fast expand; the gates and the prune
-    decide with the backend's ``decide`` (numba: one kernel call; otherwise the reference
-    in ``planner/cost_prune``)."""
-    plan = CostPlan.from_calibration(s.cost.timings, s.calibration)
-    numba = s.backend == "numba"
-
+def _cost_plan(s, st: StepStats):
+    """This step's frozen ``CostPlan`` (from the calibration so far) and the observer that
+    records the prune's decision in ``st``."""
     def seen(d):
         st.predicted_tokens, st.predicted_ms = d.expected, d.predicted_ms
 
+    return CostPlan.from_calibration(s.cost.timings, s.calibration, depths=s.tree.depth), seen
+
+
+def _cost_passes(s, plan: CostPlan, seen):
+    """The decode's lowered pass list (``s.lowered``) with the cost-aware passes around it
+    (``plan`` and ``seen``: ``_cost_plan``). The list is lowered, so the cost gate wraps the
+    backend's fast expand; the gates and the prune decide with the backend's ``decide``
+    (numba: one kernel call; otherwise the reference in ``planner/cost_prune``)."""
+    numba = s.backend == "numba"
     return cost_pipeline(plan, s.lowered, on_decision=seen, decide=numba_decide if numba else None,
                          frontiers=numba_frontiers if numba else None)
 
@@ -910,10 +924,12 @@ class BatchState:
     #: prompts wait to join as rows finish (continuous batching): no row waits for the slowest
     rows_waiting: bool = False
     lowered: list = field(init=False)  #: as ``DecodeState.lowered``
+    fused_plan: bool = field(init=False)  #: as ``DecodeState.fused_plan``
 
     def __post_init__(self) -> None:
         self.streams = Streams(self.seed)
         self.lowered = lower(DEFAULT_PIPELINE if self.passes is None else self.passes, self.backend)
+        self.fused_plan = self.backend == "numba" and self.passes is None and debug_level() == 0
         self.rows = [_Row(i, p, n, k) for i, (p, n, k) in enumerate(zip(self.prompts, self.limits, self.keys))]
         if self.max_batch is None:
             self.max_batch = len(self.rows)
@@ -972,8 +988,7 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
             st.predicted_ms = s.cost.timings.ar_step_batch(len(live), max(prefix))
         return root_only_rows(roots, prefix, s.tree)
     drf = s.draft
-    if plan is None and s.cost is not None:
-        passes = _cost_passes(s, st)
+    cost_plan = _cost_plan(s, st) if plan is None and s.cost is not None else None
 
     def draft_fn(tr, nodes):
         t_d = time.perf_counter()
@@ -1000,6 +1015,11 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
     instruments = []
     if s.dump_ir is not None and (s.dump_steps is None or s.step in s.dump_steps):
         instruments.append(DumpIR(s.dump_ir))
+    if cost_plan is not None:  # one live row: the cost passes, fused where nothing watches them
+        if s.fused_plan and not instruments:
+            return plan_cost_tree(draft_fn, roots, tree=tree, sampling=s.sampling, plan=cost_plan[0], prefix_len=prefix,
+                                  seed=s.seed, step=steps, stream_keys=keys, on_decision=cost_plan[1])
+        passes = _cost_passes(s, *cost_plan)
     return plan_tree(draft_fn, roots, tree=tree, sampling=s.sampling, prefix_len=prefix, seed=s.seed,
                      step=steps, passes=passes, instruments=instruments, backend=s.backend, stream_keys=keys)
 

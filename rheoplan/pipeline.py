@@ -91,6 +91,12 @@ class PassContext:
     #: ``(flag, message)`` checks a device pass records instead of syncing the host: a
     #: 0-d bool tensor, True when broken. ``run_pipeline`` checks them all at once at the end.
     deferred_checks: list = field(default_factory=list)
+    #: the run owns its trees: nothing outside it reads a tree once the next pass has it (no
+    #: instrument, no pass of your own), so a pass may write the tree it is given instead of
+    #: a copy, and returns the result as a new ``DraftTree`` object (identity stays a
+    #: version: ``LastDecision`` and the cost gate match trees by it). Only the decode's
+    #: fused cost pipeline sets it (``rheoplan.kernels.plan.cpu_pipeline``).
+    in_place: bool = False
 
 
 @dataclass(frozen=True)

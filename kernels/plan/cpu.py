@@ -235,7 +235,7 @@ def linearize(kept, n_nodes, parent, token, depth, exp_row, prefix_len, budget, 
     linearize_rows(kept.numpy(), n_nodes.numpy(), parent.numpy(), token.numpy(), depth.numpy(),
                    exp_row.numpy(), prefix_len.numpy(), n, out["node"], out["tok"], out["pos"],
                    out["par"], out["dep"], out["erow"], out["first"], n_children, mask, bits, paths, n_paths)
-    P = int(n_paths.max())
+    P = max(n_paths.tolist())  # (a list: no numpy reduction for a few rows)
     t = torch.from_numpy
     return Linear(t(n), t(out["node"]), t(out["tok"]), t(out["pos"]), t(out["par"]), t(out["dep"]),
                   t(mask), t(bits), t(paths[:, :P].copy()), t(n_paths), t(out["first"]), t(n_children),

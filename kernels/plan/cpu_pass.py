@@ -68,7 +68,7 @@ def decide(plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
     with ``backend='numba'``."""
     tm = plan.timings
     B = tree.batch
-    ctx = int(tree.prefix_len.max())
+    ctx = max(tree.prefix_len.tolist())  # (a list: no torch reduction for a few rows)
     budget = int(budget)
     widest = np.empty(tree.cur_depth + 1, dtype=np.int64)
     draft_depth_widths(tree.n_expanded.numpy(), tree.exp_node.numpy(), tree.depth.numpy(), widest)

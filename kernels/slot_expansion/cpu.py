@@ -170,8 +170,8 @@ def _tail_draws_kernel(sup_q, m, nt, z, k0, counters, out_i, out_qt):
         out_qt[r] = qt[i]
 
 
-def tail_draws(sup_q: torch.Tensor, m: int, n_tail: int, seed: int,
-               counters: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def tail_draws(sup_q: torch.Tensor, m: int, n_tail: int, seed: int, counters: np.ndarray,
+               z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampled slot of every row of ``sup_q [R, S]`` (float32, ranks ``m..m+n_tail-1``
     its tail): ``(tail index [R] int64, q~ of it [R] float64)``, drawn as the reference
     sampler draws, ``argmax(log q~ + gumbel_from_uniform(u))`` with ``u`` the first
@@ -179,9 +179,10 @@ def tail_draws(sup_q: torch.Tensor, m: int, n_tail: int, seed: int,
     (``kernels.noise.counter_rows``). One numba call instead of the tail law, the noise,
     the log, the argmax and the gather as torch ops: 0.09 against 0.20 ms per depth for
     1-9 rows on the AMX Xeon (docs/results.md, "Lean steps, nineteenth round"). The tail
-    mass is ``distributions.tail_mass`` (its one definition: the torch sum's bits)."""
+    mass is ``distributions.tail_mass`` (its one definition: the torch sum's bits); ``z``:
+    the caller's ``tail_mass(sup_q, m, m + n_tail)``, when it has it."""
     R = sup_q.shape[0]
-    z = tail_mass(sup_q, m, m + n_tail).numpy()
+    z = (tail_mass(sup_q, m, m + n_tail) if z is None else z).numpy()
     out_i = np.empty(R, dtype=np.int64)
     out_qt = np.empty(R, dtype=np.float64)
     _tail_draws_kernel(sup_q.detach().cpu().contiguous().numpy(), int(m), int(n_tail), z, np.uint64(seed),

@@ -29,11 +29,15 @@ from rheoplan.planner.expand import check_can_expand, check_draft_logits, draft_
 _DET, _SAMPLED, _PAD = int(NodeKind.DET), int(NodeKind.SAMPLED), int(NodeKind.PAD)
 
 
-def _clone(tree: DraftTree, names: tuple[str, ...]) -> tuple[DraftTree, list[np.ndarray]]:
+def _clone(tree: DraftTree, names: tuple[str, ...], in_place: bool = False) -> tuple[DraftTree, list[np.ndarray]]:
     """A new tree whose ``names`` tensors are fresh copies (the others are shared and
     not written: passes stay pure without copying all ~25 tensors), and the copies as
     numpy arrays, in ``names`` order, for the kernels to write (one numpy copy per field
-    instead of a torch clone and a ``.numpy()`` view of it)."""
+    instead of a torch clone and a ``.numpy()`` view of it). ``in_place``
+    (``PassContext.in_place``: the run owns its trees): no copies, a new tree object over
+    the same tensors and views of them, so the kernels write the given tree's tables."""
+    if in_place:
+        return tree.replace(), [getattr(tree, n).numpy() for n in names]
     arrays = [getattr(tree, n).numpy().copy() for n in names]
     return tree.replace(**{n: torch.from_numpy(a) for n, a in zip(names, arrays)}), arrays
 
@@ -127,6 +131,13 @@ _EXPAND_FIELDS = ("n_nodes", "n_expanded", "expanded", "exp_row", "exp_node", "s
 
 def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     """``planner.expand.expand`` with numba frontier selection, top-S and slot writes."""
+    return _expand(tree, ctx)[0]
+
+
+def _expand(tree: DraftTree, ctx: PassContext):
+    """``expand``'s tree, and what ``expand_assign`` draws from: its rows' trees and nodes
+    (b-major: the order ``_pending_rows`` lists them in), their ranked support
+    probabilities ``[R, S']`` and tail masses (float64, ``tail_mass``)."""
     cfg = ctx.tree_cfg
     check_can_expand(tree, ctx)
     K, m, B = tree.slots, tree.rheostat, tree.batch
@@ -135,7 +146,7 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     count = np.empty(B, dtype=np.int64)
     frontier_rows(tree.score.numpy(), tree.depth.numpy(), tree.n_nodes.numpy(), tree.cur_depth, k,
                   nodes_np, count)
-    width = int(count.max())
+    width = max(count.tolist())  # (a list: no numpy reduction for a few rows)
     nodes = torch.from_numpy(nodes_np[:, :width].copy())
     logits, ids = draft_columns(ctx.draft(tree, nodes))
     V = check_draft_logits(logits, B, width, K, cfg.support)
@@ -153,14 +164,14 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     sup_q_t = torch.from_numpy(sup_q)
     z64 = tail_mass(sup_q_t, m, s)
     pi = proxy_weights(cfg.proxy, sup_q_t, z64, m) if m < K else torch.full((R,), float("nan"), dtype=torch.float64)
-    t, a = _clone(tree, _EXPAND_FIELDS)
+    t, a = _clone(tree, _EXPAND_FIELDS, ctx.in_place)
     out_b = np.empty(R * K, dtype=np.int64)
     out_c = np.empty(R * K, dtype=np.int64)
     wbuf = np.empty(R * K, dtype=np.float32)
     ns = _expand_write(rows_b[:R], rows_v[:R], sup_tok, sup_q, s, z64.numpy(), pi.numpy(), m, K,
                        tree.cur_depth, *a, out_b, out_c, wbuf)
     _score_children(t, out_b, out_c, wbuf, ns)
-    return t.replace(cur_depth=tree.cur_depth + 1, sup_width=s)
+    return t.replace(cur_depth=tree.cur_depth + 1, sup_width=s), rows_b[:R], rows_v[:R], sup_q_t, z64
 
 
 # -- assign -------------------------------------------------------------------------------
@@ -216,8 +227,9 @@ _ASSIGN_FIELDS = ("token", "q", "weight", "score", "y_token", "y_qtilde")
 
 
 def draw_rows(sampler, sup_q: torch.Tensor, trees: torch.Tensor, nodes: torch.Tensor, m: int,
-              n_tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tail index and ``q~`` of the draw of every row of ``sup_q [R, S]``.
+              n_tail: torch.Tensor, z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tail index and ``q~`` of the draw of every row of ``sup_q [R, S]`` (``z``: their tail
+    masses when the caller has them, ``tail_mass`` of the same rows; see ``tail_draws``).
 
     With a sampler that names its rows' streams (``stream_rows``: the default sampler),
     one numba call draws every row straight from its stream
@@ -226,11 +238,11 @@ def draw_rows(sampler, sup_q: torch.Tensor, trees: torch.Tensor, nodes: torch.Te
     """
     R = sup_q.shape[0]
     stream_rows = getattr(sampler, "stream_rows", None)
-    nt = n_tail.numpy()  # a host check: no torch op for a few rows
-    if stream_rows is not None and R > 0 and (nt == nt[0]).all():
+    nt = n_tail.tolist()  # a host check: no torch op or numpy reduction for a few rows
+    if stream_rows is not None and R > 0 and nt.count(nt[0]) == R:
         seed, steps, ids, purpose = stream_rows(trees, nodes)
         steps = steps if isinstance(steps, int) else steps.numpy()
-        return tail_draws(sup_q, m, int(nt[0]), seed, counter_rows(steps, ids.numpy(), nodes.numpy(), purpose))
+        return tail_draws(sup_q, m, int(nt[0]), seed, counter_rows(steps, ids.numpy(), nodes.numpy(), purpose), z)
     i = torch.empty(R, dtype=torch.int64)
     y_qt = torch.empty(R, dtype=torch.float64)
     for r in range(R):
@@ -246,7 +258,7 @@ def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
     """``planner.assign.assign`` with batched draws and slot writes."""
     if not has_sampled_slots(tree, ctx):
         return tree
-    K, m = tree.slots, tree.rheostat
+    m = tree.rheostat
     cap = tree.batch * tree.exp_node.shape[1]
     bi, ri, nodes, n_tail = (np.empty(cap, dtype=np.int64) for _ in range(4))
     R = _pending_rows(tree.n_expanded.numpy(), tree.y_token.numpy(), tree.exp_node.numpy(),
@@ -254,10 +266,19 @@ def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
     if R == 0:
         return tree
     bi, ri, nodes, n_tail = bi[:R], ri[:R], nodes[:R], n_tail[:R]
-    sq = tree.sup_q[torch.from_numpy(bi), torch.from_numpy(ri)]
+    sq = torch.from_numpy(tree.sup_q.numpy()[bi, ri])  # (numpy's gather: no torch indexing op)
+    return _draw_fill(tree, ctx, bi, ri, nodes, n_tail, sq)
+
+
+def _draw_fill(tree: DraftTree, ctx: PassContext, bi, ri, nodes, n_tail, sq: torch.Tensor,
+               z: torch.Tensor | None = None) -> DraftTree:
+    """``assign``'s draws and writes for its pending rows ``(bi, ri)`` (expansion node
+    ``nodes``, ``n_tail`` tail ranks, ranked support ``sq``; ``z``: their tail masses, when
+    the caller has them)."""
+    K, m, R = tree.slots, tree.rheostat, len(bi)
     y_tail, y_qt = draw_rows(ctx.sampler, sq, torch.from_numpy(bi), torch.from_numpy(nodes), m,
-                             torch.from_numpy(n_tail))
-    t, (token, q, weight, _, y_token, y_qtilde) = _clone(tree, _ASSIGN_FIELDS)
+                             torch.from_numpy(n_tail), z)
+    t, (token, q, weight, _, y_token, y_qtilde) = _clone(tree, _ASSIGN_FIELDS, ctx.in_place)
     out_b = np.empty(R * K, dtype=np.int64)
     out_c = np.empty(R * K, dtype=np.int64)
     wbuf = np.empty(R * K, dtype=np.float32)
@@ -266,3 +287,20 @@ def assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
                        y_token, y_qtilde, out_b, out_c, wbuf)
     _score_children(t, out_b, out_c, wbuf, ns)
     return t
+
+
+def expand_assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
+    """``assign(expand(tree, ctx), ctx)``, the same tree, in one call (the fused cost
+    pipeline, ``kernels.plan.cpu_pipeline``). ``assign`` draws the rows whose sampled
+    slot is pending, and after ``expand`` those are exactly the rows it just made (every
+    earlier row was drawn by the ``assign`` after its own ``expand``), in the same order;
+    so this draws them from ``expand``'s own support table and tail masses (the same
+    values, the same sums: ``tail_mass`` of the same numbers), without scanning the
+    tree for them, gathering their rows or summing their tails again."""
+    t, rows_b, rows_v, sup_q, z64 = _expand(tree, ctx)
+    R = len(rows_b)
+    if not has_sampled_slots(t, ctx) or R == 0:
+        return t
+    ri = t.exp_row.numpy()[rows_b, rows_v]
+    n_tail = np.array([t.sup_width - t.rheostat] * R, dtype=np.int64)
+    return _draw_fill(t, ctx, rows_b, ri, rows_v, n_tail, sup_q, z64)

@@ -5,11 +5,13 @@ included; and the Triton backend's noise honours mutation (c)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from rheoplan.config import SamplingConfig
-from rheoplan.kernels.noise import gumbel_rows, numba_uniform, uniform_rows
+from rheoplan.kernels import noise
+from rheoplan.kernels.noise import counter_rows, gumbel_rows, numba_uniform, uniform_rows
 from rheoplan.kernels.verify.cpu import root_draws
 from rheoplan.rng import Purpose, Streams
 from rheoplan.testing import mutation
@@ -52,6 +54,23 @@ def test_triton_noise_follows_mutation_c(device):
     assert not torch.equal(draft, verify)
     with mutation("reuse_draft_stream"):
         assert torch.equal(uniform_rows(s, 0, trees, nodes, Purpose.VERIFY_ACCEPT, 4, "triton"), draft)
+
+
+@pytest.mark.parametrize("R", [0, 1, 3, 8, 9, 40])
+def test_counter_rows_few_rows_as_python_ints_equal_numpys(monkeypatch, R):
+    """``counter_rows`` builds up to ``_FEW_ROWS`` rows with Python ints and more with
+    numpy: the same words either way, for one step or one per row, wrapped to 64 bits as
+    numpy wraps (a node of -1 and a step near 2**62)."""
+    rnd = np.random.default_rng(R)
+    trees = rnd.integers(0, 2**20, R)
+    nodes = np.concatenate([[-1], rnd.integers(0, 4096, R)])[:R]
+    for step in (7, 2**62 + 3, rnd.integers(0, 2**40, R)):
+        got = counter_rows(step, trees, nodes, 2)
+        monkeypatch.setattr(noise, "_FEW_ROWS", -1)  # numpy for every row count
+        want = counter_rows(step, trees, nodes, 2)
+        monkeypatch.undo()
+        assert got.dtype == want.dtype == np.uint64 and got.shape == want.shape == (R, 4)
+        assert (got == want).all()
 
 
 def test_numba_rows_at_different_steps_match_streams():

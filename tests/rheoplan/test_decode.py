@@ -501,6 +501,29 @@ def test_cost_model_sampled_tokens_repeat_with_the_same_seed():
         plan_and_decode(tgt, drf, PREFIX, max_new_tokens=3, tree=cfg, cost_model="auto")
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+@pytest.mark.parametrize("slope", [0.3, 2.0])
+def test_cost_model_fused_plan_decodes_as_the_pass_list(monkeypatch, temperature, slope):
+    """The decode's own plan runs the cost pipeline fused (``kernels/plan/cpu_pipeline``);
+    the same decode through the pass list (``passes=DEFAULT_PIPELINE``, which a decode
+    never fuses) gives the same tokens, trees and predictions, step by step."""
+    from rheoplan.kernels.plan import cpu_pipeline
+    from rheoplan.planner.default import DEFAULT_PIPELINE
+
+    fused = []
+    real = cpu_pipeline.plan_cost_tree
+    monkeypatch.setattr("rheoplan.decode.plan_cost_tree", lambda *a, **k: fused.append(1) or real(*a, **k))
+    tgt, drf = hashed_context_lm(6, seed=1, sharpness=1.5), hashed_context_lm(6, seed=2, sharpness=1.5)
+    cfg = TreeConfig(depth=4, frontier=2, slots=3, budget=10, rheostat=1, support=6)
+    s = SamplingConfig(temperature=temperature)
+    runs = [plan_and_decode(tgt, drf, PREFIX, max_new_tokens=40, sampling=s, tree=cfg, seed=7, cost_model=_cost(slope),
+                            passes=p) for p in (None, DEFAULT_PIPELINE)]
+    assert len(fused) == len(runs[0].steps) - 1  # every step but the served first one, and only the default
+    assert runs[0].tokens == runs[1].tokens
+    stats = [[(st.tree_size, st.drafted, st.predicted_tokens, st.predicted_ms) for st in r.steps] for r in runs]
+    assert stats[0] == stats[1] and len({st[0] for st in stats[0]}) >= 2
+
+
 @pytest.mark.parametrize("root,prefix_len", [(5, 100), (7, 3), (0, 0)])
 def test_root_only_tree_equals_a_freshly_linearised_one(root, prefix_len):
     """The autoregressive step's tree is a re-stamped template; it must equal linearising."""

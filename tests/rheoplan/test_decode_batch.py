@@ -396,6 +396,38 @@ def test_batch_drafts_only_while_a_tree_can_pay():
     assert [len(r.tokens) for r in rs] == [3, 3, 12]
 
 
+def test_a_lone_rows_fused_plan_decodes_as_the_pass_list(monkeypatch):
+    """One live row plans with the cost passes as a single sequence does, fused
+    (``kernels/plan/cpu_pipeline``) unless a pass list is given: the same tokens and steps
+    either way, the fused plan run for the lone row's steps only."""
+    from rheoplan import decode
+    from rheoplan.costmodel import CostModel, Timings
+    from rheoplan.kernels.plan import cpu_pipeline
+    from rheoplan.planner.default import DEFAULT_PIPELINE
+
+    fused, trees = [], []
+    real, real_rows = cpu_pipeline.plan_cost_tree, decode._plan_rows
+    monkeypatch.setattr(decode, "plan_cost_tree", lambda *a, **k: fused.append(1) or real(*a, **k))
+    monkeypatch.setattr(decode, "_plan_rows", lambda *a: trees.append(real_rows(*a)) or trees[-1])
+    tm = Timings((1, 64), (1.0, 64.0), (1.0, 64.0), 0, 1000, (1, 64), (0.5, 0.5), 0.05, 0.05,
+                 batch_sizes=(1, 4), batch_row_sizes=(1, 8), batch_verify=((1.0, 8.0), (4.0, 32.0)),
+                 batch_draft_ms=(0.5, 2.0), batch_draft_width=1.0, batch_overhead_ms=(0.05, 20.0),
+                 batch_ar_overhead_ms=(0.05, 0.2))
+    tgt, drf = hashed_context_lm(6, seed=1), hashed_context_lm(6, seed=2)
+    runs, planned = [], []
+    for p in (None, DEFAULT_PIPELINE):
+        runs.append(plan_and_decode(tgt, drf, [[0, 1], [2], [3]], max_new_tokens=[3, 3, 16], seed=3, tree=TREE,
+                                    cost_model=CostModel(tm), passes=p, stream_ids=[4, 9, 7]))
+        planned.append([(t.token.tolist(), t.linear.token.tolist()) for t in trees])
+        trees.clear()
+    assert 0 < len(fused) < len(runs[0][2].steps)  # the lone row's steps, not the batch's
+    assert planned[0] == planned[1]  # the same trees, drawn from the row's own streams
+    for a, b in zip(*runs):
+        assert a.tokens == b.tokens
+        assert ([(st.tree_size, st.drafted, st.predicted_tokens) for st in a.steps]
+                == [(st.tree_size, st.drafted, st.predicted_tokens) for st in b.steps])
+
+
 def _plans_seen(monkeypatch) -> list:
     """Spy on ``decode._rows_plan``: ``(live rows, rows waiting, the plan or None, and
     ``plan_rows``' plans for those rows as a static batch and while rows wait)`` per call."""

@@ -1,0 +1,204 @@
+"""The fused cost pipeline (``kernels/plan/cpu_pipeline.plan_cost_tree``) against the pass
+list it lowers: ``plan_tree`` with ``cost_pipeline`` over the numba passes, and over the
+reference passes. The same linearised tree, table for table (NaN == NaN), the same cost
+decision and the same draft calls, for one tree and batches, every proxy, rheostats from 0
+to K, greedy and sampled laws, vocabularies below the support, per-row steps and stream
+ids, and cost plans that stop before depth 1, at a depth the gate declines, or never.
+
+Also the two pieces it runs: the numba ``expand`` and ``assign`` writing the tree they are
+given (``PassContext.in_place``), and ``expand_assign`` (``assign(expand(...))`` in one call)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import fields
+
+import pytest
+import torch
+
+from rheoplan import SamplingConfig, TreeConfig, plan_tree
+from rheoplan.costmodel import Calibration, CostPlan, Timings
+from rheoplan.ir import empty_tree
+from rheoplan.kernels.plan.cpu_pass import decide as numba_decide, frontiers as numba_frontiers
+from rheoplan.kernels.plan.cpu_pipeline import plan_cost_tree
+from rheoplan.kernels.slot_expansion.cpu_pass import assign, expand, expand_assign
+from rheoplan.pipeline import PassContext, lower
+from rheoplan.planner.assign import gumbel_sampler
+from rheoplan.planner.default import DEFAULT_PIPELINE, cost_pipeline
+from rheoplan.rng import Streams
+
+
+def _draft(V: int, seed: int, calls: list):
+    """Logits that are a pure function of the path tokens (a different tree asks other
+    rows), with ties, -inf and near one-hot rows; records the nodes it is asked for."""
+
+    def draft(tree, nodes):
+        calls.append(nodes.tolist())
+        B, n = nodes.shape
+        out = torch.zeros(B, n, V)
+        for b in range(B):
+            for j in range(n):
+                v = int(nodes[b, j])
+                if v < 0:
+                    out[b, j] = float("nan")  # padding rows must never be read
+                    continue
+                h = hash((seed, b, tuple(tree.path_tokens(b, v)))) % (2**31)
+                g = torch.Generator().manual_seed(h)
+                x = torch.randn(V, generator=g) * 2.0
+                if h % 3 == 1:
+                    x = torch.round(x)
+                elif h % 3 == 2:
+                    x[torch.rand(V, generator=g) < 0.3] = float("-inf")
+                    x[h % V] = 1.0
+                out[b, j] = x
+        return out
+
+    return draft
+
+
+def _plan(kind: str, seed: int) -> CostPlan:
+    """``deep``: drafting is free and every node is believed accepted, so no gate declines;
+    ``skip``: the schedule skips drafting; ``mixed``: random rates on a sloped verify
+    curve, so gates decline at varying depths."""
+    rnd = random.Random(seed)
+    cal = Calibration()
+    for c in range(len(cal.trials)):
+        for b in range(len(cal.trials[c])):
+            cal.trials[c][b] = rnd.uniform(0, 20) if kind == "mixed" else 40.0
+            cal.accepts[c][b] = rnd.uniform(0, cal.trials[c][b]) if kind == "mixed" else 40.0
+    for d in range(8):
+        cal.cont_trials[d] = rnd.uniform(0, 20) if kind == "mixed" else 40.0
+        cal.cont_accepts[d] = rnd.uniform(0, cal.cont_trials[d]) if kind == "mixed" else 40.0
+    slope, draft = (rnd.uniform(0.05, 1.5), rnd.uniform(0.2, 3.0)) if kind == "mixed" else (0.0, 0.0)
+    tm = Timings((1, 8, 64), (10.0, 10.0 + 7 * slope, 10.0 + 63 * slope), (11.0, 11.0 + 7 * slope, 11.0 + 63 * slope),
+                 0, 1000, (1, 3), (draft, 1.5 * draft), 0.1 if kind == "mixed" else 0.0, 0.0)
+    return CostPlan.from_calibration(tm, cal, skip_draft=kind == "skip")
+
+
+def assert_trees_equal(a, b):
+    """Every tensor equal (NaN == NaN), the linear form's too; every other field equal."""
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "linear" and x is not None:
+            for g in fields(x):
+                assert torch.equal(getattr(x, g.name), getattr(y, g.name)), f"linear.{g.name}"
+        elif isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape, f.name
+            assert torch.equal(x, y) or (x.dtype.is_floating_point and torch.allclose(
+                x, y, rtol=0, atol=0, equal_nan=True)), f"{f.name}:\n{x}\n{y}"
+        else:
+            assert x == y, f.name
+
+
+CONFIGS = [  # (tree config kwargs, temperature, V)
+    (dict(depth=3, frontier=3, slots=4, budget=10, rheostat=1, support=16), 1.0, 40),
+    (dict(depth=4, frontier=2, slots=3, budget=9, rheostat=0, support=8, proxy="next_rank"), 0.8, 30),
+    (dict(depth=3, frontier=3, slots=5, budget=12, rheostat=2, support=32, proxy="true_q"), 1.2, 50),
+    (dict(depth=3, frontier=2, slots=4, budget=8, rheostat=1, support=128), 1.0, 9),  # V < support
+    (dict(depth=3, frontier=3, slots=4, budget=10, rheostat=1, support=16), 0.0, 40),  # greedy
+    (dict(depth=3, frontier=3, slots=4, budget=10, rheostat=4, support=16), 1.0, 40),  # m = K: no draws
+    (dict(depth=6, frontier=3, slots=3, budget=32, rheostat=1, support=128), 1.0, 300),  # the default tree
+]
+
+
+def _both(cfg, T, V, kind, seed, roots, step, keys, backend="numba"):
+    tree, sampling = TreeConfig(**cfg), SamplingConfig(temperature=T)
+    plan = _plan(kind, seed)
+    prefix = [3 + 5 * b for b in range(len(roots))]
+    runs = []
+    for fused in (False, True):
+        calls, seen = [], []
+        draft = _draft(V, seed, calls)
+        if fused:
+            t = plan_cost_tree(draft, roots, tree=tree, sampling=sampling, plan=plan, prefix_len=prefix, seed=seed,
+                               step=step, stream_keys=keys, on_decision=seen.append)
+        else:
+            numba = backend == "numba"
+            passes = cost_pipeline(plan, lower(DEFAULT_PIPELINE, backend), on_decision=seen.append,
+                                   decide=numba_decide if numba else None, frontiers=numba_frontiers if numba else None)
+            t = plan_tree(draft, roots, tree=tree, sampling=sampling, prefix_len=prefix, seed=seed, step=step,
+                          passes=passes, backend=backend, stream_keys=keys)
+        runs.append((t, calls, seen))
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["mixed", "deep", "skip"])
+@pytest.mark.parametrize("cfg,T,V", CONFIGS)
+def test_fused_plan_equals_the_numba_pass_list(cfg, T, V, kind):
+    for seed in range(4):
+        for roots, step, keys in (([5], 3, None), ([1, 2, 3], 2, None), ([4, 6], (7, 2), (9, 1))):
+            (ref, ref_calls, ref_seen), (got, calls, seen) = _both(cfg, T, V, kind, seed, roots, step, keys)
+            assert_trees_equal(ref, got)
+            assert calls == ref_calls
+            assert seen == ref_seen and len(seen) == 1
+
+
+@pytest.mark.parametrize("cfg,T,V", CONFIGS[:4])
+def test_fused_plan_equals_the_reference_passes(cfg, T, V):
+    """The reference passes and the reference ``decide``: the same tree (the numba passes
+    equal these, ``tests/rheoplan/test_lower.py``, ``test_cost_decide.py``)."""
+    for seed in range(3):
+        (ref, ref_calls, ref_seen), (got, calls, seen) = _both(cfg, T, V, "mixed", seed, [1, 2], 4, None,
+                                                               backend="reference")
+        assert_trees_equal(ref, got)
+        assert calls == ref_calls and seen == ref_seen
+
+
+def test_the_plans_cover_every_way_growth_ends():
+    """The cases above reach a tree cut before depth 1, one whose gate declines below the
+    full depth, and one grown to the full depth (the prune then decides afresh)."""
+    depths = set()
+    for kind in ("mixed", "deep", "skip"):
+        for seed in range(4):
+            (_, _, _), (t, _, _) = _both(*CONFIGS[0], kind, seed, [5], 3, None)
+            depths.add((kind, t.cur_depth))
+    assert ("skip", 0) in depths and ("deep", CONFIGS[0][0]["depth"]) in depths
+    assert any(k == "mixed" and 0 < d < CONFIGS[0][0]["depth"] for k, d in depths), depths
+
+
+def _root_tree(cfg: TreeConfig, sampling: SamplingConfig, B: int):
+    return empty_tree(B, cfg.capacity, cfg.max_expanded, cfg.support, torch.arange(1, B + 1),
+                      torch.tensor([4] * B), cfg.effective_rheostat(sampling), cfg.slots)
+
+
+@pytest.mark.parametrize("cfg,T,V", CONFIGS)
+def test_in_place_passes_write_the_given_tree_and_equal_the_copying_ones(cfg, T, V):
+    """With ``in_place`` each pass writes the tables of the tree it is given (the result
+    holds the same storage) and returns a new object; without, fresh tables; the same tree."""
+    tree, sampling = TreeConfig(**cfg), SamplingConfig(temperature=T)
+    out = {}
+    for in_place in (False, True):
+        t = _root_tree(tree, sampling, 2)
+        ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=_draft(V, 0, []),
+                          sampler=gumbel_sampler(Streams(3), 1), in_place=in_place)
+        for _ in range(2):
+            for p, field in ((expand, "n_nodes"), (assign, "y_token")):
+                before = t
+                t = p(t, ctx)
+                if t is before:  # assign with nothing to draw (m = K, greedy) returns its input
+                    assert p is assign and tree.effective_rheostat(sampling) == tree.slots
+                    continue
+                same = getattr(t, field).data_ptr() == getattr(before, field).data_ptr()
+                assert same == in_place, (p.__name__, field)
+        out[in_place] = t
+    assert_trees_equal(out[False], out[True])
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("cfg,T,V", CONFIGS)
+def test_expand_assign_equals_assign_after_expand(cfg, T, V, in_place):
+    tree, sampling = TreeConfig(**cfg), SamplingConfig(temperature=T)
+
+    def injected(b, node, qt):  # a sampler without the streams' batch interface (the oracle's)
+        return int(torch.argmin(qt))
+
+    for sampler in (gumbel_sampler(Streams(5), 2, (3, 8)), injected):
+        got = {}
+        for fused in (False, True):
+            t = _root_tree(tree, sampling, 2)
+            ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=_draft(V, 1, []), sampler=sampler,
+                              in_place=in_place)
+            for _ in range(tree.depth):
+                t = expand_assign(t, ctx) if fused else assign(expand(t, ctx), ctx)
+            got[fused] = t
+        assert_trees_equal(got[False], got[True])
