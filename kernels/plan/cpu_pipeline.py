@@ -14,9 +14,11 @@ order with the run owning its trees (``PassContext.in_place``: the numba ``expan
 the formulas and their order are the passes' own, so the tree is the pipeline's, table
 for table, and so is the cost decision (``tests/kernels/plan/test_cpu_pipeline.py``).
 
-Why: a one-row step plans two depths on average, and at T = 1 the copies and the pass
-machinery were about a third of the plan's time on the 2-core machine (docs/results.md,
-"Thirty-fourth round").
+Why: a one-row step plans about two depths, and each pass's copies and the machinery
+around it are operations the interpreter runs cold after each forward: at T = 1 on the
+2-core Zen 4 EPYC a step's plan took 1.51 ms through the pass list and 1.25 fused
+(interleaved; with ``expand_assign``, which also skips the second pass's scan, gather
+and tail sums; docs/results.md, "Thirty-fourth round").
 """
 
 from __future__ import annotations
