@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _planner_helpers import PathDraft, Words, planning_problems
+from _planner_helpers import PathDraft, Words, assert_trees_equal, planning_problems
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.ir_text import fmt_float, from_json, from_text, parse_float, to_json, to_text
 from rheoplan.pipeline import PassContext, run_pipeline
 from rheoplan.planner.default import DEFAULT_PIPELINE
-
-
-def assert_trees_equal(a, b):
-    for f in fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if f.name == "linear":
-            assert (x is None) == (y is None)
-            if x is not None:
-                for g in fields(x):
-                    assert torch.equal(getattr(x, g.name), getattr(y, g.name)), g.name
-        elif isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape, f.name
-            same = (x == y) | (torch.isnan(x) & torch.isnan(y)) if x.is_floating_point() else x == y
-            assert bool(same.all()), f.name
-        else:
-            assert x == y, f.name
 
 
 @given(st.floats(width=32, allow_nan=True))

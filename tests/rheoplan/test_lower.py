@@ -8,65 +8,13 @@ larger ones marked slow."""
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import pytest
 import torch
 
+from _planner_helpers import assert_trees_equal, path_hash_draft as make_draft
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.pipeline import FnPass, PassContext, Repeat, flatten, lower
 from rheoplan.planner.default import DEFAULT_PIPELINE
-
-
-def make_draft(V: int, seed: int):
-    """Logits that are a pure function of the path tokens (so both pipelines see the same
-    inputs only if they built the same tree), with ties, -inf and near one-hot rows."""
-
-    def draft(tree, nodes):
-        B, n = nodes.shape
-        out = torch.zeros(B, n, V)
-        for b in range(B):
-            for j in range(n):
-                v = int(nodes[b, j])
-                if v < 0:
-                    out[b, j] = float("nan")  # padding rows must never be read
-                    continue
-                h = hash((seed, b, tuple(tree.path_tokens(b, v)))) % (2**31)
-                g = torch.Generator().manual_seed(h)
-                x = torch.randn(V, generator=g) * 2.5
-                kind = h % 4
-                if kind == 1:
-                    x = torch.round(x)
-                elif kind == 2:
-                    x[torch.rand(V, generator=g) < 0.4] = float("-inf")
-                    x[h % V] = 1.0
-                elif kind == 3:
-                    x[:] = 0.0
-                    x[h % V] = 60.0
-                out[b, j] = x
-        return out
-
-    return draft
-
-
-def assert_trees_equal(a, b):
-    """Every tensor equal (NaN == NaN). ``linear.paths`` of the device planner keeps its
-    capacity (rows past ``n_paths`` are -1) where the reference trims it."""
-    for f in fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if f.name == "linear":
-            for g in fields(x):
-                u, w = getattr(x, g.name), getattr(y, g.name)
-                if g.name == "paths" and w.shape[1] > u.shape[1]:
-                    assert (w[:, u.shape[1]:] == -1).all()
-                    w = w[:, :u.shape[1]]
-                assert torch.equal(u, w), f"linear.{g.name}"
-        elif isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape, f.name
-            assert torch.equal(x, y) or (x.dtype.is_floating_point and torch.allclose(
-                x, y, rtol=0, atol=0, equal_nan=True)), f"{f.name}:\n{x}\n{y}"
-        else:
-            assert x == y, f.name
 
 
 CASES = [  # (tree config kwargs, temperature, V)

@@ -11,11 +11,11 @@ given (``PassContext.in_place``), and ``expand_assign`` (``assign(expand(...))``
 from __future__ import annotations
 
 import random
-from dataclasses import fields
 
 import pytest
 import torch
 
+from _planner_helpers import assert_trees_equal, path_hash_draft as _draft
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.costmodel import Calibration, CostPlan, Timings
 from rheoplan.ir import empty_tree
@@ -26,34 +26,6 @@ from rheoplan.pipeline import PassContext, lower
 from rheoplan.planner.assign import gumbel_sampler
 from rheoplan.planner.default import DEFAULT_PIPELINE, cost_pipeline
 from rheoplan.rng import Streams
-
-
-def _draft(V: int, seed: int, calls: list):
-    """Logits that are a pure function of the path tokens (a different tree asks other
-    rows), with ties, -inf and near one-hot rows; records the nodes it is asked for."""
-
-    def draft(tree, nodes):
-        calls.append(nodes.tolist())
-        B, n = nodes.shape
-        out = torch.zeros(B, n, V)
-        for b in range(B):
-            for j in range(n):
-                v = int(nodes[b, j])
-                if v < 0:
-                    out[b, j] = float("nan")  # padding rows must never be read
-                    continue
-                h = hash((seed, b, tuple(tree.path_tokens(b, v)))) % (2**31)
-                g = torch.Generator().manual_seed(h)
-                x = torch.randn(V, generator=g) * 2.0
-                if h % 3 == 1:
-                    x = torch.round(x)
-                elif h % 3 == 2:
-                    x[torch.rand(V, generator=g) < 0.3] = float("-inf")
-                    x[h % V] = 1.0
-                out[b, j] = x
-        return out
-
-    return draft
 
 
 def _plan(kind: str, seed: int) -> CostPlan:
@@ -73,21 +45,6 @@ def _plan(kind: str, seed: int) -> CostPlan:
     tm = Timings((1, 8, 64), (10.0, 10.0 + 7 * slope, 10.0 + 63 * slope), (11.0, 11.0 + 7 * slope, 11.0 + 63 * slope),
                  0, 1000, (1, 3), (draft, 1.5 * draft), 0.1 if kind == "mixed" else 0.0, 0.0)
     return CostPlan.from_calibration(tm, cal, skip_draft=kind == "skip")
-
-
-def assert_trees_equal(a, b):
-    """Every tensor equal (NaN == NaN), the linear form's too; every other field equal."""
-    for f in fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if f.name == "linear" and x is not None:
-            for g in fields(x):
-                assert torch.equal(getattr(x, g.name), getattr(y, g.name)), f"linear.{g.name}"
-        elif isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape, f.name
-            assert torch.equal(x, y) or (x.dtype.is_floating_point and torch.allclose(
-                x, y, rtol=0, atol=0, equal_nan=True)), f"{f.name}:\n{x}\n{y}"
-        else:
-            assert x == y, f.name
 
 
 CONFIGS = [  # (tree config kwargs, temperature, V)
