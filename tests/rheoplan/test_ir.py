@@ -81,3 +81,8 @@ def test_to_the_device_a_tree_is_on_returns_it():
     assert t.linear is not None and t.to("cpu") is t and t.to(torch.device("cpu")) is t
     moved = t.to("meta")
     assert moved is not t and moved.parent.device.type == "meta" and moved.linear.token.device.type == "meta"
+    assert moved.to("meta") is moved
+    for name in ("q", "linear"):  # one table elsewhere (the tree's or its linear form's): not there yet
+        mixed = t.replace(**{name: getattr(moved, name)})
+        with pytest.raises(NotImplementedError):  # (a meta tensor has no data to copy back)
+            mixed.to("cpu")
