@@ -183,7 +183,8 @@ def kept_children(tree: DraftTree, b: int, i: int) -> dict[int, int]:
     f, k = int(lin.first_child[b, i]), int(lin.n_children[b, i])
     if f < 0:
         return {}
-    return {int(lin.token[b, c]): c for c in range(f, f + k)}
+    # the children are consecutive linear nodes: their tokens in one read
+    return {tok: c for c, tok in enumerate(lin.token[b, f:f + k].tolist(), start=f)}
 
 
 @dataclass(frozen=True)
