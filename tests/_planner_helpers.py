@@ -19,6 +19,20 @@ from rheoplan.ir import DraftTree
 NEG_INF = float("-inf")
 
 
+#: (tree config kwargs, temperature, V) the lowering tests plan with: every proxy, rheostats
+#: 0 to K, greedy, V below the support, a budget above the nodes
+LOWERING_CASES = [
+    (dict(depth=3, frontier=3, slots=4, budget=10, rheostat=1, support=16), 1.0, 40),
+    (dict(depth=4, frontier=2, slots=3, budget=9, rheostat=0, support=8, proxy="next_rank"), 0.8, 30),
+    (dict(depth=3, frontier=3, slots=5, budget=12, rheostat=2, support=32, proxy="true_q"), 1.2, 50),
+    (dict(depth=3, frontier=2, slots=4, budget=8, rheostat=1, support=128), 1.0, 9),  # V < S
+    (dict(depth=3, frontier=3, slots=4, budget=10, rheostat=1, support=16), 0.0, 40),  # greedy
+    (dict(depth=2, frontier=4, slots=3, budget=70, rheostat=1, support=8), 1.0, 20),  # budget > nodes
+    (dict(depth=4, frontier=4, slots=6, budget=40, rheostat=1, support=128), 1.0, 300),
+    (dict(depth=3, frontier=3, slots=4, budget=10, rheostat=4, support=16), 1.0, 40),  # m = K
+]
+
+
 def path_hash_draft(V: int, seed: int, calls: list | None = None):
     """Logits that are a pure function of the path tokens (so two pipelines see the same
     inputs only if they built the same tree), with ties, -inf and near one-hot rows;

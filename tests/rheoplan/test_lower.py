@@ -11,22 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _planner_helpers import assert_trees_equal, path_hash_draft as make_draft
+from _planner_helpers import LOWERING_CASES as CASES, assert_trees_equal, path_hash_draft as make_draft
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.pipeline import FnPass, PassContext, Repeat, flatten, lower
 from rheoplan.planner.default import DEFAULT_PIPELINE
-
-
-CASES = [  # (tree config kwargs, temperature, V)
-    (dict(depth=3, frontier=3, slots=4, budget=10, rheostat=1, support=16), 1.0, 40),
-    (dict(depth=4, frontier=2, slots=3, budget=9, rheostat=0, support=8, proxy="next_rank"), 0.8, 30),
-    (dict(depth=3, frontier=3, slots=5, budget=12, rheostat=2, support=32, proxy="true_q"), 1.2, 50),
-    (dict(depth=3, frontier=2, slots=4, budget=8, rheostat=1, support=128), 1.0, 9),  # V < S
-    (dict(depth=3, frontier=3, slots=4, budget=10, rheostat=1, support=16), 0.0, 40),  # greedy
-    (dict(depth=2, frontier=4, slots=3, budget=70, rheostat=1, support=8), 1.0, 20),  # budget > nodes
-    (dict(depth=4, frontier=4, slots=6, budget=40, rheostat=1, support=128), 1.0, 300),
-    (dict(depth=3, frontier=3, slots=4, budget=10, rheostat=4, support=16), 1.0, 40),  # m = K
-]
 
 
 def _cases():

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from _planner_helpers import assert_trees_equal, path_hash_draft as _draft
+from _planner_helpers import LOWERING_CASES, assert_trees_equal, path_hash_draft as _draft
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.costmodel import Calibration, CostPlan, Timings
 from rheoplan.ir import empty_tree
@@ -47,14 +47,8 @@ def _plan(kind: str, seed: int) -> CostPlan:
     return CostPlan.from_calibration(tm, cal, skip_draft=kind == "skip")
 
 
-CONFIGS = [  # (tree config kwargs, temperature, V)
-    (dict(depth=3, frontier=3, slots=4, budget=10, rheostat=1, support=16), 1.0, 40),
-    (dict(depth=4, frontier=2, slots=3, budget=9, rheostat=0, support=8, proxy="next_rank"), 0.8, 30),
-    (dict(depth=3, frontier=3, slots=5, budget=12, rheostat=2, support=32, proxy="true_q"), 1.2, 50),
-    (dict(depth=3, frontier=2, slots=4, budget=8, rheostat=1, support=128), 1.0, 9),  # V < support
-    (dict(depth=3, frontier=3, slots=4, budget=10, rheostat=1, support=16), 0.0, 40),  # greedy
-    (dict(depth=3, frontier=3, slots=4, budget=10, rheostat=4, support=16), 1.0, 40),  # m = K: no draws
-    (dict(depth=6, frontier=3, slots=3, budget=32, rheostat=1, support=128), 1.0, 300),  # the default tree
+CONFIGS = LOWERING_CASES + [  # and the decode's default tree
+    (dict(depth=6, frontier=3, slots=3, budget=32, rheostat=1, support=128), 1.0, 300),
 ]
 
 
