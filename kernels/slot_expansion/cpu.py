@@ -3,9 +3,13 @@
 Split into row kernels that the numba passes (``cpu_pass.py``) also call:
 
 * ``rank_support_rows``: top-S by q (ties lower id) by radix select on the float32
-  bits, O(V) per row instead of a full sort.
-* tail mass and proxy: not ported; their one definitions (``distributions.tail_mass``,
-  ``planner.expand.proxy_weights``).
+  bits, O(V) per row instead of a full sort; it counts the broken rows (NaN laws) as it
+  goes, the check ``distributions.draft_probs`` makes.
+* ``proxy_weight``: ``planner.expand.proxy_weights`` for one row, a port pinned to it
+  by ``tests/kernels/slot_expansion/test_slot_expansion_parity.py`` (a min or a copy of
+  float64 values: the same bits), so the numba ``expand`` writes a row's slots without
+  torch ops between its kernels.
+* tail mass: not ported; its one definition (``distributions.tail_mass``).
 * ``tail_draws``: the sampled slot's draw straight from its Philox stream; its tail law
   divides by the torch tail mass as ``distributions.tail_law_rows`` does (a division
   rounds the same everywhere: the same bits).
@@ -90,6 +94,8 @@ _RADIX_SHIFT = 19  # 4096 bins over the top 12 bits of a non-negative float32
 def rank_support_rows(q, s, tok, val):
     """Top-``s`` of each row of ``q [R, V]`` (float32, >= 0) into ``tok [R, s]`` / ``val``,
     ranked by q descending, ties lower id (as ``rheoplan.distributions.rank_support``).
+    Returns how many rows are broken (``q[r, 0]`` NaN: a NaN law, the test of
+    ``distributions.draft_probs``); those rows are left unranked.
 
     Radix select: a histogram of the top 12 bits of the float32 bit patterns (monotone
     for q >= 0) finds the bin holding the s-th largest value; only entries in that bin
@@ -101,8 +107,12 @@ def rank_support_rows(q, s, tok, val):
     hist = np.zeros(1 << (31 - _RADIX_SHIFT), dtype=np.int64)
     cid = np.empty(V, dtype=np.int64)
     cq = np.empty(V, dtype=np.float32)
+    broken = 0
     for r in range(q.shape[0]):
         row = q[r]
+        if V and np.isnan(row[0]):
+            broken += 1
+            continue
         bits = row.view(np.int32)
         hist[:] = 0
         for i in range(V):
@@ -127,6 +137,24 @@ def rank_support_rows(q, s, tok, val):
         for j in range(s):
             tok[r, j] = cid[order[j]]
             val[r, j] = cq[order[j]]
+    return broken
+
+
+@njit(cache=True, inline="always")
+def proxy_weight(code, sup_q, z, m):
+    """``planner.expand.proxy_weights`` of one row (``code``: ``config.PROXY_CODES[policy]``;
+    ``sup_q`` the row's ranked support, float32; ``z`` its tail mass, float64): the same
+    float64 value, NaN for ``true_q``. ``torch.minimum`` propagates a NaN, as this does."""
+    if code == 0:
+        if m == 0:
+            return np.float64(sup_q[0])
+        a = np.float64(sup_q[m - 1])
+        if np.isnan(a) or np.isnan(z):
+            return np.nan
+        return min(a, z)
+    if code == 1:
+        return np.float64(sup_q[m])
+    return np.nan
 
 
 @njit(cache=True)

@@ -4,10 +4,11 @@ Same names, same output as ``planner/expand.py`` and ``planner/assign.py``: the
 ``DraftTree`` after each pass equals the reference's tensor for tensor for the same seed
 (``tests/rheoplan/test_lower.py``). The kernels do the selection
 (``frontier_rows``, ``rank_support_rows``) and the table writes; every formula comes from
-its one definition: the draft law (``distributions.draft_probs``), the tail mass and tail
-law (``distributions.tail_mass`` / ``tail_law_rows``), the proxy
-(``planner.expand.proxy_weights``), the score rule (``add_log_weight``: its log in torch,
-its float64 add in ``_add_scores``) and the sampled slots' draws (the sampler's
+its one definition: the draft law (``distributions.draft_probs``; its broken-law check in
+``rank_support_rows``), the tail mass and tail law (``distributions.tail_mass`` /
+``tail_law_rows``), the proxy (``planner.expand.proxy_weights``, through its pinned numba
+port ``cpu.proxy_weight``), the score rule (``add_log_weight``: its log in torch, its
+float64 add in ``_add_scores``) and the sampled slots' draws (the sampler's
 ``stream_rows`` names the streams; ``cpu.tail_draws`` reads them as it draws).
 """
 
@@ -17,14 +18,15 @@ import numpy as np
 import torch
 from numba import njit
 
-from rheoplan.distributions import draft_probs, tail_law, tail_mass
+from rheoplan.config import PROXY_CODES
+from rheoplan.distributions import BROKEN_DRAFT, draft_probs, tail_law, tail_mass
 from rheoplan.ir import DraftTree, NodeKind
 from rheoplan.kernels.noise import counter_rows
 from rheoplan.kernels.plan.cpu import frontier_rows
-from rheoplan.kernels.slot_expansion.cpu import rank_support_rows, tail_draws
+from rheoplan.kernels.slot_expansion.cpu import proxy_weight, rank_support_rows, tail_draws
 from rheoplan.pipeline import PassContext
 from rheoplan.planner.assign import has_sampled_slots
-from rheoplan.planner.expand import check_can_expand, check_draft_logits, draft_columns, proxy_weights
+from rheoplan.planner.expand import check_can_expand, check_draft_logits, draft_columns
 
 _DET, _SAMPLED, _PAD = int(NodeKind.DET), int(NodeKind.SAMPLED), int(NodeKind.PAD)
 
@@ -77,12 +79,13 @@ def _frontier_rows(nodes, count, rows_b, rows_v):
 
 
 @njit(cache=True)
-def _expand_write(rows_b, rows_v, sup_tok, sup_q, s, z64, pi, m, K, level,
+def _expand_write(rows_b, rows_v, sup_tok, sup_q, s, z64, proxy, m, K, level,
                   n_nodes, n_expanded, expanded, exp_row, exp_node, t_sup_token, t_sup_q, t_sup_n, t_z,
                   parent, depth, slot, kind, token, q, weight, score, y_node, out_b, out_c, wbuf):
     """Create the K slots of every frontier row (``planner.expand`` body). Children whose
     weight is known get ``(b, c, w)`` in ``out_b/out_c/wbuf`` for scoring; the pending
-    ones (PAD, and SAMPLED when ``pi`` is NaN) get a NaN score like the reference.
+    ones (PAD, and SAMPLED when the proxy weight is NaN) get a NaN score like the
+    reference. ``proxy``: the policy's ``config.PROXY_CODES`` code (``cpu.proxy_weight``).
     Returns how many were listed."""
     ns = 0
     for r in range(rows_b.shape[0]):
@@ -110,10 +113,11 @@ def _expand_write(rows_b, rows_v, sup_tok, sup_q, s, z64, pi, m, K, level,
             elif sl == m:
                 kind[b, c] = _SAMPLED
                 y_node[b, row] = c
-                if np.isnan(pi[r]):
+                pi = proxy_weight(proxy, sup_q[r], z64[r], m)
+                if np.isnan(pi):
                     score[b, c] = np.nan
                     continue
-                weight[b, c] = np.float32(pi[r])
+                weight[b, c] = np.float32(pi)
             else:
                 kind[b, c] = _PAD
                 score[b, c] = np.nan
@@ -154,21 +158,22 @@ def _expand(tree: DraftTree, ctx: PassContext):
     rows_v = np.empty(B * width, dtype=np.int64)
     R = _frontier_rows(nodes_np, count, rows_b, rows_v)
     rows = logits.reshape(B * width, V) if R == B * width else logits[nodes.to(logits.device) >= 0]  # b-major
-    q = draft_probs(rows.to(device="cpu"), ctx.sampling).contiguous()  # row-wise: same bits as per-tree calls
+    # row-wise: same bits as per-tree calls; the broken-law check in the ranking kernel
+    q = draft_probs(rows.to(device="cpu"), ctx.sampling, check=False).contiguous()
     s = min(cfg.support, V)
     sup_tok = np.empty((R, s), dtype=np.int64)
     sup_q = np.empty((R, s), dtype=np.float32)
-    rank_support_rows(q.numpy(), s, sup_tok, sup_q)
+    if rank_support_rows(q.numpy(), s, sup_tok, sup_q):
+        raise ValueError(BROKEN_DRAFT)
     if ids is not None:  # ranked columns of a SubsetLogits -> target ids
         sup_tok = ids.cpu().numpy()[sup_tok]
     sup_q_t = torch.from_numpy(sup_q)
     z64 = tail_mass(sup_q_t, m, s)
-    pi = proxy_weights(cfg.proxy, sup_q_t, z64, m) if m < K else torch.full((R,), float("nan"), dtype=torch.float64)
     t, a = _clone(tree, _EXPAND_FIELDS, ctx.in_place)
     out_b = np.empty(R * K, dtype=np.int64)
     out_c = np.empty(R * K, dtype=np.int64)
     wbuf = np.empty(R * K, dtype=np.float32)
-    ns = _expand_write(rows_b[:R], rows_v[:R], sup_tok, sup_q, s, z64.numpy(), pi.numpy(), m, K,
+    ns = _expand_write(rows_b[:R], rows_v[:R], sup_tok, sup_q, s, z64.numpy(), PROXY_CODES[cfg.proxy], m, K,
                        tree.cur_depth, *a, out_b, out_c, wbuf)
     _score_children(t, out_b, out_c, wbuf, ns)
     return t.replace(cur_depth=tree.cur_depth + 1, sup_width=s), rows_b[:R], rows_v[:R], sup_q_t, z64

@@ -22,7 +22,7 @@ from rheoplan.ir import empty_tree
 from rheoplan.kernels.plan.cpu_pass import decide as numba_decide, frontiers as numba_frontiers
 from rheoplan.kernels.plan.cpu_pipeline import plan_cost_tree
 from rheoplan.kernels.slot_expansion.cpu_pass import assign, expand, expand_assign
-from rheoplan.pipeline import PassContext, lower
+from rheoplan.pipeline import PassContext, PassError, lower
 from rheoplan.planner.assign import gumbel_sampler
 from rheoplan.planner.default import DEFAULT_PIPELINE, cost_pipeline
 from rheoplan.rng import Streams
@@ -153,3 +153,31 @@ def test_expand_assign_equals_assign_after_expand(cfg, T, V, in_place):
                 t = expand_assign(t, ctx) if fused else assign(expand(t, ctx), ctx)
             got[fused] = t
         assert_trees_equal(got[False], got[True])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("at_depth", [0, 1])
+def test_a_broken_draft_row_raises_as_the_pass_lists_do(value, at_depth):
+    """A draft row with a NaN or +inf logit is a broken law: the fused plan (whose check
+    sits in the ranking kernel) raises the error the numba and reference pass lists
+    raise, at the first depth or a later one."""
+    cfg = CONFIGS[-1]
+    good = _draft(300, 0)
+
+    def broken(tree, nodes):
+        out = good(tree, nodes)
+        if tree.cur_depth == at_depth:
+            out[0, -1, 7] = value
+        return out
+
+    tree, sampling = TreeConfig(**cfg[0]), SamplingConfig(temperature=1.0)
+    kw = dict(tree=tree, sampling=sampling, prefix_len=[4], seed=1, step=0)
+    plan = _plan("deep", 0)
+    with pytest.raises(ValueError, match=r"draft logits contain NaN or \+inf"):
+        plan_cost_tree(broken, [5], plan=plan, **kw)
+    for backend in ("numba", "reference"):
+        numba = backend == "numba"
+        passes = cost_pipeline(plan, lower(DEFAULT_PIPELINE, backend), decide=numba_decide if numba else None,
+                               frontiers=numba_frontiers if numba else None)
+        with pytest.raises(PassError, match=r"expand.*draft logits contain NaN or \+inf"):  # names the pass
+            plan_tree(broken, [5], passes=passes, backend=backend, **kw)

@@ -7,10 +7,15 @@ the exp/log steps in torch). Triton computes its own exp/log: see the tolerances
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from numba import njit
 
+from rheoplan.config import PROXIES, PROXY_CODES
+from rheoplan.distributions import tail_mass
 from rheoplan.kernels.slot_expansion import cpu, reference
+from rheoplan.planner.expand import proxy_weights
 from rheoplan.rng import Purpose, Streams
 
 CASES = [  # (V, support, m, K, proxy, temperature)
@@ -229,3 +234,44 @@ def test_tail_draws_are_the_samplers_draws(S, m):
     assert i.tolist() == want_i
     assert qt.tolist() == want_qt  # the same bits: the same divisions
     assert len(set(want_i)) > 3  # the draws are not all the top of the tail
+
+
+@njit(cache=False)
+def _proxy_rows(code, sup_q, z, m, out):
+    for r in range(sup_q.shape[0]):
+        out[r] = cpu.proxy_weight(code, sup_q[r], z[r], m)
+
+
+@pytest.mark.parametrize("policy", PROXIES)
+@pytest.mark.parametrize("m", [0, 1, 2, 5])
+def test_proxy_weight_port_matches_proxy_weights(policy, m):
+    """The numba expand's proxy (``cpu.proxy_weight``) gives ``proxy_weights``'s float64
+    values bit for bit: z above and below q(r_m), equal to it, zero, and NaN."""
+    g = torch.Generator().manual_seed(m)
+    sup_q = torch.sort(torch.rand(64, 8, generator=g), dim=1, descending=True).values
+    z = tail_mass(sup_q, m, 8)
+    z[::4] = sup_q[::4, max(m - 1, 0)].to(torch.float64)  # ties
+    z[1::4] = torch.rand(16, generator=g, dtype=torch.float64)
+    z[2::8] = 0.0
+    z[3::8] = float("nan")
+    sup_q[5, :] = float("nan")
+    want = proxy_weights(policy, sup_q, z, m)
+    got = np.empty(64, dtype=np.float64)
+    _proxy_rows(PROXY_CODES[policy], sup_q.numpy(), z.numpy(), m, got)
+    assert torch.equal(want.isnan(), torch.from_numpy(np.isnan(got)))
+    assert np.array_equal(want.numpy(), got, equal_nan=True)
+
+
+def test_rank_support_rows_counts_the_broken_rows():
+    """A NaN law (``q[r, 0]`` NaN, the test of ``draft_probs``) is counted, not ranked; the
+    other rows rank as without it."""
+    q = torch.softmax(torch.randn(4, 30, generator=torch.Generator().manual_seed(1)), dim=-1)
+    tok, val = np.empty((4, 5), dtype=np.int64), np.empty((4, 5), dtype=np.float32)
+    assert cpu.rank_support_rows(q.numpy(), 5, tok, val) == 0
+    bad = q.clone()
+    bad[1] = float("nan")
+    bad[3, 0] = float("nan")
+    tok2, val2 = np.full((4, 5), -7, dtype=np.int64), np.empty((4, 5), dtype=np.float32)
+    assert cpu.rank_support_rows(bad.numpy(), 5, tok2, val2) == 2
+    assert np.array_equal(tok[[0, 2]], tok2[[0, 2]]) and np.array_equal(val[[0, 2]], val2[[0, 2]])
+    assert (tok2[[1, 3]] == -7).all()
