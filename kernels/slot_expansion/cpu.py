@@ -184,16 +184,24 @@ def fill_children_rows(sup_tok, sup_q, s, m, K, y_rank, pi, child_token, child_q
                 k += 1
 
 
+@njit(cache=True, inline="always")
+def tail_draw_row(sup_q, m, nt, z, k0, c1, c2, c3, qt, buf):
+    """One row's draw: ``q~ = tail_law_rows`` of its ranked support ``sup_q`` (tail mass
+    ``z``; the same divisions, so the same bits) into ``qt [>= nt]``, then its Gumbel-max
+    draw with the stream of counter words ``(0, c1, c2, c3)``. Returns the tail index;
+    ``qt`` holds its law (``buf``: 4 uint64 of scratch)."""
+    for j in range(nt):
+        qt[j] = np.float64(sup_q[m + j]) / z if z > 0.0 else 1.0 / max(nt, 1)
+    return gumbel_max_stream(qt[:nt], NO_LAW, 1.0, k0, c1, c2, c3, buf, -1)
+
+
 @njit(cache=True)
 def _tail_draws_kernel(sup_q, m, nt, z, k0, counters, out_i, out_qt):
-    """Row ``r``: ``q~ = tail_law_rows`` of ``sup_q[r]`` (the same divisions, so the same
-    bits), then its Gumbel-max draw with the stream of counter row ``r``."""
+    """Row ``r``: ``tail_draw_row`` with the stream of counter row ``r``."""
     buf = np.empty(4, dtype=np.uint64)
     qt = np.empty(nt)
     for r in range(sup_q.shape[0]):
-        for j in range(nt):
-            qt[j] = np.float64(sup_q[r, m + j]) / z[r] if z[r] > 0.0 else 1.0 / max(nt, 1)
-        i = gumbel_max_stream(qt, NO_LAW, 1.0, k0, counters[r, 1], counters[r, 2], counters[r, 3], buf, -1)
+        i = tail_draw_row(sup_q[r], m, nt, z[r], k0, counters[r, 1], counters[r, 2], counters[r, 3], qt, buf)
         out_i[r] = i
         out_qt[r] = qt[i]
 

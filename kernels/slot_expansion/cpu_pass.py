@@ -23,8 +23,9 @@ from rheoplan.distributions import BROKEN_DRAFT, draft_probs, tail_law, tail_mas
 from rheoplan.ir import DraftTree, NodeKind
 from rheoplan.kernels.noise import counter_rows
 from rheoplan.kernels.plan.cpu import frontier_rows
-from rheoplan.kernels.slot_expansion.cpu import proxy_weight, rank_support_rows, tail_draws
+from rheoplan.kernels.slot_expansion.cpu import proxy_weight, rank_support_rows, tail_draw_row, tail_draws
 from rheoplan.pipeline import PassContext
+from rheoplan.rng import philox_counter
 from rheoplan.planner.assign import has_sampled_slots
 from rheoplan.planner.expand import check_can_expand, check_draft_logits, draft_columns
 
@@ -138,10 +139,11 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     return _expand(tree, ctx)[0]
 
 
-def _expand(tree: DraftTree, ctx: PassContext):
-    """``expand``'s tree, and what ``expand_assign`` draws from: its rows' trees and nodes
-    (b-major: the order ``_pending_rows`` lists them in), their ranked support
-    probabilities ``[R, S']`` and tail masses (float64, ``tail_mass``)."""
+def _expand_rows(tree: DraftTree, ctx: PassContext):
+    """What ``expand`` writes into the tree: its rows' trees and nodes ``rows_b, rows_v
+    [R]`` (b-major: the order ``_pending_rows`` lists them in), their ranked support
+    ``sup_tok, sup_q [R, S']`` (numpy; target ids, float32), ``S'`` and their tail masses
+    ``z64 [R]`` (float64 tensor, ``tail_mass``): the frontier, the draft call, the law."""
     cfg = ctx.tree_cfg
     check_can_expand(tree, ctx)
     K, m, B = tree.slots, tree.rheostat, tree.batch
@@ -167,16 +169,22 @@ def _expand(tree: DraftTree, ctx: PassContext):
         raise ValueError(BROKEN_DRAFT)
     if ids is not None:  # ranked columns of a SubsetLogits -> target ids
         sup_tok = ids.cpu().numpy()[sup_tok]
-    sup_q_t = torch.from_numpy(sup_q)
-    z64 = tail_mass(sup_q_t, m, s)
+    return rows_b[:R], rows_v[:R], sup_tok, sup_q, s, tail_mass(torch.from_numpy(sup_q), m, s)
+
+
+def _expand(tree: DraftTree, ctx: PassContext):
+    """``expand``'s tree, and what ``expand_assign`` draws from: its rows' trees and nodes,
+    their ranked support probabilities ``[R, S']`` and tail masses (``_expand_rows``)."""
+    rows_b, rows_v, sup_tok, sup_q, s, z64 = _expand_rows(tree, ctx)
+    K, m, R = tree.slots, tree.rheostat, len(rows_b)
     t, a = _clone(tree, _EXPAND_FIELDS, ctx.in_place)
     out_b = np.empty(R * K, dtype=np.int64)
     out_c = np.empty(R * K, dtype=np.int64)
     wbuf = np.empty(R * K, dtype=np.float32)
-    ns = _expand_write(rows_b[:R], rows_v[:R], sup_tok, sup_q, s, z64.numpy(), PROXY_CODES[cfg.proxy], m, K,
+    ns = _expand_write(rows_b, rows_v, sup_tok, sup_q, s, z64.numpy(), PROXY_CODES[ctx.tree_cfg.proxy], m, K,
                        tree.cur_depth, *a, out_b, out_c, wbuf)
     _score_children(t, out_b, out_c, wbuf, ns)
-    return t.replace(cur_depth=tree.cur_depth + 1, sup_width=s), rows_b[:R], rows_v[:R], sup_q_t, z64
+    return t.replace(cur_depth=tree.cur_depth + 1, sup_width=s), rows_b, rows_v, torch.from_numpy(sup_q), z64
 
 
 # -- assign -------------------------------------------------------------------------------
@@ -197,34 +205,44 @@ def _pending_rows(n_expanded, y_token, exp_node, sup_n, m, bi, ri, nodes, n_tail
     return R
 
 
+@njit(cache=True, inline="always")
+def _assign_row(b, row, y_tail, y_qt, m, K, proxy_true_q, sup_token, sup_q, y_node,
+                token, q, weight, y_token, y_qtilde, out_b, out_c, wbuf, ns):
+    """Fill the SAMPLED and PAD slots of expansion row ``row`` of tree ``b`` given its draw
+    (tail index ``y_tail``, ``q~`` of it ``y_qt``); children to score are listed from
+    ``out_b/out_c/wbuf[ns]`` on. Returns the new count."""
+    yr = m + y_tail
+    y_token[b, row] = sup_token[b, row, yr]
+    y_qtilde[b, row] = np.float32(y_qt)
+    c = y_node[b, row]
+    token[b, c] = sup_token[b, row, yr]
+    q[b, c] = sup_q[b, row, yr]
+    if proxy_true_q:
+        weight[b, c] = sup_q[b, row, yr]
+        out_b[ns], out_c[ns], wbuf[ns] = b, c, weight[b, c]
+        ns += 1
+    p = c + 1
+    rank = m
+    while p < c + K - m:  # PAD: tail ranks in order, skipping Y
+        if rank != yr:
+            token[b, p] = sup_token[b, row, rank]
+            q[b, p] = sup_q[b, row, rank]
+            weight[b, p] = sup_q[b, row, rank]
+            out_b[ns], out_c[ns], wbuf[ns] = b, p, weight[b, p]
+            ns += 1
+            p += 1
+        rank += 1
+    return ns
+
+
 @njit(cache=True)
 def _assign_write(bi, ri, y_tail, y_qt, m, K, proxy_true_q, sup_token, sup_q, y_node,
                   token, q, weight, y_token, y_qtilde, out_b, out_c, wbuf):
     """Fill the SAMPLED and PAD slots of each drawn row (``planner.assign`` body)."""
     ns = 0
     for r in range(bi.shape[0]):
-        b, row = bi[r], ri[r]
-        yr = m + y_tail[r]
-        y_token[b, row] = sup_token[b, row, yr]
-        y_qtilde[b, row] = np.float32(y_qt[r])
-        c = y_node[b, row]
-        token[b, c] = sup_token[b, row, yr]
-        q[b, c] = sup_q[b, row, yr]
-        if proxy_true_q:
-            weight[b, c] = sup_q[b, row, yr]
-            out_b[ns], out_c[ns], wbuf[ns] = b, c, weight[b, c]
-            ns += 1
-        p = c + 1
-        rank = m
-        while p < c + K - m:  # PAD: tail ranks in order, skipping Y
-            if rank != yr:
-                token[b, p] = sup_token[b, row, rank]
-                q[b, p] = sup_q[b, row, rank]
-                weight[b, p] = sup_q[b, row, rank]
-                out_b[ns], out_c[ns], wbuf[ns] = b, p, weight[b, p]
-                ns += 1
-                p += 1
-            rank += 1
+        ns = _assign_row(bi[r], ri[r], y_tail[r], y_qt[r], m, K, proxy_true_q, sup_token, sup_q, y_node,
+                         token, q, weight, y_token, y_qtilde, out_b, out_c, wbuf, ns)
     return ns
 
 
@@ -294,6 +312,54 @@ def _draw_fill(tree: DraftTree, ctx: PassContext, bi, ri, nodes, n_tail, sq: tor
     return t
 
 
+#: the numba Philox counter of one draw: ``rng.philox_counter`` itself, compiled (int64
+#: words, wrapped as ``kernels.noise.counter_rows`` wraps them)
+_philox_counter = njit(cache=True)(philox_counter)
+
+
+@njit(cache=True)
+def _expand_draw_write(rows_b, rows_v, sup_tok, sup_q, s, z64, proxy, m, K, level,
+                       n_nodes, n_expanded, expanded, exp_row, exp_node, t_sup_token, t_sup_q, t_sup_n, t_z,
+                       parent, depth, slot, kind, token, q, weight, score, y_node, y_token, y_qtilde,
+                       proxy_true_q, k0, steps, ids, purpose, out_b, out_c, wbuf):
+    """``_expand_write``, then each row's sampled slot drawn from its stream (counter
+    ``philox_counter(steps[r], ids[r], rows_v[r], purpose)``, ``cpu.tail_draw_row``: the
+    draw of ``tail_draws``) and written as ``_assign_write`` writes it, in one call.
+    Returns how many children the expand listed for scoring and how many the assign
+    listed after them."""
+    ns = _expand_write(rows_b, rows_v, sup_tok, sup_q, s, z64, proxy, m, K, level,
+                       n_nodes, n_expanded, expanded, exp_row, exp_node, t_sup_token, t_sup_q, t_sup_n, t_z,
+                       parent, depth, slot, kind, token, q, weight, score, y_node, out_b, out_c, wbuf)
+    nt = s - m
+    buf = np.empty(4, dtype=np.uint64)
+    qt = np.empty(max(nt, 1))
+    na = ns
+    for r in range(rows_b.shape[0]):
+        b, v = rows_b[r], rows_v[r]
+        ctr = _philox_counter(steps[r], ids[r], v, purpose)
+        i = tail_draw_row(sup_q[r], m, nt, z64[r], k0, np.uint64(ctr[1]), np.uint64(ctr[2]), np.uint64(ctr[3]),
+                          qt, buf)
+        na = _assign_row(b, exp_row[b, v], i, qt[i], m, K, proxy_true_q, t_sup_token, t_sup_q, y_node,
+                         token, q, weight, y_token, y_qtilde, out_b, out_c, wbuf, na)
+    return ns, na - ns
+
+
+_EXPAND_ASSIGN_FIELDS = _EXPAND_FIELDS + ("y_token", "y_qtilde")
+
+
+def _score_segments(t: DraftTree, out_b, out_c, wbuf, n1: int, n2: int) -> None:
+    """``_score_children`` of the listed children ``[0, n1)`` and ``[n1, n1 + n2)`` (the
+    expand's, then the assign's): each list's log one torch call, as the two passes take
+    them (the same positions in the same calls: the same bits), the adds in one kernel."""
+    n = n1 + n2
+    if n1:
+        torch.from_numpy(wbuf[:n1]).log_()
+    if n2:
+        torch.from_numpy(wbuf[n1:n]).log_()
+    if n:
+        _add_scores(t.score.numpy(), t.parent.numpy(), out_b[:n], out_c[:n], wbuf[:n])
+
+
 def expand_assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
     """``assign(expand(tree, ctx), ctx)``, the same tree, in one call (the fused cost
     pipeline, ``kernels.plan.cpu_pipeline``). ``assign`` draws the rows whose sampled
@@ -301,11 +367,30 @@ def expand_assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
     earlier row was drawn by the ``assign`` after its own ``expand``), in the same order;
     so this draws them from ``expand``'s own support table and tail masses (the same
     values, the same sums: ``tail_mass`` of the same numbers), without scanning the
-    tree for them, gathering their rows or summing their tails again."""
-    t, rows_b, rows_v, sup_q, z64 = _expand(tree, ctx)
-    R = len(rows_b)
-    if not has_sampled_slots(t, ctx) or R == 0:
-        return t
-    ri = t.exp_row.numpy()[rows_b, rows_v]
-    n_tail = np.array([t.sup_width - t.rheostat] * R, dtype=np.int64)
-    return _draw_fill(t, ctx, rows_b, ri, rows_v, n_tail, sup_q, z64)
+    tree for them, gathering their rows or summing their tails again. With the default
+    sampler (its ``stream_rows`` names each row's stream) the writes, draws and slot
+    fills are one kernel call (``_expand_draw_write``); another sampler is called row by
+    row as ``assign`` calls it."""
+    sampled = has_sampled_slots(tree, ctx)
+    stream_rows = getattr(ctx.sampler, "stream_rows", None)
+    if not sampled or stream_rows is None:
+        t, rows_b, rows_v, sup_q, z64 = _expand(tree, ctx)
+        R = len(rows_b)
+        if not sampled or R == 0:
+            return t
+        ri = t.exp_row.numpy()[rows_b, rows_v]
+        n_tail = np.array([t.sup_width - t.rheostat] * R, dtype=np.int64)
+        return _draw_fill(t, ctx, rows_b, ri, rows_v, n_tail, sup_q, z64)
+    rows_b, rows_v, sup_tok, sup_q, s, z64 = _expand_rows(tree, ctx)
+    K, m, R = tree.slots, tree.rheostat, len(rows_b)
+    seed, steps, ids, purpose = stream_rows(torch.from_numpy(rows_b), torch.from_numpy(rows_v))
+    steps = np.full(R, steps, dtype=np.int64) if isinstance(steps, int) else steps.numpy()
+    t, a = _clone(tree, _EXPAND_ASSIGN_FIELDS, ctx.in_place)
+    out_b = np.empty(2 * R * K, dtype=np.int64)
+    out_c = np.empty(2 * R * K, dtype=np.int64)
+    wbuf = np.empty(2 * R * K, dtype=np.float32)
+    n1, n2 = _expand_draw_write(rows_b, rows_v, sup_tok, sup_q, s, z64.numpy(), PROXY_CODES[ctx.tree_cfg.proxy], m,
+                                K, tree.cur_depth, *a, ctx.tree_cfg.proxy == "true_q", np.uint64(seed), steps,
+                                ids.numpy(), purpose, out_b, out_c, wbuf)
+    _score_segments(t, out_b, out_c, wbuf, n1, n2)
+    return t.replace(cur_depth=tree.cur_depth + 1, sup_width=s)
