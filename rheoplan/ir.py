@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
+import numpy as np
 import torch
 
 
@@ -235,6 +236,66 @@ def _root_template(B: int, M: int, E: int, S: int, rheostat: int, slots: int, de
         _TEMPLATES.pop(next(iter(_TEMPLATES)))
     _TEMPLATES[key] = t
     return t
+
+
+#: per CPU template: its tables packed by dtype, ``[(buffer, [(name, start, end, shape)])]``
+_PACKS: dict[tuple, list[tuple[np.ndarray, list[tuple[str, int, int, tuple[int, ...]]]]]] = {}
+
+
+def _host_pack(B: int, M: int, E: int, S: int, rheostat: int, slots: int):
+    """The CPU root-only template's tables as one flat numpy buffer per dtype."""
+    key = (B, M, E, S, rheostat, slots)
+    pack = _PACKS.get(key)
+    if pack is not None:
+        return pack
+    tpl = _root_template(B, M, E, S, rheostat, slots, torch.device("cpu"))
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, v in tpl.__dict__.items():
+        if isinstance(v, torch.Tensor):
+            by_dtype.setdefault(v.dtype, []).append(name)
+    pack = []
+    for names in by_dtype.values():
+        arrays = [getattr(tpl, n).numpy().reshape(-1) for n in names]
+        ends = np.cumsum([a.size for a in arrays]).tolist()
+        pack.append((np.concatenate(arrays), [(n, e - a.size, e, tuple(getattr(tpl, n).shape))
+                                              for n, a, e in zip(names, arrays, ends)]))
+    if len(_PACKS) >= 8:
+        _PACKS.pop(next(iter(_PACKS)))
+    _PACKS[key] = pack
+    return pack
+
+
+def empty_host_tree(batch: int, capacity: int, max_expanded: int, support: int, root_tokens: torch.Tensor,
+                    prefix_len: torch.Tensor, rheostat: int, slots: int) -> tuple["DraftTree", dict[str, np.ndarray]]:
+    """``empty_tree`` on the CPU (the same tables), and numpy views of its tables (field
+    name -> an array over that tensor's memory).
+
+    A run that owns its tree and writes it in place (``PassContext.in_place``: the fused
+    plan of ``rheoplan.kernels.plan.cpu_pipeline``) hands these views to its kernels
+    instead of calling ``.numpy()`` on some thirty tensors a depth: ~2 us each in a decode,
+    where the interpreter comes back to them cold after each forward. The views stay valid
+    while the tree's fields are these tensors (an in-place pass keeps them; a copying pass
+    or ``replace`` with a new table does not). The tables of one dtype share one buffer:
+    one copy of the template's per dtype instead of one clone per table."""
+    tpl = _root_template(batch, capacity, max_expanded, support, rheostat, slots, torch.device("cpu"))
+    out = dict(tpl.__dict__)
+    views: dict[str, np.ndarray] = {}
+    for buf, spans in _host_pack(batch, capacity, max_expanded, support, rheostat, slots):
+        fresh = buf.copy()
+        for name, start, end, shape in spans:
+            views[name] = a = fresh[start:end].reshape(shape)
+            out[name] = torch.from_numpy(a)
+    views["prefix_len"][:] = prefix_len.to(device="cpu", dtype=torch.int64).numpy()
+    views["token"][:, 0] = root_tokens.to(device="cpu", dtype=torch.int64).numpy()
+    t = object.__new__(DraftTree)  # as DraftTree.replace: the fields as built, no __init__
+    t.__dict__.update(out)
+    return t, views
+
+
+def host_table(tree: "DraftTree", name: str, views: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """The numpy view of CPU tree ``tree``'s table ``name``: from ``views``
+    (``empty_host_tree``) when the caller has them, else ``.numpy()``."""
+    return views[name] if views is not None else getattr(tree, name).numpy()
 
 
 def empty_tree(batch: int, capacity: int, max_expanded: int, support: int,

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from rheoplan.costmodel import CostPlan, Timings, draft_ms_of_depths
-from rheoplan.ir import DraftTree, LinearTree, NodeKind
+from rheoplan.ir import DraftTree, LinearTree, NodeKind, host_table
 from rheoplan.kernels.plan.cpu import (cost_decide_rows, draft_depth_widths, frontier_rows, linearize as linearize_kernel,
                                        prune_rows)
 from rheoplan.pipeline import PassContext
@@ -62,36 +62,42 @@ def _verify_table(tm: Timings, batch: int, ctx: int, upto: int) -> np.ndarray:
     return table
 
 
-def decide(plan: CostPlan, tree: DraftTree, budget: int) -> CostDecision:
+def decide(plan: CostPlan, tree: DraftTree, budget: int, views: dict[str, np.ndarray] | None = None) -> CostDecision:
     """``planner.cost_prune.decide`` with the numba kernel ``cost_decide_rows``: the same
     decision, bit for bit, for one tree or a batch. The decode loop's cost passes use it
-    with ``backend='numba'``."""
+    with ``backend='numba'``. ``views``: numpy views of ``tree``'s tables
+    (``ir.empty_host_tree``), when the caller has them."""
     tm = plan.timings
     B = tree.batch
-    ctx = max(tree.prefix_len.tolist())  # (a list: no torch reduction for a few rows)
+
+    def v(name: str) -> np.ndarray:
+        return host_table(tree, name, views)
+
+    ctx = max(v("prefix_len").tolist())  # (a list: no reduction for a few rows)
     budget = int(budget)
     widest = np.empty(tree.cur_depth + 1, dtype=np.int64)
-    draft_depth_widths(tree.n_expanded.numpy(), tree.exp_node.numpy(), tree.depth.numpy(), widest)
+    draft_depth_widths(v("n_expanded"), v("exp_node"), v("depth"), widest)
     draft = draft_ms_of_depths(tm, B, widest.tolist())  # as costmodel.draft_ms_batch
     acc = np.zeros((B, tree.capacity), dtype=np.float64)
     order = np.empty((B, max(budget, 1)), dtype=np.int64)
     count = np.empty(B, dtype=np.int64)
     chosen = np.empty(B, dtype=np.int64)
     e, cost = cost_decide_rows(
-        tree.kind.numpy(), tree.weight.numpy(), tree.parent.numpy(), tree.token.numpy(), tree.score.numpy(),
-        tree.n_nodes.numpy(), np.asarray(plan.acceptance, dtype=np.float64), int(NodeKind.SAMPLED),
+        v("kind"), v("weight"), v("parent"), v("token"), v("score"), v("n_nodes"),
+        np.asarray(plan.acceptance, dtype=np.float64), int(NodeKind.SAMPLED),
         float(plan.scale), budget, _verify_table(tm, B, ctx, budget + 1), draft, tm.tree_overhead(B, tree.cur_depth),
         acc, order, count, chosen)
     orders = [order[b, :c].tolist() for b, c in enumerate(count.tolist())]
     return CostDecision(acc.tolist(), orders, chosen.tolist(), e, cost, tm.ar_step_batch(B, ctx), draft)
 
 
-def frontiers(tree: DraftTree, k: int) -> list[list[int]]:
+def frontiers(tree: DraftTree, k: int, views: dict[str, np.ndarray] | None = None) -> list[list[int]]:
     """``planner.cost_depth.frontiers`` (the cost gates' frontier: the ``k`` best nodes of
     the deepest level of each tree) with the numba selection the ``expand`` pass uses: the
-    same lists, with one kernel call instead of a sort per tree."""
+    same lists, with one kernel call instead of a sort per tree. ``views``: as ``decide``'s."""
     B = tree.batch
     nodes = np.empty((B, max(int(k), 1)), dtype=np.int64)
     count = np.empty(B, dtype=np.int64)
-    frontier_rows(tree.score.numpy(), tree.depth.numpy(), tree.n_nodes.numpy(), tree.cur_depth, int(k), nodes, count)
+    frontier_rows(host_table(tree, "score", views), host_table(tree, "depth", views),
+                  host_table(tree, "n_nodes", views), tree.cur_depth, int(k), nodes, count)
     return [nodes[b, :c].tolist() for b, c in enumerate(count.tolist())]

@@ -10,7 +10,9 @@ goes through the pass objects, the ``Repeat`` block and the instrument hooks. Wh
 watches (no instrument, only these built-in passes: the decode loop's own plan), no tree
 but the last is ever read again, so ``plan_cost_tree`` runs the same passes in the same
 order with the run owning its trees (``PassContext.in_place``: the numba ``expand`` and
-``assign`` write the tree they are given) and without the pass machinery. The kernels,
+``assign`` write the tree they are given) and without the pass machinery. Its tree is built
+with numpy views of its tables (``ir.empty_host_tree``), which the kernels of every depth
+write and read through instead of calling ``.numpy()`` on each table for each call. The kernels,
 the formulas and their order are the passes' own, so the tree is the pipeline's, table
 for table, and so is the cost decision (``tests/kernels/plan/test_cpu_pipeline.py``).
 
@@ -23,13 +25,14 @@ and tail sums; docs/results.md, "Thirty-fourth round").
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import CostPlan
-from rheoplan.ir import DraftTree, empty_tree
+from rheoplan.ir import DraftTree, empty_host_tree
 from rheoplan.kernels.plan.cpu_pass import decide, frontiers, linearize
 from rheoplan.kernels.slot_expansion.cpu_pass import expand_assign
 from rheoplan.pipeline import DraftFn, PassContext
@@ -63,16 +66,18 @@ def plan_cost_tree(draft: DraftFn, root_tokens: Sequence[int], *, tree: TreeConf
         if len(stream_keys) != B:
             raise ValueError(f"stream_keys has {len(stream_keys)} ids for {B} trees: allowed one id per tree")
     prefix = torch.as_tensor(prefix_len, dtype=torch.int64).reshape(-1).expand(B)
-    t = empty_tree(B, tree.capacity, tree.max_expanded, tree.support, roots, prefix,
-                   tree.effective_rheostat(sampling), tree.slots)
+    # the run owns its tree: the kernels write its tables through views made with it
+    t, views = empty_host_tree(B, tree.capacity, tree.max_expanded, tree.support, roots, prefix,
+                               tree.effective_rheostat(sampling), tree.slots)
     ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=draft,
                       sampler=gumbel_sampler(Streams(seed), step, stream_keys),
                       step=step if isinstance(step, int) else max(step), in_place=True)
-    decisions = LastDecision(decide)  # the prune reuses the decision behind a declined depth
+    decisions = LastDecision(partial(decide, views=views))  # the prune reuses the decision behind a declined depth
+    frontiers_fn = partial(frontiers, views=views)
     for _ in range(tree.depth):
         # cost_expand: a declined depth ends the growth (the pipeline's later passes would
         # get that very tree back and decide the same: run_pipeline's fixpoint)
-        if not another_depth_pays(plan, t, tree.frontier, tree.budget, decisions, frontiers):
+        if not another_depth_pays(plan, t, tree.frontier, tree.budget, decisions, frontiers_fn):
             break
-        t = expand_assign(t, ctx)  # assign(expand(t, ctx), ctx) in one call
+        t = expand_assign(t, ctx, views)  # assign(expand(t, ctx), ctx) in one call
     return linearize(cost_prune_tree(t, ctx, plan, on_decision, decisions), ctx)

@@ -20,7 +20,7 @@ from numba import njit
 
 from rheoplan.config import PROXY_CODES
 from rheoplan.distributions import BROKEN_DRAFT, draft_probs, tail_law, tail_mass
-from rheoplan.ir import DraftTree, NodeKind
+from rheoplan.ir import DraftTree, NodeKind, host_table
 from rheoplan.kernels.noise import counter_rows
 from rheoplan.kernels.plan.cpu import frontier_rows
 from rheoplan.kernels.slot_expansion.cpu import proxy_weight, rank_support_rows, tail_draw_row, tail_draws
@@ -32,14 +32,18 @@ from rheoplan.planner.expand import check_can_expand, check_draft_logits, draft_
 _DET, _SAMPLED, _PAD = int(NodeKind.DET), int(NodeKind.SAMPLED), int(NodeKind.PAD)
 
 
-def _clone(tree: DraftTree, names: tuple[str, ...], in_place: bool = False) -> tuple[DraftTree, list[np.ndarray]]:
+def _clone(tree: DraftTree, names: tuple[str, ...], in_place: bool = False,
+           views: dict[str, np.ndarray] | None = None) -> tuple[DraftTree, list[np.ndarray]]:
     """A new tree whose ``names`` tensors are fresh copies (the others are shared and
     not written: passes stay pure without copying all ~25 tensors), and the copies as
     numpy arrays, in ``names`` order, for the kernels to write (one numpy copy per field
     instead of a torch clone and a ``.numpy()`` view of it). ``in_place``
     (``PassContext.in_place``: the run owns its trees): no copies, a new tree object over
-    the same tensors and views of them, so the kernels write the given tree's tables."""
+    the same tensors and views of them, so the kernels write the given tree's tables;
+    ``views``: those views already made (``ir.empty_host_tree``)."""
     if in_place:
+        if views is not None:
+            return tree.replace(), [views[n] for n in names]
         return tree.replace(), [getattr(tree, n).numpy() for n in names]
     arrays = [getattr(tree, n).numpy().copy() for n in names]
     return tree.replace(**{n: torch.from_numpy(a) for n, a in zip(names, arrays)}), arrays
@@ -139,19 +143,20 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     return _expand(tree, ctx)[0]
 
 
-def _expand_rows(tree: DraftTree, ctx: PassContext):
+def _expand_rows(tree: DraftTree, ctx: PassContext, views: dict[str, np.ndarray] | None = None):
     """What ``expand`` writes into the tree: its rows' trees and nodes ``rows_b, rows_v
     [R]`` (b-major: the order ``_pending_rows`` lists them in), their ranked support
     ``sup_tok, sup_q [R, S']`` (numpy; target ids, float32), ``S'`` and their tail masses
-    ``z64 [R]`` (float64 tensor, ``tail_mass``): the frontier, the draft call, the law."""
+    ``z64 [R]`` (float64 tensor, ``tail_mass``): the frontier, the draft call, the law.
+    ``views``: the tree's numpy views (``ir.empty_host_tree``), when the run has them."""
     cfg = ctx.tree_cfg
     check_can_expand(tree, ctx)
     K, m, B = tree.slots, tree.rheostat, tree.batch
     k = 1 if tree.cur_depth == 0 else cfg.frontier
     nodes_np = np.empty((B, k), dtype=np.int64)
     count = np.empty(B, dtype=np.int64)
-    frontier_rows(tree.score.numpy(), tree.depth.numpy(), tree.n_nodes.numpy(), tree.cur_depth, k,
-                  nodes_np, count)
+    frontier_rows(host_table(tree, "score", views), host_table(tree, "depth", views), host_table(tree, "n_nodes", views), tree.cur_depth,
+                  k, nodes_np, count)
     width = max(count.tolist())  # (a list: no numpy reduction for a few rows)
     nodes = torch.from_numpy(nodes_np[:, :width].copy())
     logits, ids = draft_columns(ctx.draft(tree, nodes))
@@ -347,7 +352,7 @@ def _expand_draw_write(rows_b, rows_v, sup_tok, sup_q, s, z64, proxy, m, K, leve
 _EXPAND_ASSIGN_FIELDS = _EXPAND_FIELDS + ("y_token", "y_qtilde")
 
 
-def _score_segments(t: DraftTree, out_b, out_c, wbuf, n1: int, n2: int) -> None:
+def _score_segments(t: DraftTree, out_b, out_c, wbuf, n1: int, n2: int, views=None) -> None:
     """``_score_children`` of the listed children ``[0, n1)`` and ``[n1, n1 + n2)`` (the
     expand's, then the assign's): each list's log one torch call, as the two passes take
     them (the same positions in the same calls: the same bits), the adds in one kernel."""
@@ -357,10 +362,10 @@ def _score_segments(t: DraftTree, out_b, out_c, wbuf, n1: int, n2: int) -> None:
     if n2:
         torch.from_numpy(wbuf[n1:n]).log_()
     if n:
-        _add_scores(t.score.numpy(), t.parent.numpy(), out_b[:n], out_c[:n], wbuf[:n])
+        _add_scores(host_table(t, "score", views), host_table(t, "parent", views), out_b[:n], out_c[:n], wbuf[:n])
 
 
-def expand_assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
+def expand_assign(tree: DraftTree, ctx: PassContext, views: dict[str, np.ndarray] | None = None) -> DraftTree:
     """``assign(expand(tree, ctx), ctx)``, the same tree, in one call (the fused cost
     pipeline, ``kernels.plan.cpu_pipeline``). ``assign`` draws the rows whose sampled
     slot is pending, and after ``expand`` those are exactly the rows it just made (every
@@ -370,7 +375,10 @@ def expand_assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
     tree for them, gathering their rows or summing their tails again. With the default
     sampler (its ``stream_rows`` names each row's stream) the writes, draws and slot
     fills are one kernel call (``_expand_draw_write``); another sampler is called row by
-    row as ``assign`` calls it."""
+    row as ``assign`` calls it. ``views``: numpy views of ``tree``'s tables
+    (``ir.empty_host_tree``) for a run that writes its tree in place (``ctx.in_place``)."""
+    if views is not None and not ctx.in_place:
+        raise ValueError("views are for a run that writes its tree in place: need ctx.in_place")
     sampled = has_sampled_slots(tree, ctx)
     stream_rows = getattr(ctx.sampler, "stream_rows", None)
     if not sampled or stream_rows is None:
@@ -381,16 +389,16 @@ def expand_assign(tree: DraftTree, ctx: PassContext) -> DraftTree:
         ri = t.exp_row.numpy()[rows_b, rows_v]
         n_tail = np.array([t.sup_width - t.rheostat] * R, dtype=np.int64)
         return _draw_fill(t, ctx, rows_b, ri, rows_v, n_tail, sup_q, z64)
-    rows_b, rows_v, sup_tok, sup_q, s, z64 = _expand_rows(tree, ctx)
+    rows_b, rows_v, sup_tok, sup_q, s, z64 = _expand_rows(tree, ctx, views)
     K, m, R = tree.slots, tree.rheostat, len(rows_b)
     seed, steps, ids, purpose = stream_rows(torch.from_numpy(rows_b), torch.from_numpy(rows_v))
     steps = np.full(R, steps, dtype=np.int64) if isinstance(steps, int) else steps.numpy()
-    t, a = _clone(tree, _EXPAND_ASSIGN_FIELDS, ctx.in_place)
+    t, a = _clone(tree, _EXPAND_ASSIGN_FIELDS, ctx.in_place, views)
     out_b = np.empty(2 * R * K, dtype=np.int64)
     out_c = np.empty(2 * R * K, dtype=np.int64)
     wbuf = np.empty(2 * R * K, dtype=np.float32)
     n1, n2 = _expand_draw_write(rows_b, rows_v, sup_tok, sup_q, s, z64.numpy(), PROXY_CODES[ctx.tree_cfg.proxy], m,
                                 K, tree.cur_depth, *a, ctx.tree_cfg.proxy == "true_q", np.uint64(seed), steps,
                                 ids.numpy(), purpose, out_b, out_c, wbuf)
-    _score_segments(t, out_b, out_c, wbuf, n1, n2)
+    _score_segments(t, out_b, out_c, wbuf, n1, n2, views)
     return t.replace(cur_depth=tree.cur_depth + 1, sup_width=s)

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _planner_helpers import PathDraft
+from _planner_helpers import PathDraft, assert_trees_equal
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
-from rheoplan.ir import NodeKind, empty_tree, rank_key_order
+from rheoplan.ir import NodeKind, empty_host_tree, empty_tree, host_table, rank_key_order
 
 
 def test_empty_tree_holds_only_a_kept_root():
@@ -18,6 +18,26 @@ def test_empty_tree_holds_only_a_kept_root():
     assert t.token[:, 0].tolist() == [5, 6] and t.prefix_len.tolist() == [10, 20]
     assert t.kind[:, 0].tolist() == [int(NodeKind.ROOT)] * 2 and t.kept[:, 0].all()
     assert (t.kind[:, 1:] == -1).all() and (t.parent == -1).all() and t.linear is None
+
+
+@pytest.mark.parametrize("B,M,E,S,m,K", [(1, 49, 16, 128, 1, 3), (3, 10, 4, 8, 2, 2), (2, 1, 1, 1, 1, 1)])
+def test_empty_host_tree_is_empty_tree_with_views_of_its_tables(B, M, E, S, m, K):
+    """The same tables as ``empty_tree``; each view is its tensor's memory (a write through
+    it shows in the tree); two trees share nothing."""
+    roots, prefix = torch.arange(5, 5 + B), torch.tensor([7]).expand(B)
+    t, views = empty_host_tree(B, M, E, S, roots, prefix, m, K)
+    assert_trees_equal(empty_tree(B, M, E, S, roots, prefix, m, K), t)
+    tensors = {k: v for k, v in t.__dict__.items() if isinstance(v, torch.Tensor)}
+    assert set(views) == set(tensors)
+    for name, a in views.items():
+        assert a.shape == tuple(tensors[name].shape) and host_table(t, name, views) is a
+        assert a.__array_interface__["data"][0] == tensors[name].data_ptr(), name
+    views["score"][0, 0] = 3.5
+    views["n_nodes"][-1] = 9
+    assert t.score[0, 0] == 3.5 and t.n_nodes[-1] == 9
+    t2, views2 = empty_host_tree(B, M, E, S, roots, prefix, m, K)
+    assert t2.score[0, 0] == 0 and t2.n_nodes[-1] == 1 and views2["score"] is not views["score"]
+    assert_trees_equal(empty_tree(B, M, E, S, roots, prefix, m, K), t2)
 
 
 def test_rank_key_order_docstring_example():

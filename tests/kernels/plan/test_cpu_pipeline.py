@@ -18,7 +18,7 @@ import torch
 from _planner_helpers import LOWERING_CASES, assert_trees_equal, path_hash_draft as _draft
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
 from rheoplan.costmodel import Calibration, CostPlan, Timings
-from rheoplan.ir import empty_tree
+from rheoplan.ir import empty_host_tree, empty_tree
 from rheoplan.kernels.plan.cpu_pass import decide as numba_decide, frontiers as numba_frontiers
 from rheoplan.kernels.plan.cpu_pipeline import plan_cost_tree
 from rheoplan.kernels.slot_expansion.cpu_pass import assign, expand, expand_assign
@@ -181,3 +181,34 @@ def test_a_broken_draft_row_raises_as_the_pass_lists_do(value, at_depth):
                                frontiers=numba_frontiers if numba else None)
         with pytest.raises(PassError, match=r"expand.*draft logits contain NaN or \+inf"):  # names the pass
             plan_tree(broken, [5], passes=passes, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("cfg,T,V", CONFIGS)
+def test_expand_assign_and_decide_through_views_equal_them_without(cfg, T, V):
+    """A run that has its tree's numpy views (``empty_host_tree``) gets the same trees from
+    ``expand_assign`` and the same decisions and frontiers as one reading the tensors."""
+    tree, sampling = TreeConfig(**cfg), SamplingConfig(temperature=T)
+    plan = _plan("mixed", 3)
+    got = {}
+    for with_views in (False, True):
+        t, views = empty_host_tree(2, tree.capacity, tree.max_expanded, tree.support, torch.tensor([1, 2]),
+                                   torch.tensor([4, 4]), tree.effective_rheostat(sampling), tree.slots)
+        views = views if with_views else None
+        ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=_draft(V, 1, []),
+                          sampler=gumbel_sampler(Streams(5), 2, (3, 8)), in_place=True)
+        seen = []
+        for _ in range(tree.depth):
+            t = expand_assign(t, ctx, views)
+            seen.append((numba_decide(plan, t, tree.budget, views), numba_frontiers(t, tree.frontier, views)))
+        got[with_views] = (t, seen)
+    assert_trees_equal(got[False][0], got[True][0])
+    assert got[False][1] == got[True][1]
+
+
+def test_views_need_a_run_that_writes_in_place():
+    tree, sampling = TreeConfig(**CONFIGS[-1][0]), SamplingConfig(temperature=1.0)
+    t, views = empty_host_tree(1, tree.capacity, tree.max_expanded, tree.support, torch.tensor([1]),
+                               torch.tensor([4]), tree.effective_rheostat(sampling), tree.slots)
+    ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=_draft(300, 1, []), sampler=gumbel_sampler(Streams(5), 2))
+    with pytest.raises(ValueError, match="in place"):
+        expand_assign(t, ctx, views)
