@@ -37,7 +37,7 @@ TARGETS = [
     ("rheoplan.kernels.plan.cpu_pipeline", "another_depth_pays"),
     ("rheoplan.kernels.plan.cpu_pipeline", "decide"),
     ("rheoplan.kernels.plan.cpu_pipeline", "expand_assign"),
-    ("rheoplan.kernels.plan.cpu_pipeline", "empty_tree"),
+    ("rheoplan.kernels.plan.cpu_pipeline", "empty_host_tree"),
     ("rheoplan.kernels.plan.cpu_pipeline", "linearize"),
     ("rheoplan.kernels.slot_expansion.cpu_pass", "draft_probs"),
     ("rheoplan.kernels.slot_expansion.cpu_pass", "rank_support_rows"),

@@ -41,7 +41,7 @@ from rheoplan.backends import check_backend, resolve_backend
 from rheoplan.config import ConfigError, SamplingConfig, TreeConfig
 from rheoplan.costmodel import BatchPlan, Calibration, CostModel, CostPlan, Timings, prefill_groups
 from rheoplan.distributions import SubsetLogits, greedy_tokens
-from rheoplan.ir import DraftTree, empty_tree
+from rheoplan.ir import DraftTree, HostTreeArena, empty_tree
 from rheoplan.kernels.argmax import first_max
 from rheoplan.kernels.plan.cpu_pass import decide as numba_decide, frontiers as numba_frontiers
 from rheoplan.kernels.plan.cpu_pipeline import plan_cost_tree
@@ -322,6 +322,9 @@ class DecodeState:
     #: passes, and ``RHEOPLAN_DEBUG`` 0 (no instrument; read once a decode); a step that
     #: dumps its IR runs the pass list
     fused_plan: bool = field(init=False)
+    #: the fused plan's tree tables, reset each step (a step is done with its tree before
+    #: the next plans)
+    host_trees: HostTreeArena = field(init=False, default_factory=HostTreeArena)
 
     def __post_init__(self) -> None:
         self.streams = Streams(self.seed)
@@ -596,7 +599,8 @@ def _plan(s: DecodeState, st: StepStats) -> DraftTree:
         plan, seen = _cost_plan(s, st)
         if s.fused_plan and not instruments:  # nothing watches the passes: run them fused
             return plan_cost_tree(draft_fn, [s.root], tree=s.tree, sampling=s.sampling, plan=plan,
-                                  prefix_len=[s.prefix_len], seed=s.seed, step=s.step, on_decision=seen)
+                                  prefix_len=[s.prefix_len], seed=s.seed, step=s.step, on_decision=seen,
+                                  arena=s.host_trees)
         passes = _cost_passes(s, plan, seen)
     return plan_tree(draft_fn, [s.root], tree=s.tree, sampling=s.sampling, prefix_len=[s.prefix_len],
                      seed=s.seed, step=s.step, passes=passes, instruments=instruments, backend=s.backend,
@@ -925,6 +929,7 @@ class BatchState:
     rows_waiting: bool = False
     lowered: list = field(init=False)  #: as ``DecodeState.lowered``
     fused_plan: bool = field(init=False)  #: as ``DecodeState.fused_plan``
+    host_trees: HostTreeArena = field(init=False, default_factory=HostTreeArena)  #: as ``DecodeState.host_trees``
 
     def __post_init__(self) -> None:
         self.streams = Streams(self.seed)
@@ -1018,7 +1023,8 @@ def _plan_rows(s: BatchState, live: list[_Row], st: StepStats) -> DraftTree:
     if cost_plan is not None:  # one live row: the cost passes, fused where nothing watches them
         if s.fused_plan and not instruments:
             return plan_cost_tree(draft_fn, roots, tree=tree, sampling=s.sampling, plan=cost_plan[0], prefix_len=prefix,
-                                  seed=s.seed, step=steps, stream_keys=keys, on_decision=cost_plan[1])
+                                  seed=s.seed, step=steps, stream_keys=keys, on_decision=cost_plan[1],
+                                  arena=s.host_trees)
         passes = _cost_passes(s, *cost_plan)
     return plan_tree(draft_fn, roots, tree=tree, sampling=s.sampling, prefix_len=prefix, seed=s.seed,
                      step=steps, passes=passes, instruments=instruments, backend=s.backend, stream_keys=keys)

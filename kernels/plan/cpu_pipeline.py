@@ -32,7 +32,7 @@ import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import CostPlan
-from rheoplan.ir import DraftTree, empty_host_tree
+from rheoplan.ir import DraftTree, HostTreeArena, empty_host_tree
 from rheoplan.kernels.plan.cpu_pass import decide, frontiers, linearize
 from rheoplan.kernels.slot_expansion.cpu_pass import expand_assign
 from rheoplan.pipeline import DraftFn, PassContext
@@ -45,14 +45,16 @@ from rheoplan.rng import Streams
 def plan_cost_tree(draft: DraftFn, root_tokens: Sequence[int], *, tree: TreeConfig, sampling: SamplingConfig,
                    plan: CostPlan, prefix_len: Sequence[int], seed: int, step: int | Sequence[int],
                    stream_keys: Sequence[int] | None = None,
-                   on_decision: Callable[[CostDecision], None] | None = None) -> DraftTree:
+                   on_decision: Callable[[CostDecision], None] | None = None,
+                   arena: HostTreeArena | None = None) -> DraftTree:
     """The linearised tree ``plan_tree(draft, root_tokens, passes=cost_pipeline(plan,
     lower(DEFAULT_PIPELINE, 'numba'), on_decision, decide, frontiers), backend='numba',
     ...)`` gives (the numba ``decide`` and ``frontiers`` of ``kernels/plan/cpu_pass``),
     with no instrument: the same passes in the same order, each writing the tree it is
     given. ``draft``, ``tree``, ``sampling``, ``prefix_len``, ``seed``, ``step`` and
     ``stream_keys`` are ``plan_tree``'s; ``on_decision`` observes the prune's decision as
-    ``cost_prune``'s does."""
+    ``cost_prune``'s does. ``arena``: build the tree over these tables (``ir.HostTreeArena``:
+    the tree of the previous call with this arena is overwritten), else fresh ones."""
     roots = torch.as_tensor(root_tokens, dtype=torch.int64).reshape(-1)
     B = roots.numel()
     if B == 0:
@@ -67,8 +69,8 @@ def plan_cost_tree(draft: DraftFn, root_tokens: Sequence[int], *, tree: TreeConf
             raise ValueError(f"stream_keys has {len(stream_keys)} ids for {B} trees: allowed one id per tree")
     prefix = torch.as_tensor(prefix_len, dtype=torch.int64).reshape(-1).expand(B)
     # the run owns its tree: the kernels write its tables through views made with it
-    t, views = empty_host_tree(B, tree.capacity, tree.max_expanded, tree.support, roots, prefix,
-                               tree.effective_rheostat(sampling), tree.slots)
+    t, views = (empty_host_tree if arena is None else arena.tree)(
+        B, tree.capacity, tree.max_expanded, tree.support, roots, prefix, tree.effective_rheostat(sampling), tree.slots)
     ctx = PassContext(tree_cfg=tree, sampling=sampling, draft=draft,
                       sampler=gumbel_sampler(Streams(seed), step, stream_keys),
                       step=step if isinstance(step, int) else max(step), in_place=True)

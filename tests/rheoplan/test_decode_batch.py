@@ -408,7 +408,13 @@ def test_a_lone_rows_fused_plan_decodes_as_the_pass_list(monkeypatch):
     fused, trees = [], []
     real, real_rows = cpu_pipeline.plan_cost_tree, decode._plan_rows
     monkeypatch.setattr(decode, "plan_cost_tree", lambda *a, **k: fused.append(1) or real(*a, **k))
-    monkeypatch.setattr(decode, "_plan_rows", lambda *a: trees.append(real_rows(*a)) or trees[-1])
+
+    def recording(*a):  # read each tree in its step: a fused plan's tables are the next step's
+        t = real_rows(*a)
+        trees.append((t.token.tolist(), t.linear.token.tolist()))
+        return t
+
+    monkeypatch.setattr(decode, "_plan_rows", recording)
     tm = Timings((1, 64), (1.0, 64.0), (1.0, 64.0), 0, 1000, (1, 64), (0.5, 0.5), 0.05, 0.05,
                  batch_sizes=(1, 4), batch_row_sizes=(1, 8), batch_verify=((1.0, 8.0), (4.0, 32.0)),
                  batch_draft_ms=(0.5, 2.0), batch_draft_width=1.0, batch_overhead_ms=(0.05, 20.0),
@@ -418,7 +424,7 @@ def test_a_lone_rows_fused_plan_decodes_as_the_pass_list(monkeypatch):
     for p in (None, DEFAULT_PIPELINE):
         runs.append(plan_and_decode(tgt, drf, [[0, 1], [2], [3]], max_new_tokens=[3, 3, 16], seed=3, tree=TREE,
                                     cost_model=CostModel(tm), passes=p, stream_ids=[4, 9, 7]))
-        planned.append([(t.token.tolist(), t.linear.token.tolist()) for t in trees])
+        planned.append(list(trees))
         trees.clear()
     assert 0 < len(fused) < len(runs[0][2].steps)  # the lone row's steps, not the batch's
     assert planned[0] == planned[1]  # the same trees, drawn from the row's own streams

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from _planner_helpers import PathDraft, assert_trees_equal
 from rheoplan import SamplingConfig, TreeConfig, plan_tree
-from rheoplan.ir import NodeKind, empty_host_tree, empty_tree, host_table, rank_key_order
+from rheoplan.ir import HostTreeArena, NodeKind, empty_host_tree, empty_tree, host_table, rank_key_order
 
 
 def test_empty_tree_holds_only_a_kept_root():
@@ -38,6 +38,30 @@ def test_empty_host_tree_is_empty_tree_with_views_of_its_tables(B, M, E, S, m, K
     t2, views2 = empty_host_tree(B, M, E, S, roots, prefix, m, K)
     assert t2.score[0, 0] == 0 and t2.n_nodes[-1] == 1 and views2["score"] is not views["score"]
     assert_trees_equal(empty_tree(B, M, E, S, roots, prefix, m, K), t2)
+
+
+def test_an_arena_hands_out_empty_trees_over_the_same_tables():
+    """Each call: a new tree object equal to ``empty_tree`` whatever was written into the
+    last one, over the same tables (the last tree is overwritten); another shape gets
+    its own tables."""
+    arena = HostTreeArena()
+    shape = (1, 49, 16, 128, 1, 3)
+    seen = []
+    for call in range(3):
+        roots, prefix = torch.tensor([call + 5]), torch.tensor([call + 10])
+        t, views = arena.tree(*shape[:4], roots, prefix, *shape[4:])
+        assert_trees_equal(empty_tree(*shape[:4], roots, prefix, *shape[4:]), t)
+        assert all(host_table(t, n, views).__array_interface__["data"][0] == getattr(t, n).data_ptr()
+                   for n in views)
+        seen.append((t, t.score.data_ptr()))
+        for a in views.values():  # a plan writes its tables
+            a[...] = 1
+    assert len({id(t) for t, _ in seen}) == 3 and len({p for _, p in seen}) == 1
+    assert int(seen[0][0].prefix_len[0]) == 1  # the first tree's tables were overwritten
+    small, _ = arena.tree(2, 5, 2, 4, torch.tensor([1, 2]), torch.tensor([3, 4]), 1, 2)
+    assert_trees_equal(empty_tree(2, 5, 2, 4, torch.tensor([1, 2]), torch.tensor([3, 4]), 1, 2), small)
+    again, _ = arena.tree(*shape[:4], torch.tensor([1]), torch.tensor([2]), *shape[4:])
+    assert_trees_equal(empty_tree(*shape[:4], torch.tensor([1]), torch.tensor([2]), *shape[4:]), again)
 
 
 def test_rank_key_order_docstring_example():
