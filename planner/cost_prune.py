@@ -131,14 +131,21 @@ class LastDecision:
 
 
 def cost_prune_tree(tree: DraftTree, ctx: PassContext, plan: CostPlan, on_decision=None,
-                    decisions=None) -> DraftTree:
+                    decisions=None, views=None) -> DraftTree:
     """Keep the nodes the cost model chooses (``decide``; ``decisions``, a ``LastDecision``
-    shared with the step's depth gates, reuses a decision they made for this tree)."""
+    shared with the step's depth gates, reuses a decision they made for this tree).
+    ``views``: numpy views of the tree's tables (``ir.empty_host_tree``) in a run that owns
+    its tree (``ctx.in_place``): its ``kept`` table is written in place."""
     d = (decisions or decide)(plan, tree, ctx.tree_cfg.budget)
     if on_decision is not None:  # an observer (the decode loop's statistics); it changes nothing
         on_decision(d)
-    kept = torch.zeros_like(tree.kept)  # the only table this pass writes: the rest is shared
-    k = kept.numpy() if kept.device.type == "cpu" else kept  # (host trees: numpy's scatter, no torch op)
+    if views is not None and ctx.in_place:
+        kept = tree.kept
+        k = views["kept"]
+        k.fill(False)
+    else:
+        kept = torch.zeros_like(tree.kept)  # the only table this pass writes: the rest is shared
+        k = kept.numpy() if kept.device.type == "cpu" else kept  # (host trees: numpy's scatter, no torch op)
     for b in range(tree.batch):
         k[b, d.order[b][: d.chosen[b]]] = True
         k[b, 0] = True

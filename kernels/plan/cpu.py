@@ -221,22 +221,26 @@ def prune_topn(score, n_nodes, budget):
 
 def linearize(kept, n_nodes, parent, token, depth, exp_row, prefix_len, budget, max_depth) -> Linear:
     """Same contract as ``reference.linearize``."""
+    return linearize_arrays(kept.numpy(), n_nodes.numpy(), parent.numpy(), token.numpy(), depth.numpy(),
+                            exp_row.numpy(), prefix_len.numpy(), budget, max_depth)
+
+
+def linearize_arrays(kept, n_nodes, parent, token, depth, exp_row, prefix_len, budget, max_depth) -> Linear:
+    """``linearize`` of the tree's tables as numpy arrays (a run that has their views,
+    ``ir.empty_host_tree``). The int64 tables filled with -1 are one allocation."""
     B = kept.shape[0]
     L, D = 1 + budget, max_depth
     W = (L + 63) // 64
-    out = {name: np.full((B, L), -1, dtype=np.int64) for name in
-           ("node", "tok", "pos", "par", "dep", "erow", "first")}
+    node, tok, pos, par, dep, erow, first = np.full((7, B, L), -1, dtype=np.int64)
     n = np.zeros(B, dtype=np.int64)
     n_children = np.zeros((B, L), dtype=np.int64)
     mask = np.zeros((B, L, L), dtype=np.bool_)
     bits = np.zeros((B, L, W), dtype=np.int64)
     paths = np.full((B, L, D + 1), -1, dtype=np.int64)
     n_paths = np.zeros(B, dtype=np.int64)
-    linearize_rows(kept.numpy(), n_nodes.numpy(), parent.numpy(), token.numpy(), depth.numpy(),
-                   exp_row.numpy(), prefix_len.numpy(), n, out["node"], out["tok"], out["pos"],
-                   out["par"], out["dep"], out["erow"], out["first"], n_children, mask, bits, paths, n_paths)
+    linearize_rows(kept, n_nodes, parent, token, depth, exp_row, prefix_len, n, node, tok, pos, par, dep, erow,
+                   first, n_children, mask, bits, paths, n_paths)
     P = max(n_paths.tolist())  # (a list: no numpy reduction for a few rows)
     t = torch.from_numpy
-    return Linear(t(n), t(out["node"]), t(out["tok"]), t(out["pos"]), t(out["par"]), t(out["dep"]),
-                  t(mask), t(bits), t(paths[:, :P].copy()), t(n_paths), t(out["first"]), t(n_children),
-                  t(out["erow"]))
+    return Linear(t(n), t(node), t(tok), t(pos), t(par), t(dep), t(mask), t(bits), t(paths[:, :P].copy()),
+                  t(n_paths), t(first), t(n_children), t(erow))

@@ -11,7 +11,7 @@ import torch
 
 from rheoplan.costmodel import CostPlan, Timings, draft_ms_of_depths
 from rheoplan.ir import DraftTree, LinearTree, NodeKind, host_table
-from rheoplan.kernels.plan.cpu import (cost_decide_rows, draft_depth_widths, frontier_rows, linearize as linearize_kernel,
+from rheoplan.kernels.plan.cpu import (cost_decide_rows, draft_depth_widths, frontier_rows, linearize_arrays,
                                        prune_rows)
 from rheoplan.pipeline import PassContext
 from rheoplan.planner.cost_prune import CostDecision
@@ -24,11 +24,15 @@ def prune(tree: DraftTree, ctx: PassContext) -> DraftTree:
     return tree.replace(kept=torch.from_numpy(kept))
 
 
-def linearize(tree: DraftTree, ctx: PassContext) -> DraftTree:
-    """``planner.linearize.linearize`` with the numba linearisation kernel."""
-    lin = linearize_kernel(tree.kept, tree.n_nodes, tree.parent, tree.token, tree.depth, tree.exp_row,
-                           tree.prefix_len, ctx.tree_cfg.budget, ctx.tree_cfg.depth)
+def linearize(tree: DraftTree, ctx: PassContext, views: dict[str, np.ndarray] | None = None) -> DraftTree:
+    """``planner.linearize.linearize`` with the numba linearisation kernel. ``views``:
+    numpy views of the tree's tables (``ir.empty_host_tree``), when the caller has them."""
+    lin = linearize_arrays(*(host_table(tree, n, views) for n in _LINEARIZE_READS), ctx.tree_cfg.budget,
+                           ctx.tree_cfg.depth)
     return tree.replace(linear=LinearTree(*lin))
+
+
+_LINEARIZE_READS = ("kept", "n_nodes", "parent", "token", "depth", "exp_row", "prefix_len")
 
 
 #: the verify latencies of the last (timings, rows, context) ``decide`` priced: one step's

@@ -82,4 +82,4 @@ def plan_cost_tree(draft: DraftFn, root_tokens: Sequence[int], *, tree: TreeConf
         if not another_depth_pays(plan, t, tree.frontier, tree.budget, decisions, frontiers_fn):
             break
         t = expand_assign(t, ctx, views)  # assign(expand(t, ctx), ctx) in one call
-    return linearize(cost_prune_tree(t, ctx, plan, on_decision, decisions), ctx)
+    return linearize(cost_prune_tree(t, ctx, plan, on_decision, decisions, views), ctx, views)

@@ -54,6 +54,21 @@ def kept_with(slope: float, cal: Calibration = None) -> list[int]:
     return [v for v in range(5) if t.kept[0, v]]
 
 
+@pytest.mark.parametrize("slope", [0.0, 2.0, 20.0])
+def test_cost_prune_in_place_through_views_keeps_what_the_copy_keeps(slope):
+    """A run that owns its tree (``in_place``) and has its numpy views writes the ``kept``
+    table it has, whatever it held, to what the copying pass keeps."""
+    plan = CostPlan.from_calibration(timings(slope), Calibration())
+    cfg = TreeConfig(depth=2, frontier=1, slots=2, budget=4, rheostat=2, support=2)
+    ctx = PassContext(tree_cfg=cfg, sampling=SamplingConfig())
+    want = cost_prune_tree(from_text(BEFORE), ctx, plan)
+    t = from_text(BEFORE)
+    t.kept[:] = True  # a table the pass must clear
+    views = {n: getattr(t, n).numpy() for n in ("kept",)}
+    got = cost_prune_tree(t, PassContext(tree_cfg=cfg, sampling=SamplingConfig(), in_place=True), plan, views=views)
+    assert torch.equal(got.kept, want.kept) and got.kept is t.kept
+
+
 def test_choose_n_worked_example():
     assert choose_n([0.9, 0.1], 0.0, lambda n: 10.0 * n, 0.0) == (0, 1.0, 10.0)
     n, e, c = choose_n([0.9, 0.8], 0.0, lambda n: 10.0 + n, 0.0)
