@@ -58,14 +58,22 @@ def _add_scores(score, parent, out_b, out_c, logw):
         score[b, c] = np.float32(np.float64(score[b, parent[b, c]]) + np.float64(logw[i]))
 
 
-def _score_children(t: DraftTree, out_b, out_c, wbuf, ns: int) -> None:
-    """``score[c] = add_log_weight(score[parent(c)], w)`` for the listed children: the log
-    in torch, as the rule takes it (numba's glibc log differs from torch's in the last bit
-    for ~0.1% of inputs, ``kernels/slot_expansion/cpu.py``), the add and the rounding in one
-    kernel call instead of five indexing ops (the same bits: the parity tests)."""
-    if ns:
-        logw = torch.log(torch.from_numpy(wbuf[:ns])).numpy()
-        _add_scores(t.score.numpy(), t.parent.numpy(), out_b[:ns], out_c[:ns], logw)
+def _score_children(t: DraftTree, out_b, out_c, wbuf, n1: int, n2: int = 0, views=None) -> None:
+    """``score[c] = add_log_weight(score[parent(c)], w)`` for the listed children
+    ``[0, n1)`` and ``[n1, n1 + n2)`` (one pass's list, or ``expand_assign``'s two: the
+    expand's, then the assign's). The log in torch, as the rule takes it (numba's glibc log
+    differs from torch's in the last bit for ~0.1% of inputs, ``kernels/slot_expansion/cpu.py``),
+    each list's in one call as the separate passes take them (the same positions in the
+    same calls: the same bits), in place in ``wbuf``; the adds and the rounding in one
+    kernel call instead of five indexing ops (the same bits: the parity tests). ``views``:
+    the tree's numpy views, when the run has them."""
+    n = n1 + n2
+    if n1:
+        torch.from_numpy(wbuf[:n1]).log_()
+    if n2:
+        torch.from_numpy(wbuf[n1:n]).log_()
+    if n:
+        _add_scores(host_table(t, "score", views), host_table(t, "parent", views), out_b[:n], out_c[:n], wbuf[:n])
 
 
 # -- expand -------------------------------------------------------------------------------
@@ -177,18 +185,19 @@ def _expand_rows(tree: DraftTree, ctx: PassContext, views: dict[str, np.ndarray]
     return rows_b[:R], rows_v[:R], sup_tok, sup_q, s, tail_mass(torch.from_numpy(sup_q), m, s)
 
 
-def _expand(tree: DraftTree, ctx: PassContext):
+def _expand(tree: DraftTree, ctx: PassContext, views: dict[str, np.ndarray] | None = None):
     """``expand``'s tree, and what ``expand_assign`` draws from: its rows' trees and nodes,
-    their ranked support probabilities ``[R, S']`` and tail masses (``_expand_rows``)."""
-    rows_b, rows_v, sup_tok, sup_q, s, z64 = _expand_rows(tree, ctx)
+    their ranked support probabilities ``[R, S']`` and tail masses (``_expand_rows``;
+    ``views`` as there)."""
+    rows_b, rows_v, sup_tok, sup_q, s, z64 = _expand_rows(tree, ctx, views)
     K, m, R = tree.slots, tree.rheostat, len(rows_b)
-    t, a = _clone(tree, _EXPAND_FIELDS, ctx.in_place)
+    t, a = _clone(tree, _EXPAND_FIELDS, ctx.in_place, views)
     out_b = np.empty(R * K, dtype=np.int64)
     out_c = np.empty(R * K, dtype=np.int64)
     wbuf = np.empty(R * K, dtype=np.float32)
     ns = _expand_write(rows_b, rows_v, sup_tok, sup_q, s, z64.numpy(), PROXY_CODES[ctx.tree_cfg.proxy], m, K,
                        tree.cur_depth, *a, out_b, out_c, wbuf)
-    _score_children(t, out_b, out_c, wbuf, ns)
+    _score_children(t, out_b, out_c, wbuf, ns, views=views)
     return t.replace(cur_depth=tree.cur_depth + 1, sup_width=s), rows_b, rows_v, torch.from_numpy(sup_q), z64
 
 
@@ -352,19 +361,6 @@ def _expand_draw_write(rows_b, rows_v, sup_tok, sup_q, s, z64, proxy, m, K, leve
 _EXPAND_ASSIGN_FIELDS = _EXPAND_FIELDS + ("y_token", "y_qtilde")
 
 
-def _score_segments(t: DraftTree, out_b, out_c, wbuf, n1: int, n2: int, views=None) -> None:
-    """``_score_children`` of the listed children ``[0, n1)`` and ``[n1, n1 + n2)`` (the
-    expand's, then the assign's): each list's log one torch call, as the two passes take
-    them (the same positions in the same calls: the same bits), the adds in one kernel."""
-    n = n1 + n2
-    if n1:
-        torch.from_numpy(wbuf[:n1]).log_()
-    if n2:
-        torch.from_numpy(wbuf[n1:n]).log_()
-    if n:
-        _add_scores(host_table(t, "score", views), host_table(t, "parent", views), out_b[:n], out_c[:n], wbuf[:n])
-
-
 def expand_assign(tree: DraftTree, ctx: PassContext, views: dict[str, np.ndarray] | None = None) -> DraftTree:
     """``assign(expand(tree, ctx), ctx)``, the same tree, in one call (the fused cost
     pipeline, ``kernels.plan.cpu_pipeline``). ``assign`` draws the rows whose sampled
@@ -382,7 +378,7 @@ def expand_assign(tree: DraftTree, ctx: PassContext, views: dict[str, np.ndarray
     sampled = has_sampled_slots(tree, ctx)
     stream_rows = getattr(ctx.sampler, "stream_rows", None)
     if not sampled or stream_rows is None:
-        t, rows_b, rows_v, sup_q, z64 = _expand(tree, ctx)
+        t, rows_b, rows_v, sup_q, z64 = _expand(tree, ctx, views)
         R = len(rows_b)
         if not sampled or R == 0:
             return t
@@ -400,5 +396,5 @@ def expand_assign(tree: DraftTree, ctx: PassContext, views: dict[str, np.ndarray
     n1, n2 = _expand_draw_write(rows_b, rows_v, sup_tok, sup_q, s, z64.numpy(), PROXY_CODES[ctx.tree_cfg.proxy], m,
                                 K, tree.cur_depth, *a, ctx.tree_cfg.proxy == "true_q", np.uint64(seed), steps,
                                 ids.numpy(), purpose, out_b, out_c, wbuf)
-    _score_segments(t, out_b, out_c, wbuf, n1, n2, views)
+    _score_children(t, out_b, out_c, wbuf, n1, n2, views)
     return t.replace(cur_depth=tree.cur_depth + 1, sup_width=s)
