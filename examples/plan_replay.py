@@ -78,7 +78,7 @@ def plan_again(draft, roots, kw: dict, instruments=(), via_passes: bool = False)
         return plan_tree(draft, roots, **{**kw, "instruments": list(kw.get("instruments", ())) + list(instruments)})
     if not instruments and not via_passes:
         return plan_cost_tree(draft, roots, **kw)
-    rest = {k: v for k, v in kw.items() if k != "plan"}
+    rest = {k: v for k, v in kw.items() if k not in ("plan", "arena")}  # (the fused plan's own)
     passes = cost_pipeline(kw["plan"], lower(DEFAULT_PIPELINE, "numba"), decide=decide, frontiers=frontiers)
     return plan_tree(draft, roots, passes=passes, backend="numba", instruments=list(instruments), **rest)
 
