@@ -25,9 +25,9 @@ from rheoplan.kernels.noise import counter_rows
 from rheoplan.kernels.plan.cpu import frontier_rows
 from rheoplan.kernels.slot_expansion.cpu import proxy_weight, rank_support_rows, tail_draw_row, tail_draws
 from rheoplan.pipeline import PassContext
-from rheoplan.rng import philox_counter
 from rheoplan.planner.assign import has_sampled_slots
 from rheoplan.planner.expand import check_can_expand, check_draft_logits, draft_columns
+from rheoplan.rng import philox_counter
 
 _DET, _SAMPLED, _PAD = int(NodeKind.DET), int(NodeKind.SAMPLED), int(NodeKind.PAD)
 
@@ -163,8 +163,8 @@ def _expand_rows(tree: DraftTree, ctx: PassContext, views: dict[str, np.ndarray]
     k = 1 if tree.cur_depth == 0 else cfg.frontier
     nodes_np = np.empty((B, k), dtype=np.int64)
     count = np.empty(B, dtype=np.int64)
-    frontier_rows(host_table(tree, "score", views), host_table(tree, "depth", views), host_table(tree, "n_nodes", views), tree.cur_depth,
-                  k, nodes_np, count)
+    frontier_rows(host_table(tree, "score", views), host_table(tree, "depth", views),
+                  host_table(tree, "n_nodes", views), tree.cur_depth, k, nodes_np, count)
     width = max(count.tolist())  # (a list: no numpy reduction for a few rows)
     nodes = torch.from_numpy(nodes_np[:, :width].copy())
     logits, ids = draft_columns(ctx.draft(tree, nodes))
