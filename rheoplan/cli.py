@@ -27,9 +27,9 @@ from rheoplan.config import PROXIES, VERIFIERS, SamplingConfig, TreeConfig
 from rheoplan.calibrate import MAX_TRIALS, calibrate_head, training_prompts, with_width_counts
 from rheoplan.costmodel import PRIORS_FILE, CostPlan, save_priors
 from rheoplan.decode import draft_answer, plan_and_decode
-from rheoplan.loading import (AUTO_BUDGET, AUTO_DEPTH, AUTO_OPTIONS, DEFAULTS, METHODS, add_dtype, auto_tree,
-                              encode_prompt, int_or_auto, load_cost_model, load_default, model_dtype,
-                              parse_draft_spec)
+from rheoplan.loading import (AUTO_BUDGET, AUTO_DEPTH, AUTO_OPTIONS, DEFAULTS, METHODS, WARM_UP_NOTE_S,
+                              WARM_UP_TOKENS, add_dtype, auto_tree, encode_prompt, int_or_auto, load_cost_model,
+                              load_default, model_dtype, parse_draft_spec, warm_up)
 from rheoplan.models import as_draft
 from rheoplan.pipeline import DumpIR
 from rheoplan.prompts_file import PromptLine, read_prompts, result_record
@@ -324,6 +324,8 @@ def cmd_generate(args) -> int:
         # one prompt: one row's prices only (a first measurement of ~12 s, not ~43 s, on a 2-core Xeon)
         cost = load_cost_model(model, tok, draft, tree, draft_id=args.draft, calibration=args.calibration,
                                sampling=sampling, batched=many is not None)
+    _warm_up(model, tok, draft, sampling, tree, cost, backend,
+             1 if many is None else min(DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size, len(many)))
     if many is not None:
         return _generate_many(args, many, model, tok, draft, cost, tree, sampling)
     ids = encode_prompt(tok, DEFAULT_PROMPT if args.prompt is None else args.prompt, not args.no_chat)
@@ -346,6 +348,16 @@ def cmd_generate(args) -> int:
         res.calibration.save(args.save_calibration)
         print(f"calibration written to {args.save_calibration}", file=sys.stderr)
     return 0
+
+
+def _warm_up(model, tok, draft, sampling, tree, cost, backend: str, rows: int) -> None:
+    """``rheoplan.loading.warm_up`` before the decode the user times: on a fresh install
+    numba compiles the decode's kernels at their first call, which the printed tokens/s
+    would otherwise include; said on stderr only when it took that long."""
+    sec = warm_up(model, tok, draft, sampling=sampling, tree=tree, cost_model=cost, backend=backend, rows=rows)
+    if sec > WARM_UP_NOTE_S:
+        print(f"warm-up: {WARM_UP_TOKENS} tokens in {sec:.1f} s (numba compiled the decode's kernels at their "
+              "first use here; they are cached on disk, so later runs skip this)", file=sys.stderr)
 
 
 def _generate_many(args, prompts: list[PromptLine], model, tok, draft, cost, tree, sampling) -> int:

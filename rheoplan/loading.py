@@ -25,6 +25,7 @@ import torch
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import (PRIORS_FILE, Calibration, CostModel, cache_key, cache_read, cache_write, load_priors,
                                 remeasure_requested)
+from rheoplan.decode import plan_and_decode
 from rheoplan.kernels import source_digest
 from rheoplan.kernels.decoder_glue import cpu as glue_kernels
 from rheoplan.models._hf_common import base_model
@@ -35,6 +36,7 @@ from rheoplan.models.lean_llama import fuse_glue, glue_fused, lean_capable, lean
 from rheoplan.models.packed_linear import PackedLinear, few_row_kernel, pack_if_it_pays
 from rheoplan.models.smollm import GGUF_FILE, load_smollm2, resolve_dtype
 from rheoplan.probe import GLUE_PROBES, choose_dtype, choose_head_dtype, glue_timings, measure_timings, model_identity
+from rheoplan.stream import decode_requests
 
 #: the default target's identity in the measurement caches
 SMOLLM2_ID = f"SmolLM2-135M-Instruct ({GGUF_FILE})"
@@ -320,6 +322,41 @@ def load_cost_model(model, tok, draft, tree: TreeConfig, *, draft_id: str = "",
               or measure_timings(model, draft, ids, cached_only=True, **kw)
               or measure_timings(model, draft, ids, batch_sizes=(), **kw))
     return CostModel(tm, prior, priors)
+
+
+#: new tokens (per row) of ``warm_up``'s untimed decode
+WARM_UP_TOKENS = 8
+#: a warm-up longer than this many seconds compiled kernels; the command line says so (a
+#: fresh process's warm-up with every kernel cached took 1.8 s on a 2-core AMD EPYC)
+WARM_UP_NOTE_S = 5.0
+
+
+def warm_up(model, tok, draft, *, sampling: SamplingConfig, tree: TreeConfig, cost_model: CostModel | None = None,
+            backend: str = "auto", rows: int = 1) -> float:
+    """Decode ``WARM_UP_TOKENS`` new tokens of ``PROBE_PROMPT`` (``rows`` copies of it,
+    through ``rheoplan.stream.decode_requests``, when ``rows`` > 1) with the settings of the
+    decode to come, untimed and thrown away; return its wall seconds.
+
+    Why: numba compiles each kernel at its first call. The compiled code is cached on disk
+    (``__pycache__`` beside the sources, or ``NUMBA_CACHE_DIR``), but the first decode in a
+    fresh environment compiled its plan, walk and commit kernels as it ran (15-40 s on a 2-core
+    AMD EPYC) and was reported as 3.4 tok/s where later runs read 31 (docs/cli.md). A greedy
+    and a sampled decode compile different kernels, hence the same ``sampling``. With the
+    kernels cached the warm-up took 1.8 s in a fresh process (0.35 s run again). It leaves no state behind
+    that changes the decode after it: every decode starts from its own copy of the cost
+    model's calibration, and its draft and cache from the prompt."""
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows={rows!r} is out of range: allowed an int >= 1")
+    ids = encode_prompt(tok, PROBE_PROMPT, chat=True)
+    t0 = time.perf_counter()
+    if rows == 1:
+        plan_and_decode(model, draft, ids, max_new_tokens=WARM_UP_TOKENS, sampling=sampling, tree=tree, seed=0,
+                        cost_model=cost_model, backend=backend)
+    else:
+        for _ in decode_requests(model, draft, [ids] * rows, max_batch_size=rows, max_new_tokens=WARM_UP_TOKENS,
+                                 sampling=sampling, tree=tree, seed=0, cost_model=cost_model, backend=backend):
+            pass
+    return time.perf_counter() - t0
 
 
 def head_priors_path(draft_spec: str) -> Path | None:

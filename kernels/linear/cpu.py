@@ -123,7 +123,11 @@ def bfloat16_bits(v):
     return _rounded_bfloat16_bits(_float32_bits(np.float32(v)))
 
 
-@overload(_narrow, inline="always")
+# Not ``inline="always"`` as ``_widen``: numba 0.68's IR inlining of this overload (a lambda
+# calling an inlined function) printed 66 NumbaIRAssumptionWarnings to a user's terminal on
+# the first compile (stderr of a first ``rheoplan generate``); compiled as a function, LLVM
+# inlines it: the same bits, the same time (paired on the AVX2-only AMD EPYC, 1-8 rows).
+@overload(_narrow)
 def _narrow_impl(out, v):
     if out.dtype == types.float32:
         return lambda out, v: v

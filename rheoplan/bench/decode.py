@@ -60,8 +60,8 @@ from rheoplan.bench.phases import PHASES, breakdown
 from rheoplan.config import SamplingConfig, TreeConfig
 from rheoplan.costmodel import machine_name
 from rheoplan.decode import plan_and_decode
-from rheoplan.loading import (DRAFT_DTYPES, FIXED_TREE, auto_tree, encode_prompt, load_cost_model, load_default,
-                              model_dtype)
+from rheoplan.loading import (DRAFT_DTYPES, FIXED_TREE, WARM_UP_TOKENS, auto_tree, encode_prompt, load_cost_model,
+                              load_default, model_dtype)
 from rheoplan.models.packed_linear import PackedLinear, unpacked
 from rheoplan.probe import packed_copy
 
@@ -318,11 +318,19 @@ def run_group(model, tok, runs: Sequence[tuple[Method, object]], prompts, temper
     by one per prompt, so a machine that slows down mid-benchmark slows every run alike.
     Returns one aggregate record per run, in ``runs``' order. ``cost_model`` (a
     ``rheoplan.costmodel.CostModel``) is needed for a ``cost`` method. Prompt j decodes
-    with seed ``seed * 1000 + j`` in every run."""
+    with seed ``seed * 1000 + j`` in every run. Before the clock starts, each run decodes
+    ``WARM_UP_TOKENS`` tokens of the first prompt, untimed."""
     for method, _ in runs:
         if method.cost and cost_model is None:
             raise ValueError(f"method {method.name!r} plans by the cost model: pass cost_model=")
     tallies = [_Tally(m, d) for m, d in runs]
+    # the warm-up: the first decode of a kind compiles its numba kernels in a fresh
+    # environment (15-40 s on a 2-core AMD EPYC), which would land in one
+    # prompt's time (``rheoplan.loading.warm_up`` does the same for the command line)
+    if prompts:
+        ids = encode_prompt(tok, prompts[0][1], chat=True)
+        for t in tallies:
+            decode_prompt(model, tok, t.draft, t.method, ids, temperature, seed, WARM_UP_TOKENS, cost_model=cost_model)
     for j, (_, prompt) in enumerate(prompts):
         ids = encode_prompt(tok, prompt, chat=True)
         for i in range(len(tallies)):

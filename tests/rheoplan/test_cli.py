@@ -266,3 +266,30 @@ def test_prompts_file_rows_are_plan_and_decode_rows(batch, tmp_path, monkeypatch
     assert [r["tokens"] for r in recs] == [r.tokens for r in ref]
     assert [r["new_tokens"] for r in recs] == [6, 3, 6]
     assert recs[1]["text"] == tok.decode(ref[1].tokens) and recs[2]["prompt"] == "xy\nz"
+
+
+@pytest.mark.parametrize("note_s, noted", [(3600.0, False), (-1.0, True)])
+def test_generate_warms_up_with_the_runs_settings_and_prints_the_runs_own_tokens(note_s, noted, monkeypatch, capsys):
+    """One prompt: an untimed warm-up decode (the run's sampling, tree and backend; the
+    kernels compile there on a fresh install) runs before the decode, whose text is the
+    one ``plan_and_decode`` gives alone; the warm-up is mentioned only when it was long."""
+    from _decode_models import tiny_llama
+
+    target = tiny_llama(2, vocab=32, hidden=32, layers=2, head_scale=20.0)
+    draft = tiny_llama(3, vocab=32, hidden=32, layers=1, head_scale=20.0)
+    tok = _CharTokenizer()
+    monkeypatch.setattr(cli, "load_default", lambda **k: (target, tok, draft))
+    monkeypatch.setattr(cli, "WARM_UP_NOTE_S", note_s)
+    seen = []
+    real = cli.warm_up
+    monkeypatch.setattr(cli, "warm_up", lambda *a, **k: seen.append(k) or real(*a, **k))
+    flags = ["--depth", "2", "--budget", "4", "--seed", "5", "-n", "6", "--no-chat", "--temperature", "0.7"]
+    assert cli.main(["generate", "hello"] + flags) == 0
+    out, err = capsys.readouterr()
+    args = cli.build_parser().parse_args(["generate"] + flags)
+    ref = plan_and_decode(target, draft, tok("hello")["input_ids"], max_new_tokens=6, seed=5,
+                          tree=cli.tree_config_from(args), sampling=cli.sampling_config_from(args))
+    assert out.strip() == tok.decode(ref.tokens)
+    assert len(seen) == 1 and seen[0]["rows"] == 1 and seen[0]["sampling"].temperature == 0.7
+    assert seen[0]["tree"] == cli.tree_config_from(args)
+    assert ("warm-up: 8 tokens in" in err) == noted

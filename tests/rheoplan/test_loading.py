@@ -7,6 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import rheoplan.loading as loading
+from rheoplan.config import SamplingConfig, TreeConfig
+from rheoplan.decode import plan_and_decode
 from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
 
 
@@ -188,3 +190,46 @@ def test_the_glue_probe_times_both_forwards_and_compares_their_bits():
     unfused, fused, same = glue_timings(model, reps=2)
     assert len(unfused) == len(fused) == len(GLUE_PROBES) and min(unfused + fused) > 0
     assert same and not glue_fused(model.model)
+
+
+class _Tok:
+    """A tokenizer without a chat template: characters to ids of a 32-token vocabulary."""
+
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) % 32 for c in text]}
+
+
+@pytest.mark.parametrize("rows", [0, -1, 1.0])
+def test_warm_up_refuses_rows_out_of_range(rows):
+    with pytest.raises(ValueError, match="rows="):
+        loading.warm_up(None, _Tok(), None, sampling=SamplingConfig(), tree=TreeConfig(), rows=rows)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_warm_up_decodes_and_leaves_later_decodes_as_they_were(rows, monkeypatch):
+    """The warm-up decodes WARM_UP_TOKENS tokens per row (one row, or ``rows`` through the
+    batched stream), and a decode after it gives the tokens it gives without one."""
+    from _decode_models import tiny_llama
+
+    target = tiny_llama(2, vocab=32, hidden=32, layers=2, head_scale=20.0)
+    draft = tiny_llama(3, vocab=32, hidden=32, layers=1, head_scale=20.0)
+    sampling, tree = SamplingConfig(temperature=1.0), TreeConfig(depth=2, budget=4)
+    before = plan_and_decode(target, draft, [1, 2, 3], max_new_tokens=8, sampling=sampling, tree=tree, seed=4).tokens
+    made = []
+    real = loading.plan_and_decode
+    monkeypatch.setattr(loading, "plan_and_decode", lambda *a, **k: made.append(k["max_new_tokens"]) or real(*a, **k))
+    streamed = []
+    real_stream = loading.decode_requests
+
+    def stream(*a, **k):
+        for i, r in real_stream(*a, **k):
+            streamed.append(len(r.tokens))
+            yield i, r
+    monkeypatch.setattr(loading, "decode_requests", stream)
+    sec = loading.warm_up(target, _Tok(), draft, sampling=sampling, tree=tree, rows=rows)
+    assert sec > 0
+    assert (made, streamed) == (([loading.WARM_UP_TOKENS], []) if rows == 1 else ([], [loading.WARM_UP_TOKENS] * rows))
+    after = plan_and_decode(target, draft, [1, 2, 3], max_new_tokens=8, sampling=sampling, tree=tree, seed=4).tokens
+    assert after == before
