@@ -293,3 +293,27 @@ def test_generate_warms_up_with_the_runs_settings_and_prints_the_runs_own_tokens
     assert len(seen) == 1 and seen[0]["rows"] == 1 and seen[0]["sampling"].temperature == 0.7
     assert seen[0]["tree"] == cli.tree_config_from(args)
     assert ("warm-up: 8 tokens in" in err) == noted
+
+
+def test_a_command_says_once_that_numba_compiles_and_nothing_when_nothing_compiles(monkeypatch, capsys):
+    """The first numba compile of a command prints one line on stderr, later compiles of
+    the same command none; a command that compiles nothing prints none; the listener is
+    gone after the command."""
+    from numba import njit
+
+    from rheoplan.config import SamplingConfig
+
+    def compile_two(args):  # two fresh functions: numba compiles both (no disk cache)
+        njit(lambda x: x + 1)(1)
+        njit(lambda x: x * 2.0)(1.5)
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_generate", compile_two)
+    assert cli.main(["generate", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("numba: compiling kernels for this machine") == 1
+    monkeypatch.setattr(cli, "cmd_generate", lambda args: SamplingConfig() and 0)
+    assert cli.main(["generate", "hi"]) == 0
+    assert "numba" not in capsys.readouterr().err
+    njit(lambda x: x - 1)(1)  # outside a command: nobody listens
+    assert "numba" not in capsys.readouterr().err

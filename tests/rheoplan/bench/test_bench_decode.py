@@ -167,7 +167,7 @@ def test_ar_hf_f32_generates_on_one_float32_copy_of_a_bfloat16_model(monkeypatch
     monkeypatch.setattr(twin, "generate", lambda *a, **kw: ran.append(1) or real(*a, **kw))
     rec = bench.run_one(target, CharTokenizer(), None, bench.methods_for(3, 2, 2, 5)["ar-hf-f32"],
                         [("chat", "hello")], temperature=1.0, seed=0, tokens=4)
-    assert ran == [1] and rec["tokens"] == 4  # the copy generated
+    assert ran == [1, 1] and rec["tokens"] == 4  # the copy generated (the untimed warm-up, then the prompt)
     assert rec["dtype"] == "bfloat16" and rec["generate_dtype"] == "float32"
 
 
@@ -261,8 +261,9 @@ def test_default_method_runs_the_cost_model_and_records_its_prediction():
 
 
 def test_run_group_interleaves_prompt_by_prompt_and_rotates(monkeypatch):
-    """Every method decodes prompt j before any starts prompt j + 1, the first method of each
-    prompt rotates, and the records equal one run per method (same seeds per prompt)."""
+    """Every method first decodes WARM_UP_TOKENS of the first prompt (untimed), then prompt
+    j before any starts prompt j + 1, the first method of each prompt rotating; the records
+    equal one run per method (same seeds per prompt)."""
     target, draft = tiny_llama(0), tiny_llama(1, layers=1)
     methods = bench.methods_for(3, 2, 2, 5)
     runs = [(methods["ar-hf"], None), (methods["eagle"], draft), (methods["rheo-m1-ot"], draft)]
@@ -271,15 +272,17 @@ def test_run_group_interleaves_prompt_by_prompt_and_rotates(monkeypatch):
     real = bench.decode_prompt
 
     def spy(model, tok, d, method, ids, temperature, seed, tokens, cost_model=None):
-        calls.append((method.name, seed))
+        calls.append((method.name, seed, tokens))
         return real(model, tok, d, method, ids, temperature, seed, tokens, cost_model=cost_model)
 
     monkeypatch.setattr(bench, "decode_prompt", spy)
     recs = bench.run_group(target, CharTokenizer(), runs, prompts, temperature=1.0, seed=2, tokens=5)
     assert [r["method"] for r in recs] == ["ar-hf", "eagle", "rheo-m1-ot"]
-    assert calls == [("ar-hf", 2000), ("eagle", 2000), ("rheo-m1-ot", 2000),
-                     ("eagle", 2001), ("rheo-m1-ot", 2001), ("ar-hf", 2001),
-                     ("rheo-m1-ot", 2002), ("ar-hf", 2002), ("eagle", 2002)]
+    w = bench.WARM_UP_TOKENS
+    assert calls == [("ar-hf", 2, w), ("eagle", 2, w), ("rheo-m1-ot", 2, w),
+                     ("ar-hf", 2000, 5), ("eagle", 2000, 5), ("rheo-m1-ot", 2000, 5),
+                     ("eagle", 2001, 5), ("rheo-m1-ot", 2001, 5), ("ar-hf", 2001, 5),
+                     ("rheo-m1-ot", 2002, 5), ("ar-hf", 2002, 5), ("eagle", 2002, 5)]
     for rec, (m, d) in zip(recs, runs):
         alone = bench.run_one(target, CharTokenizer(), d, m, prompts, temperature=1.0, seed=2, tokens=5)
         assert (rec["tokens"], rec["steps"]) == (alone["tokens"], alone["steps"])
