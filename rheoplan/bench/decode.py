@@ -325,7 +325,7 @@ def run_group(model, tok, runs: Sequence[tuple[Method, object]], prompts, temper
             raise ValueError(f"method {method.name!r} plans by the cost model: pass cost_model=")
     tallies = [_Tally(m, d) for m, d in runs]
     # the warm-up: the first decode of a kind compiles its numba kernels in a fresh
-    # environment (15-40 s on a 2-core AMD EPYC), which would land in one prompt's time
+    # environment (41.6 s on a 2-core AMD EPYC), which would land in one prompt's time
     # (``rheoplan.loading.warm_up`` does the same for the command line)
     if prompts:
         ids = encode_prompt(tok, prompts[0][1], chat=True)
