@@ -340,9 +340,9 @@ def warm_up(model, tok, draft, *, sampling: SamplingConfig, tree: TreeConfig, co
     Why: numba compiles each kernel at its first call. The compiled code is cached on disk
     (``__pycache__`` beside the sources, or ``NUMBA_CACHE_DIR``), but the first decode in a
     fresh environment compiled its plan, walk and commit kernels as it ran and was reported
-    as 3.4 tok/s where later runs read 31 (a 2-core AMD EPYC; the warm-up took 41.6 s
-    there, docs/cli.md).
-    A greedy and a sampled decode compile different kernels, hence the same ``sampling``.
+    as 3.4 tok/s where runs with the kernels compiled read 24-31 (a 2-core AMD EPYC; the
+    warm-up took 41.6 s there, docs/cli.md). A greedy and a sampled decode compile
+    different kernels, hence the same ``sampling``.
     With the kernels cached the warm-up took 1.8 s in a fresh process (0.35 s run again).
     It leaves no state behind that changes the decode after it: every decode starts from
     its own copy of the cost model's calibration, and its draft and cache from the prompt."""
