@@ -2,7 +2,10 @@
 
 ``rheoplan.models.lean_llama`` runs SmolLM2's decoder without transformers' per-layer
 module dispatch. This script measures what that saves, with ``lean_llama.ENABLED``
-switched between runs (bfloat16, the shipped head, 2 threads by default):
+switched between runs (bfloat16, the shipped head, 2 threads by default). With
+``--against separate-qkv`` it switches ``lean_llama.QKV_APPEND`` instead: each layer's
+queries, keys and values in one call that appends to the cache ("lean") against separate
+rotary calls and ``cache.update``:
 
 * ``--what forward``: the decoder alone over a held-out prompt's cache, a tree of each
   ``--sizes`` tokens, the two alternating call by call; prints medians and whether the
@@ -19,6 +22,7 @@ docs/results.md, "Twenty-eighth round", quotes it:
     python examples/measure_lean_forward.py --what forward [--sizes 1 3 9] [--calls 60] [--profile]
     python examples/measure_lean_forward.py --what decode [--prompts 10] [--temperature 1]
     python examples/measure_lean_forward.py --what batch [--rows 4] [--batches 6] [--temperature 1]
+    python examples/measure_lean_forward.py --against separate-qkv --what decode [--prompts 10]
 """
 
 from __future__ import annotations
@@ -47,6 +51,15 @@ def parents_of(n: int) -> list[int]:
     return [-1] + [(j - 1) // 2 for j in range(1, n)]
 
 
+def switch(args):
+    """``(set(on), name of the other side)``: what ``--against`` alternates."""
+    import rheoplan.models.lean_llama as lean
+
+    if args.against == "separate-qkv":
+        return (lambda on: setattr(lean, "QKV_APPEND", on)), "separate-qkv"
+    return (lambda on: setattr(lean, "ENABLED", on)), "transformers"
+
+
 def forward(args, model, tok) -> None:
     import rheoplan.models.lean_llama as lean
     from rheoplan.bench.decode import load_prompts
@@ -54,6 +67,7 @@ def forward(args, model, tok) -> None:
     from rheoplan.models._hf_common import crop_cache, new_cache, prefix_and_block_mask, run_base
 
     base = model.model
+    set_on, other = switch(args)
     ids = encode_prompt(tok, load_prompts(1)[0][1], chat=True)
     n0 = len(ids)
     cache = new_cache(model)
@@ -67,14 +81,14 @@ def forward(args, model, tok) -> None:
             outs = {}
             for _ in range(args.calls):
                 for enabled in (True, False):
-                    lean.ENABLED = enabled
+                    set_on(enabled)
                     t = time.perf_counter()
                     outs[enabled] = run_base(base, cache, tok_ids, n0 + depth, allowed, all_allowed=n == 1)
                     times[enabled].append(time.perf_counter() - t)
                     crop_cache(cache, n0)
-            lean.ENABLED = True
+            set_on(True)
             med = {k: 1e3 * statistics.median(v[5:]) for k, v in times.items()}
-            print(f"{n} tokens: lean {med[True]:.2f} ms, transformers {med[False]:.2f} ms "
+            print(f"{n} tokens: lean {med[True]:.2f} ms, {other} {med[False]:.2f} ms "
                   f"({med[False] - med[True]:+.2f}); bit-identical: {torch.equal(outs[True], outs[False])}")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
@@ -93,13 +107,13 @@ def forward(args, model, tok) -> None:
 
 
 def decodes(args, model, tok, draft) -> None:
-    import rheoplan.models.lean_llama as lean
     from rheoplan.bench.batch import held_out_groups
 
     B = 1 if args.what == "decode" else args.rows
     groups = args.prompts if args.what == "decode" else args.batches
     run = held_out_groups(model, tok, draft, B, groups, args.tokens, args.temperature)
 
+    set_on, other = switch(args)
     run(0)  # warm-up: first-call work of the process
     wall = {True: 0.0, False: 0.0}
     verify = {True: 0.0, False: 0.0}
@@ -109,7 +123,7 @@ def decodes(args, model, tok, draft) -> None:
     for k in range(groups):
         got = {}
         for enabled in ((True, False) if k % 2 == 0 else (False, True)):
-            lean.ENABLED = enabled
+            set_on(enabled)
             t = time.perf_counter()
             res = run(k)
             wall[enabled] += time.perf_counter() - t
@@ -119,14 +133,14 @@ def decodes(args, model, tok, draft) -> None:
                 steps[enabled] += len(res[0].steps)
                 verify[enabled] += sum(st.t_verify_forward for st in res[0].steps)
         same += got[True] == got[False]
-    lean.ENABLED = True
-    for enabled, name in ((True, "lean"), (False, "transformers")):
+    set_on(True)
+    for enabled, name in ((True, "lean"), (False, other)):
         line = f"{name:>12}: {tokens[enabled] / wall[enabled]:.1f} tokens/s"
         if B == 1:
             line += (f", {1e3 * wall[enabled] / steps[enabled]:.2f} ms a step (prefill included), verify forward "
                      f"{1e3 * verify[enabled] / steps[enabled]:.2f} ms, {steps[enabled]} steps")
         print(line)
-    print(f"lean / transformers: {wall[False] / wall[True]:.3f}x; the same tokens in {same} of {groups} "
+    print(f"lean / {other}: {wall[False] / wall[True]:.3f}x; the same tokens in {same} of {groups} "
           f"{'prompts' if B == 1 else 'batches'}")
 
 
@@ -136,6 +150,8 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 3, 9], help="tree tokens per forward (forward)")
     ap.add_argument("--calls", type=int, default=60, help="calls per size and side (forward)")
     ap.add_argument("--profile", action="store_true", help="also profile five forwards (forward)")
+    ap.add_argument("--against", choices=("transformers", "separate-qkv"), default="transformers",
+                    help="what the lean forward alternates with (see the docstring)")
     ap.add_argument("--hf", action="store_true", help="profile transformers' forward instead of the lean one")
     ap.add_argument("--prompts", type=int, default=10, help="held-out prompts (decode)")
     ap.add_argument("--rows", type=int, default=4, help="prompts per batch (batch)")

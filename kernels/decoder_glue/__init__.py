@@ -1,5 +1,7 @@
 """The small operations of a decoder layer around its products, fused: the RMS norm, a
-residual sum with the norm after it, the rotary embedding of the queries or keys.
+residual sum with the norm after it, the rotary embedding of the queries or keys, and a
+layer's q | k | v product up to the attention (queries roped, keys roped and values
+appended to the KV cache's buffers, ``rope_qkv_append``).
 
 ``reference`` writes transformers' Llama formulas as torch operators (eight for a norm);
 ``cpu`` does each function in one numba call for bfloat16 on the CPU, with the
@@ -51,3 +53,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim:
             and cos.is_contiguous() and signed_sin.is_contiguous()):
         return cpu.rope(x, stride, cos, signed_sin, head_dim)
     return reference.rope(x, cos, signed_sin, head_dim)
+
+
+
+def rope_qkv_append(qkv: torch.Tensor, q_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim: int,
+                    key_buf: torch.Tensor, value_buf: torch.Tensor, at: int) -> torch.Tensor:
+    """``reference.rope_qkv_append``: one kernel call where ``qkv [B, T, ...]`` has evenly
+    strided rows, the angles are ``[B, T, head_dim]`` and contiguous, and the buffers are
+    contiguous, of one shape, ``B`` rows, with room for ``T`` columns at ``at``."""
+    stride = cpu.row_stride(qkv)
+    if (stride is not None and qkv.dim() == 3 and key_buf.dim() == 4 and key_buf.shape == value_buf.shape
+            and cos.shape == signed_sin.shape == (*qkv.shape[:-1], head_dim) and head_dim % 2 == 0
+            and key_buf.shape[3] == head_dim and key_buf.shape[0] == qkv.shape[0]
+            and qkv.shape[-1] == (q_heads + 2 * key_buf.shape[1]) * head_dim
+            and 0 <= at <= key_buf.shape[2] - qkv.shape[1]
+            and cpu.applies(qkv, cos, signed_sin, key_buf, value_buf) and cos.is_contiguous()
+            and signed_sin.is_contiguous() and key_buf.is_contiguous() and value_buf.is_contiguous()):
+        return cpu.rope_qkv_append(qkv, stride, q_heads, cos, signed_sin, head_dim, key_buf, value_buf, at)
+    return reference.rope_qkv_append(qkv, q_heads, cos, signed_sin, head_dim, key_buf, value_buf, at)

@@ -183,6 +183,18 @@ def _add_rms_norm(h_at, d_at, d_stride, rows, H, w_at, eps, lanes, sum_at, out_a
         _norm_row(sr, w, eps, lanes, out[r * H:(r + 1) * H])
 
 
+@njit(inline="always")
+def _rope_head(xr, cr, sr, o, half, D):
+    """``o = xr * cr + roll(xr, half) * sr`` for one head of ``D`` entries (bfloat16 bits),
+    each product and the sum rounded: ``reference.rope``'s operations on one head."""
+    for j in range(half):
+        o[j] = _round(_widen(_round(_widen(xr[j]) * _widen(cr[j])))
+                      + _widen(_round(_widen(xr[j + half]) * _widen(sr[j]))))
+    for j in range(half, D):
+        o[j] = _round(_widen(_round(_widen(xr[j]) * _widen(cr[j])))
+                      + _widen(_round(_widen(xr[j - half]) * _widen(sr[j]))))
+
+
 @njit(cache=True)
 def _rope(x_at, x_stride, rows, W, cos_at, sin_at, D, out_at):
     x = carray(_bits_at(x_at), ((rows - 1) * x_stride + W,))
@@ -194,15 +206,42 @@ def _rope(x_at, x_stride, rows, W, cos_at, sin_at, D, out_at):
         cr = c[r * D:(r + 1) * D]
         sr = s[r * D:(r + 1) * D]
         for h0 in range(0, W, D):
-            xr = x[r * x_stride + h0:r * x_stride + h0 + D]
-            o = out[r * W + h0:r * W + h0 + D]
-            # x * cos + roll(x, half) * signed_sin, each product and the sum rounded
-            for j in range(half):
-                o[j] = _round(_widen(_round(_widen(xr[j]) * _widen(cr[j])))
-                              + _widen(_round(_widen(xr[j + half]) * _widen(sr[j]))))
-            for j in range(half, D):
-                o[j] = _round(_widen(_round(_widen(xr[j]) * _widen(cr[j])))
-                              + _widen(_round(_widen(xr[j - half]) * _widen(sr[j]))))
+            _rope_head(x[r * x_stride + h0:r * x_stride + h0 + D], cr, sr, out[r * W + h0:r * W + h0 + D], half, D)
+
+
+@njit(cache=True)
+def _rope_qkv_append(qkv_at, stride, batch, tokens, n_q, n_kv, D, cos_at, sin_at, q_out_at, k_buf_at, v_buf_at,
+                     buf_size, buf_b, buf_h, buf_t, at):
+    """``_rope`` of the queries into ``q_out`` and of the keys into the key buffer, the values
+    copied into the value buffer. Row ``r = b * tokens + t`` of the q | k | v product (rows
+    ``stride`` apart; ``n_q`` query heads, then ``n_kv`` key heads, then ``n_kv`` value
+    heads of ``D`` entries) goes to buffer entries ``[b, head, at + t]`` (strides ``buf_b``,
+    ``buf_h``, ``buf_t``; the ``D`` entries contiguous)."""
+    rows = batch * tokens
+    wq, wk = n_q * D, n_kv * D
+    x = carray(_bits_at(qkv_at), ((rows - 1) * stride + wq + 2 * wk,))
+    c = carray(_bits_at(cos_at), (rows * D,))
+    s = carray(_bits_at(sin_at), (rows * D,))
+    qo = carray(_bits_at(q_out_at), (rows * wq,))
+    kb = carray(_bits_at(k_buf_at), (buf_size,))
+    vb = carray(_bits_at(v_buf_at), (buf_size,))
+    half = D // 2
+    for r in range(rows):
+        b = r // tokens
+        t = r - b * tokens
+        cr = c[r * D:(r + 1) * D]
+        sr = s[r * D:(r + 1) * D]
+        row = r * stride
+        for h in range(n_q):
+            src = row + h * D
+            _rope_head(x[src:src + D], cr, sr, qo[r * wq + h * D:r * wq + (h + 1) * D], half, D)
+        for h in range(n_kv):
+            dst = b * buf_b + h * buf_h + (at + t) * buf_t
+            src = row + wq + h * D
+            _rope_head(x[src:src + D], cr, sr, kb[dst:dst + D], half, D)
+            src += wk
+            for j in range(D):
+                vb[dst + j] = x[src + j]
 
 
 def row_stride(x: torch.Tensor) -> int | None:
@@ -271,4 +310,20 @@ def rope(x: torch.Tensor, x_stride: int, cos: torch.Tensor, signed_sin: torch.Te
     out = torch.empty(x.shape, dtype=x.dtype)
     if rows:
         _rope(x.data_ptr(), x_stride, rows, W, cos.data_ptr(), signed_sin.data_ptr(), head_dim, out.data_ptr())
+    return out
+
+
+def rope_qkv_append(qkv: torch.Tensor, qkv_stride: int, q_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+                    head_dim: int, key_buf: torch.Tensor, value_buf: torch.Tensor, at: int) -> torch.Tensor:
+    """``reference.rope_qkv_append`` for ``qkv [B, T, ...]`` with rows ``qkv_stride`` apart
+    (``row_stride``), contiguous angles ``[B, T, head_dim]`` and contiguous buffers of one
+    shape."""
+    batch, tokens = qkv.shape[0], qkv.shape[1]
+    kv_heads = key_buf.shape[1]
+    out = torch.empty((batch, tokens, q_heads * head_dim), dtype=qkv.dtype)
+    if batch * tokens:
+        sb, sh, st, _ = key_buf.stride()
+        _rope_qkv_append(qkv.data_ptr(), qkv_stride, batch, tokens, q_heads, kv_heads, head_dim, cos.data_ptr(),
+                         signed_sin.data_ptr(), out.data_ptr(), key_buf.data_ptr(), value_buf.data_ptr(),
+                         key_buf.numel(), sb, sh, st, at)
     return out

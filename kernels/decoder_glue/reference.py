@@ -37,3 +37,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim:
     heads = x.unflatten(-1, (-1, head_dim))
     out = heads * cos.unsqueeze(-2) + heads.roll(head_dim // 2, dims=-1) * signed_sin.unsqueeze(-2)
     return out.flatten(-2)
+
+
+
+def rope_qkv_append(qkv: torch.Tensor, q_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim: int,
+                    key_buf: torch.Tensor, value_buf: torch.Tensor, at: int) -> torch.Tensor:
+    """A layer's queries, keys and values from its q | k | v product ``qkv [B, T, (q_heads
+    + 2 kv_heads) * head_dim]`` up to the attention (``kv_heads`` is the buffers'):
+    returns ``rope`` of the queries (a new contiguous ``[B, T, q_heads * head_dim]``);
+    writes ``rope`` of the keys and the values, split into heads, into ``key_buf`` /
+    ``value_buf [B, kv_heads, columns, head_dim]`` at columns ``at`` to ``at + T`` (a KV
+    cache's append, ``rheoplan.models.growing_cache``)."""
+    tokens = qkv.shape[1]
+    wq, wk = q_heads * head_dim, key_buf.shape[1] * head_dim
+    keys = rope(qkv[..., wq:wq + wk], cos, signed_sin, head_dim).unflatten(-1, (-1, head_dim)).transpose(1, 2)
+    key_buf[:, :, at:at + tokens] = keys
+    value_buf[:, :, at:at + tokens] = qkv[..., wq + wk:].unflatten(-1, (-1, head_dim)).transpose(1, 2)
+    return rope(qkv[..., :wq], cos, signed_sin, head_dim)

@@ -89,19 +89,42 @@ class GrowingLayer(DynamicLayer):
         self._key_buffer = self._value_buffer = None
         self._views = (None, None)
 
+    def free_column(self, rows: int, q: int) -> int | None:
+        """The column ``n`` from which ``q`` new entries of ``rows`` rows can be written
+        straight into the buffers (``key_buffer[:, :, n:n + q]``, the value buffer alike),
+        ``update``'s fast path: ``keys`` / ``values`` are still the views the last ``update``
+        handed out (or those narrowed by ``narrow_layer``), of ``rows`` rows, and the buffers
+        have room; else None (``update`` then appends as it must)."""
+        keys = self.keys
+        if (self._key_buffer is None or keys is not self._views[0] or self.values is not self._views[1]
+                or keys.shape[0] != rows):
+            return None
+        n = keys.shape[2]
+        return n if n + q <= self._key_buffer.shape[2] else None
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (keys, values) buffers ``free_column`` speaks of."""
+        return self._key_buffer, self._value_buffer
+
+    def written(self, n: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After columns ``n`` to ``n + q`` of the buffers were written (``free_column``):
+        hand out keys and values ``n + q`` long, as ``update`` returns them."""
+        self.keys = self._key_buffer.narrow(2, 0, n + q)
+        self.values = self._value_buffer.narrow(2, 0, n + q)
+        self._views = (self.keys, self.values)
+        return self.keys, self.values
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        n = self.free_column(key_states.shape[0], q)
+        if n is not None:
+            self._key_buffer.narrow(2, n, q).copy_(key_states)
+            self._value_buffer.narrow(2, n, q).copy_(value_states)
+            return self.written(n, q)
         keys, values = self.keys, self.values
-        if keys is self._views[0] and values is self._views[1]:
-            n, q = keys.shape[2], key_states.shape[2]
-            if n + q <= self._key_buffer.shape[2] and key_states.shape[0] == keys.shape[0]:
-                self._key_buffer.narrow(2, n, q).copy_(key_states)
-                self._value_buffer.narrow(2, n, q).copy_(value_states)
-                self.keys = self._key_buffer.narrow(2, 0, n + q)
-                self.values = self._value_buffer.narrow(2, 0, n + q)
-                self._views = (self.keys, self.values)
-                return self.keys, self.values
         self.keys, self._key_buffer = append(keys, self._key_buffer, key_states)
         self.values, self._value_buffer = append(values, self._value_buffer, value_states)
         self._views = (self.keys, self.values)

@@ -40,7 +40,12 @@ features), and that a foreign hook sends the forward back to transformers.
 With its glue fused (``fuse_glue``: bfloat16 forwards of at most ``GLUE_MAX_ROWS`` tokens)
 the norms, residual sums and rotary embedding run as numba kernels instead
 (``rheoplan.kernels.decoder_glue``): one call each instead of eight operators for a norm,
-the same bits (the same tests, fused).
+the same bits (the same tests, fused). There, where a layer's q / k / v projections share
+one product (``packed_linear.shared_product``) and its cache layer is a ``GrowingLayer``
+with room for the new columns, the product runs once and one kernel call ropes the queries
+and writes the roped keys and the values straight into the cache's buffers
+(``_rope_into_cache``, ``glue.rope_qkv_append``): the same entries, the queries in the same
+strided view, instead of ~20 small calls a layer.
 """
 
 from __future__ import annotations
@@ -53,9 +58,15 @@ import torch
 from torch.nn.modules import module as torch_module
 
 from rheoplan.kernels import decoder_glue as glue
+from rheoplan.models.growing_cache import GrowingLayer
+from rheoplan.models.packed_linear import shared_product
 
 #: set to False to run every forward through transformers (A/B measurements, debugging)
 ENABLED = True
+
+#: set to False to run the fused glue's queries, keys and values as separate calls and
+#: ``cache.update`` instead of ``_rope_into_cache``'s one call (A/B measurements)
+QKV_APPEND = True
 
 #: marks a decoder-layer forward pre-hook that only reads the layer's input
 #: (``HFTarget``'s feature capture); ``lean_forward`` calls such hooks itself
@@ -282,7 +293,9 @@ def _fused_layers(base, hidden, cos, signed_sin, half, mask, cache, attend, kw) 
     cos = cos.squeeze(1).expand(*shape, -1).contiguous()
     signed_sin = signed_sin.squeeze(1).expand(*shape, -1).contiguous()
     delta = None  # the last MLP's output, summed into the residual with the next norm
-    for layer in base.layers[:base.config.num_hidden_layers]:
+    layers = base.layers[:base.config.num_hidden_layers]
+    growing = _growing_layers(cache, len(layers)) if QKV_APPEND else None
+    for layer in layers:
         ln = layer.input_layernorm
         if delta is None:
             h = glue.rms_norm(hidden, ln.weight, ln.variance_epsilon)
@@ -292,10 +305,14 @@ def _fused_layers(base, hidden, cos, signed_sin, half, mask, cache, attend, kw) 
             hook(layer, (hidden,), {})  # the feature capture reads the layer's input
         attn, mlp = layer.self_attn, layer.mlp
         d = attn.head_dim
-        q = glue.rope(attn.q_proj.forward(h), cos, signed_sin, d).view(*shape, -1, d).transpose(1, 2)
-        k = glue.rope(attn.k_proj.forward(h), cos, signed_sin, d).view(*shape, -1, d).transpose(1, 2)
-        v = attn.v_proj.forward(h).view(*shape, -1, d).transpose(1, 2)
-        k, v = cache.update(k, v, attn.layer_idx, kwargs=kw)
+        qkv = None if growing is None else _rope_into_cache(attn, h, cos, signed_sin, growing[attn.layer_idx])
+        if qkv is not None:
+            q, k, v = qkv
+        else:
+            q = glue.rope(attn.q_proj.forward(h), cos, signed_sin, d).view(*shape, -1, d).transpose(1, 2)
+            k = glue.rope(attn.k_proj.forward(h), cos, signed_sin, d).view(*shape, -1, d).transpose(1, 2)
+            v = attn.v_proj.forward(h).view(*shape, -1, d).transpose(1, 2)
+            k, v = cache.update(k, v, attn.layer_idx, kwargs=kw)
         out, _ = attend(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **kw)
         out = attn.o_proj.forward(out.reshape(*shape, -1).contiguous())
         pn = layer.post_attention_layernorm
@@ -305,3 +322,47 @@ def _fused_layers(base, hidden, cos, signed_sin, half, mask, cache, attend, kw) 
     if delta is None:
         return glue.rms_norm(hidden, norm.weight, norm.variance_epsilon)
     return glue.add_rms_norm(hidden, delta, norm.weight, norm.variance_epsilon)[1]
+
+
+def _growing_layers(cache, n: int) -> list | None:
+    """``cache``'s first ``n`` layers, each a ``GrowingLayer`` or None, where a layer's append
+    may bypass ``cache.update`` (``_rope_into_cache``): transformers' own ``Cache.update``
+    (which, without offloading, only calls the layer's ``update``), no offloading and all
+    ``n`` layers there; else None."""
+    from transformers.cache_utils import Cache
+
+    layers = getattr(cache, "layers", None)
+    if (type(cache).update is not Cache.update or getattr(cache, "offloading", True) or layers is None
+            or len(layers) < n):
+        return None
+    return [x if type(x) is GrowingLayer else None for x in layers[:n]]
+
+
+def _rope_into_cache(attn, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                     layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(q, k, v)`` as the attention takes them, with the keys and values appended to
+    ``layer``'s buffers, in one kernel call (``glue.rope_qkv_append``) on the layer's q | k | v
+    product run once (``shared_product``): where the projections share one product and
+    ``layer`` (a ``GrowingLayer``) has room for the new columns (``free_column``); else None.
+
+    Why: separately the three projections' columns, two rotary calls, three view-and-
+    transposes and ``cache.update``'s two narrowed copies and two narrows are ~20 small
+    calls a layer, a few microseconds each, 600 a forward. The same operations on the same
+    entries: the queries, keys and values are the bits of the separate path, the queries
+    in the same strided view."""
+    if layer is None:
+        return None
+    shape = h.shape[:-1]
+    n = layer.free_column(shape[0], shape[1])
+    if n is None:
+        return None
+    product = shared_product(attn.q_proj, attn.k_proj, attn.v_proj)
+    if product is None:
+        return None
+    d = attn.head_dim
+    key_buf, value_buf = layer.buffers
+    q = glue.rope_qkv_append(product.forward(h), attn.q_proj.out_features // d, cos, signed_sin, d,
+                             key_buf, value_buf, n)
+    k, v = layer.written(n, shape[1])
+    return q.view(*shape, -1, d).transpose(1, 2), k, v
+

@@ -247,6 +247,21 @@ class FusedPart(PackedLinear):
         return f"{super().kind} fused"
 
 
+def shared_product(*parts: torch.nn.Module) -> PackedLinear | None:
+    """The one product behind ``parts`` where they are every ``FusedPart`` of one shared
+    product in its order (their outputs are its columns, part after part), else None. A
+    caller that needs all the parts' outputs (``rheoplan.models.lean_llama``) then calls it
+    once and reads the columns itself, instead of a ``FusedPart.forward`` per part."""
+    first = parts[0]
+    if type(first) is not FusedPart:
+        return None
+    shared = first._shared
+    if len(shared.spans) != len(parts) or any(
+            type(p) is not FusedPart or p._shared is not shared or p._index != i for i, p in enumerate(parts)):
+        return None
+    return shared.product
+
+
 def pack_linears(model: torch.nn.Module, onednn: bool = True, few_rows: int = 0, prefill: bool = False,
                  fuse: bool = False) -> int:
     """Replace every ``nn.Linear`` of ``model`` in a ``PACKED_DTYPES`` dtype (in place) by a

@@ -83,6 +83,58 @@ def test_the_rotary_kernel_gives_the_references_bits_over_a_products_slice(head_
     assert out.is_contiguous() and torch.equal(out, reference.rope(x, cos, sin, head_dim))
 
 
+@pytest.mark.parametrize("batch,tokens,head_dim", [(1, 1, 64), (1, 7, 64), (3, 2, 16), (4, 16, 16)])
+def test_the_rotary_and_cache_append_kernel_gives_the_references_bits(batch, tokens, head_dim):
+    """One call from a layer's q | k | v product (a strided view, as a wider product's
+    columns) to the roped queries and the keys and values written into the cache's buffers:
+    the reference's bits, the buffers' other columns untouched."""
+    g = torch.Generator().manual_seed(batch * 100 + tokens)
+    q_heads, kv_heads, columns, at = 3, 2, 40, 5
+    width = (q_heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(batch, tokens, width + 8, generator=g).to(torch.bfloat16)[..., :width]
+    cos = torch.randn(batch, tokens, head_dim, generator=g).to(torch.bfloat16)
+    sin = torch.randn(batch, tokens, head_dim, generator=g).to(torch.bfloat16)
+    keys = torch.randn(batch, kv_heads, columns, head_dim, generator=g).to(torch.bfloat16)
+    values = torch.randn(batch, kv_heads, columns, head_dim, generator=g).to(torch.bfloat16)
+    k_ref, v_ref = keys.clone(), values.clone()
+    q = glue.rope_qkv_append(qkv, q_heads, cos, sin, head_dim, keys, values, at)
+    q_ref = reference.rope_qkv_append(qkv, q_heads, cos, sin, head_dim, k_ref, v_ref, at)
+    assert q.is_contiguous() and torch.equal(q, q_ref)
+    assert torch.equal(keys, k_ref) and torch.equal(values, v_ref)
+    # the reference is the separate path's operations: the queries' and the keys' rotary
+    # embedding of their slices, the values as they are
+    wq, wk = q_heads * head_dim, kv_heads * head_dim
+    assert torch.equal(q_ref, reference.rope(qkv[..., :wq], cos, sin, head_dim))
+    assert torch.equal(k_ref[:, :, at:at + tokens],
+                       reference.rope(qkv[..., wq:wq + wk], cos, sin, head_dim).unflatten(-1, (-1, head_dim)).transpose(1, 2))
+    assert torch.equal(v_ref[:, :, at:at + tokens], qkv[..., wq + wk:].unflatten(-1, (-1, head_dim)).transpose(1, 2))
+
+
+def test_the_rotary_and_cache_append_kernel_runs_only_where_it_applies(monkeypatch):
+    calls = []
+    real = cpu.rope_qkv_append
+    monkeypatch.setattr(cpu, "rope_qkv_append", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(2, 3, 5 * 16, generator=g)
+    cos = torch.randn(2, 3, 16, generator=g)
+    buffers = torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16)
+    for dtype, at, contiguous in ((torch.float32, 0, True), (torch.bfloat16, 0, False), (torch.bfloat16, 5, True),
+                                  (torch.bfloat16, 6, True)):
+        x, c = qkv.to(dtype), cos.to(dtype)
+        k, v = (b.to(dtype) for b in buffers)
+        if not contiguous:
+            k, v = (torch.zeros(2, 8, 2, 16, dtype=dtype).transpose(1, 2) for _ in range(2))
+        kr, vr = k.clone(), v.clone()
+        if at + 3 > 8:
+            with pytest.raises(RuntimeError):  # no room: the reference's copy refuses it
+                glue.rope_qkv_append(x, 1, c, c, 16, k, v, at)
+            continue
+        q = glue.rope_qkv_append(x, 1, c, c, 16, k, v, at)
+        assert torch.equal(q, reference.rope_qkv_append(x, 1, c, c, 16, kr, vr, at))
+        assert torch.equal(k, kr) and torch.equal(v, vr)
+    assert calls == [1]  # only the contiguous bfloat16 buffers with room took the kernel
+
+
 def test_the_reference_rope_is_transformers_rotary_embedding():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

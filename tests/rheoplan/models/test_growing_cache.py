@@ -88,6 +88,35 @@ def test_a_commit_or_crop_keeps_the_fast_append(monkeypatch):
     assert step(1) == 0
 
 
+def test_free_column_is_where_the_fast_append_would_write():
+    """``free_column`` / ``written`` (a caller writing the new columns itself, as the lean
+    forward's fused rotary kernel does) give what ``update`` gives, and ``free_column``
+    refuses where ``update`` must append: no buffer yet, another row count, no room, a
+    tensor replaced from outside."""
+    rng = random.Random(2)
+    grow, plain = _Holder(GrowingLayer()), _Holder(DynamicLayer())
+    layer = grow.layers[0]
+    assert layer.free_column(2, 1) is None  # nothing cached yet
+    k, v = _kv(rng, 2, 3)
+    layer.update(k, v), plain.layers[0].update(k, v)
+    room = layer.buffers[0].shape[2]
+    assert layer.free_column(2, 1) == 3 and layer.free_column(3, 1) is None
+    assert layer.free_column(2, room - 3) == 3 and layer.free_column(2, room - 2) is None
+    crop_cache(grow, 2), crop_cache(plain, 2)
+    assert layer.free_column(2, 4) == 2
+    k, v = _kv(rng, 2, 4)
+    key_buf, value_buf = layer.buffers
+    key_buf[:, :, 2:6], value_buf[:, :, 2:6] = k, v
+    got, want = layer.written(2, 4), plain.layers[0].update(k, v)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert got[0] is layer.keys and layer.free_column(2, 1) == 6  # the fast path goes on
+    select_cache(grow, torch.tensor([0, 2, 5])), select_cache(plain, torch.tensor([0, 2, 5]))
+    assert layer.free_column(2, 1) is None  # replaced: the next update appends once
+    k, v = _kv(rng, 2, 1)
+    assert all(torch.equal(x, y) for x, y in zip(layer.update(k, v), plain.layers[0].update(k, v)))
+    assert layer.free_column(2, 1) == 4
+
+
 def test_append_writes_into_spare_columns_and_grows_only_when_full():
     buf = None
     cur = torch.empty(0)

@@ -14,7 +14,7 @@ from rheoplan.models._hf_common import new_cache, prefix_and_block_mask, run_bas
 from rheoplan.models.packed_linear import pack_linears, packing_available
 
 
-def _llama(dtype: torch.dtype, packed: bool, seed: int = 0):
+def _llama(dtype: torch.dtype, packed: bool | str, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -26,7 +26,10 @@ def _llama(dtype: torch.dtype, packed: bool, seed: int = 0):
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model = model.to(dtype)
-    if packed:
+    if packed == "fused":  # fused products on any CPU: oneDNN's where it packs, else the few-row kernel's
+        onednn = packing_available(dtype, torch.device("cpu"))
+        pack_linears(model, onednn=onednn, few_rows=0 if onednn else 1, fuse=True)
+    elif packed:
         if not packing_available(dtype, torch.device("cpu")):
             pytest.skip(f"no oneDNN packing for {dtype} here")
         pack_linears(model, fuse=True)  # the packed, fused projections the loaders use
@@ -246,44 +249,45 @@ def test_modules_swapped_after_a_first_forward_are_the_ones_checked(monkeypatch)
 
 def _count_glue_calls(monkeypatch) -> list[str]:
     calls = []
-    for name in ("rms_norm", "add_rms_norm", "rope"):
+    for name in ("rms_norm", "add_rms_norm", "rope", "rope_qkv_append"):
         real = getattr(lean.glue, name)
         monkeypatch.setattr(lean.glue, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     return calls
 
 
-@pytest.mark.skipif(not packing_available(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16 here")
 @pytest.mark.parametrize("parents", [[-1], [-1, 0, 0, 1, 1, 2, 3]])
 def test_the_fused_glue_gives_transformers_outputs_and_cache_bit_for_bit(monkeypatch, parents):
-    """bfloat16, the loaders' packed and fused products: with the glue fused, a prefill (more
-    than ``GLUE_MAX_ROWS`` tokens: torch's operators) then a one-token step or a tree verify
-    (the kernels), against transformers' forward."""
+    """bfloat16, the loaders' fused products: with the glue fused, a prefill (more than
+    ``GLUE_MAX_ROWS`` tokens: torch's operators) then a one-token step or a tree verify (the
+    kernels; the queries, keys and values of each layer in one call that appends to the
+    cache), against transformers' forward."""
     from rheoplan.kernels.decoder_glue import cpu
 
     if not cpu.norm_applies():
         pytest.skip("torch's summation order not found on this CPU")
-    model = _llama(torch.bfloat16, packed=True)
+    model = _llama(torch.bfloat16, packed="fused")
     lean.fuse_glue(model.model)
     try:
         calls = _count_glue_calls(monkeypatch)
         (a0, a1, ca), (b0, b1, cb) = _both(monkeypatch, lambda: _one_row(model, parents, prefix_len=lean.GLUE_MAX_ROWS + 1))
     finally:
         lean.fuse_glue(model.model, False)
-    # the step ran fused (2 norms and 2 rotary calls a layer, the final norm), the prefill did not
-    assert len(calls) == 4 * model.config.num_hidden_layers + 1
+    # the step ran fused (2 norms and one rotary-and-append call a layer, the final norm),
+    # the prefill did not
+    layers = model.config.num_hidden_layers
+    assert calls.count("rope_qkv_append") == layers and len(calls) == 3 * layers + 1
     assert torch.equal(a0, b0) and torch.equal(a1, b1)
     for (ka, va), (kb, vb) in zip(ca, cb):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-@pytest.mark.skipif(not packing_available(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16 here")
 def test_the_fused_glue_of_several_rows_with_features_is_transformers_forward_bit_for_bit(monkeypatch):
     """Rows of a batch (4 x 3 tokens) and the feature capture's layer inputs, fused and not."""
     from rheoplan.kernels.decoder_glue import cpu
 
     if not cpu.norm_applies():
         pytest.skip("torch's summation order not found on this CPU")
-    model = _llama(torch.bfloat16, packed=True)
+    model = _llama(torch.bfloat16, packed="fused")
     base = model.model
     B, P, q = 4, 5, 3
     g = torch.Generator().manual_seed(4)
@@ -315,9 +319,75 @@ def test_the_fused_glue_of_several_rows_with_features_is_transformers_forward_bi
         lean.fuse_glue(base, False)
         for h in hooks:
             h.remove()
-    assert calls  # the 12-token verify ran fused
+    assert calls.count("rope_qkv_append") == model.config.num_hidden_layers  # the 12-token verify ran fused
     assert torch.equal(a0, b0) and torch.equal(a1, b1)
     assert len(fa) == len(fb) == 4 and all(torch.equal(x, y) for x, y in zip(fa, fb))
+    for (ka, va), (kb, vb) in zip(ca, cb):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def _chain_steps(model, cache, steps: int, q: int, prefix_len: int) -> list[torch.Tensor]:
+    """Hidden states of a ``prefix_len``-token prefill, then ``steps`` forwards of ``q`` chain
+    tokens each into ``cache`` (nothing cropped: the cache fills)."""
+    base = model.model
+    g = torch.Generator().manual_seed(steps)
+    ids = torch.randint(0, 97, (prefix_len + steps * q,), generator=g)
+    outs = []
+    with torch.no_grad():
+        outs.append(run_base(base, cache, ids[:prefix_len], torch.arange(prefix_len),
+                             torch.ones(prefix_len, prefix_len, dtype=torch.bool).tril()))
+        for s in range(steps):
+            n = prefix_len + s * q
+            allowed = torch.ones(q, n + q, dtype=torch.bool)
+            allowed[:, n:] = torch.ones(q, q, dtype=torch.bool).tril()
+            outs.append(run_base(base, cache, ids[n:n + q], torch.arange(n, n + q), allowed, all_allowed=False))
+    return outs
+
+
+def test_the_rotary_and_cache_append_call_steps_aside_where_the_cache_must_append(monkeypatch):
+    """A cache that fills: steps with room write the new columns in the one call, the step
+    without room goes through ``cache.update`` (a larger buffer), then the call goes on;
+    every step transformers' bits."""
+    import rheoplan.models.growing_cache as gc
+    from rheoplan.kernels.decoder_glue import cpu
+
+    if not cpu.norm_applies():
+        pytest.skip("torch's summation order not found on this CPU")
+    monkeypatch.setattr(gc, "MIN_SPARE", 1)  # buffers of the prefill + half as much again: full soon
+    model = _llama(torch.bfloat16, packed="fused")
+    lean.fuse_glue(model.model)
+    try:
+        calls = _count_glue_calls(monkeypatch)
+        (a, ca), (b, cb) = _both(monkeypatch, lambda: (lambda c: (_chain_steps(model, c, 4, 3, 17), _layers(c)))(
+            new_cache(model)))
+    finally:
+        lean.fuse_glue(model.model, False)
+    # 17 columns + 8 spare: the first two steps fit, the third grows the buffers, the fourth fits
+    layers = model.config.num_hidden_layers
+    assert calls.count("rope_qkv_append") == 3 * layers and calls.count("rope") == 2 * layers
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for (ka, va), (kb, vb) in zip(ca, cb):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("why", ["separate projections", "transformers' own cache layers"])
+def test_the_rotary_and_cache_append_call_steps_aside_for_other_layers_and_caches(monkeypatch, why):
+    from transformers import DynamicCache
+
+    from rheoplan.kernels.decoder_glue import cpu
+
+    if not cpu.norm_applies():
+        pytest.skip("torch's summation order not found on this CPU")
+    model = _llama(torch.bfloat16, packed=False if why == "separate projections" else "fused")
+    make = (lambda: DynamicCache(config=model.config)) if why.startswith("transformers") else (lambda: new_cache(model))
+    lean.fuse_glue(model.model)
+    try:
+        calls = _count_glue_calls(monkeypatch)
+        (a, ca), (b, cb) = _both(monkeypatch, lambda: (lambda c: (_chain_steps(model, c, 2, 3, 17), _layers(c)))(make()))
+    finally:
+        lean.fuse_glue(model.model, False)
+    assert "rope_qkv_append" not in calls and calls.count("rope") == 2 * 2 * model.config.num_hidden_layers
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
     for (ka, va), (kb, vb) in zip(ca, cb):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 

@@ -401,6 +401,27 @@ def test_fused_siblings_give_their_own_products_bit_for_bit_and_keep_the_paramet
     assert unpack_linears(model) == 15 and not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
+def test_the_shared_product_is_named_only_for_a_whole_set_in_its_order():
+    """``shared_product``: the one product behind every part of a set, in the set's order
+    (its columns are the parts' outputs, part after part); anything else gets None."""
+    import rheoplan.models.packed_linear as pl
+
+    torch.manual_seed(0)
+    model = _tiny_llama(torch.bfloat16)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert pl.shared_product(attn.q_proj, attn.k_proj, attn.v_proj) is None  # plain nn.Linear
+    pack_linears(model, onednn=False, few_rows=True, fuse=True)
+    product = pl.shared_product(attn.q_proj, attn.k_proj, attn.v_proj)
+    assert product is attn.q_proj._shared.product
+    x = torch.randn(2, attn.q_proj.in_features).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(product(x), torch.cat([m(x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], -1))
+    assert pl.shared_product(mlp.gate_proj, mlp.up_proj) is mlp.gate_proj._shared.product
+    for parts in ((attn.q_proj, attn.k_proj), (attn.k_proj, attn.q_proj, attn.v_proj), (mlp.up_proj, mlp.gate_proj),
+                  (attn.q_proj, attn.k_proj, model.model.layers[1].self_attn.v_proj), (attn.o_proj,)):
+        assert pl.shared_product(*parts) is None
+
+
 def test_a_shared_product_runs_once_per_input_and_again_for_a_changed_one():
     """The parts of a set share one product per input tensor; an input changed in place, or
     another input, gets a product of its own (never a stale result), as does each part of
