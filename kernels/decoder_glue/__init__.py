@@ -55,7 +55,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim:
     return reference.rope(x, cos, signed_sin, head_dim)
 
 
-
 def rope_qkv_append(qkv: torch.Tensor, q_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim: int,
                     key_buf: torch.Tensor, value_buf: torch.Tensor, at: int) -> torch.Tensor:
     """``reference.rope_qkv_append``: one kernel call where ``qkv [B, T, ...]`` has evenly

@@ -39,7 +39,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim:
     return out.flatten(-2)
 
 
-
 def rope_qkv_append(qkv: torch.Tensor, q_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim: int,
                     key_buf: torch.Tensor, value_buf: torch.Tensor, at: int) -> torch.Tensor:
     """A layer's queries, keys and values from its q | k | v product ``qkv [B, T, (q_heads
