@@ -29,7 +29,7 @@ against ``DynamicLayer`` through appends, narrows, in-place moves and replacemen
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 #: spare columns a new buffer gets: half its length, at least this many
 MIN_SPARE = 64
@@ -150,6 +150,20 @@ def narrow_layer(layer, length: int) -> None:
     layer.keys, layer.values = keys.narrow(2, 0, length), values.narrow(2, 0, length)
     if fast:
         layer._views = (layer.keys, layer.values)
+
+
+def growing_layers(cache, n: int) -> list | None:
+    """``cache``'s first ``n`` layers, each a ``GrowingLayer`` or None, where a caller may
+    append to a layer itself (``free_column``, then ``written``) instead of through
+    ``cache.update``: transformers' own ``Cache.update`` (which, without offloading, only
+    calls the layer's ``update``), no offloading, and all ``n`` layers there; else None
+    (``rheoplan.models.lean_llama``'s one rotary-and-append call per layer asks this once a
+    forward)."""
+    layers = getattr(cache, "layers", None)
+    if (type(cache).update is not Cache.update or getattr(cache, "offloading", True) or layers is None
+            or len(layers) < n):
+        return None
+    return [x if type(x) is GrowingLayer else None for x in layers[:n]]
 
 
 def grow_in_place(cache) -> None:

@@ -58,7 +58,7 @@ import torch
 from torch.nn.modules import module as torch_module
 
 from rheoplan.kernels import decoder_glue as glue
-from rheoplan.models.growing_cache import GrowingLayer
+from rheoplan.models.growing_cache import growing_layers
 from rheoplan.models.packed_linear import shared_product
 
 #: set to False to run every forward through transformers (A/B measurements, debugging)
@@ -294,7 +294,7 @@ def _fused_layers(base, hidden, cos, signed_sin, half, mask, cache, attend, kw) 
     signed_sin = signed_sin.squeeze(1).expand(*shape, -1).contiguous()
     delta = None  # the last MLP's output, summed into the residual with the next norm
     layers = base.layers[:base.config.num_hidden_layers]
-    growing = _growing_layers(cache, len(layers)) if QKV_APPEND else None
+    growing = growing_layers(cache, len(layers)) if QKV_APPEND else None
     for layer in layers:
         ln = layer.input_layernorm
         if delta is None:
@@ -322,20 +322,6 @@ def _fused_layers(base, hidden, cos, signed_sin, half, mask, cache, attend, kw) 
     if delta is None:
         return glue.rms_norm(hidden, norm.weight, norm.variance_epsilon)
     return glue.add_rms_norm(hidden, delta, norm.weight, norm.variance_epsilon)[1]
-
-
-def _growing_layers(cache, n: int) -> list | None:
-    """``cache``'s first ``n`` layers, each a ``GrowingLayer`` or None, where a layer's append
-    may bypass ``cache.update`` (``_rope_into_cache``): transformers' own ``Cache.update``
-    (which, without offloading, only calls the layer's ``update``), no offloading and all
-    ``n`` layers there; else None."""
-    from transformers.cache_utils import Cache
-
-    layers = getattr(cache, "layers", None)
-    if (type(cache).update is not Cache.update or getattr(cache, "offloading", True) or layers is None
-            or len(layers) < n):
-        return None
-    return [x if type(x) is GrowingLayer else None for x in layers[:n]]
 
 
 def _rope_into_cache(attn, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,

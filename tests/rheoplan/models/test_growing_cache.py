@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from rheoplan.models._hf_common import commit_cache, crop_cache, new_cache, select_cache
-from rheoplan.models.growing_cache import GrowingLayer, append, capacity
+from rheoplan.models.growing_cache import GrowingLayer, append, capacity, growing_layers
 
 
 def _kv(rng: random.Random, batch: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +115,27 @@ def test_free_column_is_where_the_fast_append_would_write():
     k, v = _kv(rng, 2, 1)
     assert all(torch.equal(x, y) for x, y in zip(layer.update(k, v), plain.layers[0].update(k, v)))
     assert layer.free_column(2, 1) == 4
+
+
+def test_growing_layers_are_named_only_where_an_append_may_bypass_the_caches_update(llama):
+    """``growing_layers``: a rheoplan cache's layers; None for a cache whose ``update`` is
+    not transformers' own (it may do more than the layer's), one that offloads, or one
+    with fewer layers than asked; transformers' own ``DynamicLayer``s are not named."""
+    from transformers import DynamicCache
+
+    cache = new_cache(llama)
+    n = len(cache.layers)
+    assert [type(x) for x in growing_layers(cache, n)] == [GrowingLayer] * n
+    assert growing_layers(cache, n + 1) is None
+    assert growing_layers(DynamicCache(config=llama.config), n) == [None] * n
+
+    class Spy(DynamicCache):
+        def update(self, *a, **kw):
+            return super().update(*a, **kw)
+
+    assert growing_layers(Spy(config=llama.config), n) is None
+    cache.offloading = True
+    assert growing_layers(cache, n) is None
 
 
 def test_append_writes_into_spare_columns_and_grows_only_when_full():
