@@ -5,7 +5,9 @@ module dispatch. This script measures what that saves, with ``lean_llama.ENABLED
 switched between runs (bfloat16, the shipped head, 2 threads by default). With
 ``--against separate-qkv`` it switches ``lean_llama.QKV_APPEND`` instead: each layer's
 queries, keys and values in one call that appends to the cache ("lean") against separate
-rotary calls and ``cache.update``:
+rotary calls and ``cache.update``; with ``--against module-products`` it switches
+``lean_llama.DIRECT_PRODUCTS``: each layer's four products straight through the kernel
+into reused outputs ("lean") against the modules' ``forward``:
 
 * ``--what forward``: the decoder alone over a held-out prompt's cache, a tree of each
   ``--sizes`` tokens, the two alternating call by call; prints medians and whether the
@@ -23,6 +25,7 @@ docs/results.md, "Twenty-eighth round", quotes it:
     python examples/measure_lean_forward.py --what decode [--prompts 10] [--temperature 1]
     python examples/measure_lean_forward.py --what batch [--rows 4] [--batches 6] [--temperature 1]
     python examples/measure_lean_forward.py --against separate-qkv --what decode [--prompts 10]
+    python examples/measure_lean_forward.py --against module-products --what forward [--sizes 1 3 4 8]
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def switch(args):
 
     if args.against == "separate-qkv":
         return (lambda on: setattr(lean, "QKV_APPEND", on)), "separate-qkv"
+    if args.against == "module-products":
+        return (lambda on: setattr(lean, "DIRECT_PRODUCTS", on)), "module-products"
     return (lambda on: setattr(lean, "ENABLED", on)), "transformers"
 
 
@@ -150,7 +155,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 3, 9], help="tree tokens per forward (forward)")
     ap.add_argument("--calls", type=int, default=60, help="calls per size and side (forward)")
     ap.add_argument("--profile", action="store_true", help="also profile five forwards (forward)")
-    ap.add_argument("--against", choices=("transformers", "separate-qkv"), default="transformers",
+    ap.add_argument("--against", choices=("transformers", "separate-qkv", "module-products"), default="transformers",
                     help="what the lean forward alternates with (see the docstring)")
     ap.add_argument("--hf", action="store_true", help="profile transformers' forward instead of the lean one")
     ap.add_argument("--prompts", type=int, default=10, help="held-out prompts (decode)")

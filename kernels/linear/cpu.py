@@ -371,7 +371,6 @@ def rows_times(x: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None = None)
     through ``linear`` once cost 26 us per call around a 2-4 us launch; docs/results.md).
     In bfloat16 the sums (and a bias) are float32 and the result is rounded to bfloat16
     once, as torch's bfloat16 product rounds."""
-    n_threads = parallel.threads()  # the same share of the cores as torch's products
     bf16 = w.dtype == np.uint16  # bfloat16: the kernel reads and writes the 16-bit patterns
     xn = x.view(torch.int16).numpy().view(np.uint16) if bf16 else x.numpy()
     if not xn.flags.c_contiguous:
@@ -379,12 +378,26 @@ def rows_times(x: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None = None)
     rounded = bf16 and bias is None  # with a bias the sums come back as float32, rounded after it
     out = np.empty(xn.shape[:-1] + (w.shape[0],), np.uint16 if rounded else np.float32)
     x2, out2 = xn.reshape(-1, xn.shape[-1]), out.reshape(-1, w.shape[0])
-    kernel = _rows_times_bfloat16_weight if bf16 else _rows_times_weight
-    args = (x2, w, out2, n_threads) if bf16 else (x2, w, out2)
-    parallel.launch(kernel, *args)
+    if bf16:
+        bfloat16_rows_into(x2, w, out2)
+    else:
+        parallel.launch(_rows_times_weight, x2, w, out2)
     y = torch.from_numpy(out)
     if rounded:
         return y.view(torch.bfloat16)
     if bias is not None:
         y += bias
     return y.to(torch.bfloat16) if bf16 else y
+
+
+def bfloat16_rows_into(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    """``out = x @ w.T`` for the bits of bfloat16 operands, each sum rounded to bfloat16 as
+    ``rows_times`` rounds it: ``x [r, K]`` and ``out [r, N]`` C-contiguous uint16 arrays,
+    ``w [N, K]`` a bfloat16 ``weight_array``, ``r >= 1`` (not checked). The
+    kernel call alone, on ``parallel.threads()`` threads, the same bits as ``rows_times``.
+
+    Why: ``rows_times`` wraps a 2-4 us launch in ~11 us of conversions (the input's numpy
+    view, the output's allocation, a tensor made of it), ``PackedLinear.forward`` adds its
+    checks; a caller that keeps its operands as arrays, the output one it reuses
+    (``rheoplan.models.lean_llama``'s products), pays the launch alone."""
+    parallel.launch(_rows_times_bfloat16_weight, x, w, out, parallel.threads())

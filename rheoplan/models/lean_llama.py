@@ -51,15 +51,18 @@ strided view, instead of ~20 small calls a layer.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from operator import attrgetter
 
+import numpy as np
 import torch
 from torch.nn.modules import module as torch_module
 
 from rheoplan.kernels import decoder_glue as glue
+from rheoplan.kernels.linear.cpu import bfloat16_rows_into
 from rheoplan.models.growing_cache import growing_layers
-from rheoplan.models.packed_linear import shared_product
+from rheoplan.models.packed_linear import bfloat16_kernel_weight, shared_product
 
 #: set to False to run every forward through transformers (A/B measurements, debugging)
 ENABLED = True
@@ -295,41 +298,66 @@ def _fused_layers(base, hidden, cos, signed_sin, half, mask, cache, attend, kw) 
     delta = None  # the last MLP's output, summed into the residual with the next norm
     layers = base.layers[:base.config.num_hidden_layers]
     growing = growing_layers(cache, len(layers)) if QKV_APPEND else None
+    rows = shape.numel()
     for layer in layers:
-        ln = layer.input_layernorm
+        # children through ``_modules`` / ``_parameters``: ``nn.Module.__getattr__`` costs ~1 us
+        # a name, ~10 names a layer
+        lm = layer._modules
+        ln = lm["input_layernorm"]
         if delta is None:
-            h = glue.rms_norm(hidden, ln.weight, ln.variance_epsilon)
+            h = glue.rms_norm(hidden, ln._parameters["weight"], ln.variance_epsilon)
         else:
-            hidden, h = glue.add_rms_norm(hidden, delta, ln.weight, ln.variance_epsilon)
+            hidden, h = glue.add_rms_norm(hidden, delta, ln._parameters["weight"], ln.variance_epsilon)
         for hook in layer._forward_pre_hooks.values():
             hook(layer, (hidden,), {})  # the feature capture reads the layer's input
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = lm["self_attn"], lm["mlp"]
+        am, mm = attn._modules, mlp._modules
         d = attn.head_dim
-        qkv = None if growing is None else _rope_into_cache(attn, h, cos, signed_sin, growing[attn.layer_idx])
+        arrays = _kernel_weights(attn, mlp, rows) if DIRECT_PRODUCTS else None
+        qkv = None
+        if growing is not None:
+            if arrays is not None:
+                product = functools.partial(_product_into, w=arrays[0], name="qkv")
+            else:
+                product = shared_product(am["q_proj"], am["k_proj"], am["v_proj"])
+                product = None if product is None else product.forward
+            if product is not None:
+                qkv = _rope_into_cache(attn, h, product, cos, signed_sin, growing[attn.layer_idx])
         if qkv is not None:
             q, k, v = qkv
         else:
-            q = glue.rope(attn.q_proj.forward(h), cos, signed_sin, d).view(*shape, -1, d).transpose(1, 2)
-            k = glue.rope(attn.k_proj.forward(h), cos, signed_sin, d).view(*shape, -1, d).transpose(1, 2)
-            v = attn.v_proj.forward(h).view(*shape, -1, d).transpose(1, 2)
+            q = glue.rope(am["q_proj"].forward(h), cos, signed_sin, d).view(*shape, -1, d).transpose(1, 2)
+            k = glue.rope(am["k_proj"].forward(h), cos, signed_sin, d).view(*shape, -1, d).transpose(1, 2)
+            v = am["v_proj"].forward(h).view(*shape, -1, d).transpose(1, 2)
             k, v = cache.update(k, v, attn.layer_idx, kwargs=kw)
         out, _ = attend(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **kw)
-        out = attn.o_proj.forward(out.reshape(*shape, -1).contiguous())
-        pn = layer.post_attention_layernorm
-        hidden, h = glue.add_rms_norm(hidden, out, pn.weight, pn.variance_epsilon)
-        delta = mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(h)) * mlp.up_proj.forward(h))
+        out = out.reshape(*shape, -1).contiguous()
+        out = am["o_proj"].forward(out) if arrays is None else _product_into(out, arrays[1], "o")
+        pn = lm["post_attention_layernorm"]
+        hidden, h = glue.add_rms_norm(hidden, out, pn._parameters["weight"], pn.variance_epsilon)
+        gate_proj, act_fn = mm["gate_proj"], mm["act_fn"]
+        if arrays is None:
+            delta = mm["down_proj"].forward(act_fn(gate_proj.forward(h)) * mm["up_proj"].forward(h))
+        else:
+            gate_up = _product_into(h, arrays[2], "gate_up")
+            width = gate_proj.out_features
+            act = _scratch("act", (*shape, width))
+            # the MLP's own operations on the same strided columns as the parts' products
+            torch.mul(act_fn(gate_up[..., :width]), gate_up[..., width:], out=act)
+            delta = _product_into(act, arrays[3], "down")
     norm = base.norm
     if delta is None:
         return glue.rms_norm(hidden, norm.weight, norm.variance_epsilon)
     return glue.add_rms_norm(hidden, delta, norm.weight, norm.variance_epsilon)[1]
 
 
-def _rope_into_cache(attn, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+def _rope_into_cache(attn, h: torch.Tensor, product, cos: torch.Tensor, signed_sin: torch.Tensor,
                      layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(q, k, v)`` as the attention takes them, with the keys and values appended to
     ``layer``'s buffers, in one kernel call (``glue.rope_qkv_append``) on the layer's q | k | v
-    product run once (``shared_product``): where the projections share one product and
-    ``layer`` (a ``GrowingLayer``) has room for the new columns (``free_column``); else None.
+    product run once (``product(h)``: the projections' ``shared_product``, or its kernel
+    through ``_product_into``): where ``layer`` (a ``GrowingLayer``) has room for the new
+    columns (``free_column``); else None.
 
     Why: separately the three projections' columns, two rotary calls, three view-and-
     transposes and ``cache.update``'s two narrowed copies and two narrows are ~20 small
@@ -342,13 +370,70 @@ def _rope_into_cache(attn, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch
     n = layer.free_column(shape[0], shape[1])
     if n is None:
         return None
-    product = shared_product(attn.q_proj, attn.k_proj, attn.v_proj)
-    if product is None:
-        return None
     d = attn.head_dim
     key_buf, value_buf = layer.buffers
-    q = glue.rope_qkv_append(product.forward(h), attn.q_proj.out_features // d, cos, signed_sin, d,
+    q = glue.rope_qkv_append(product(h), attn._modules["q_proj"].out_features // d, cos, signed_sin, d,
                              key_buf, value_buf, n)
     k, v = layer.written(n, shape[1])
     return q.view(*shape, -1, d).transpose(1, 2), k, v
 
+
+
+# -- products straight through the kernel ------------------------------------------------------
+
+#: set to False to run the fused glue's products through the modules' ``forward`` instead of
+#: ``_product_into`` (A/B measurements)
+DIRECT_PRODUCTS = True
+
+#: per Python thread: ``{(name, shape): (tensor, its bits as a [rows, width] uint16 array)}``,
+#: the outputs ``_product_into`` and the MLP write and the next call overwrites
+_SCRATCH = threading.local()
+
+
+def _scratch_pair(name: str, shape: tuple) -> tuple[torch.Tensor, np.ndarray]:
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    got = bufs.get((name, shape))
+    if got is None:
+        t = torch.empty(shape, dtype=torch.bfloat16)
+        got = bufs[(name, shape)] = (t, t.view(torch.int16).numpy().view(np.uint16).reshape(-1, shape[-1]))
+    return got
+
+
+def _scratch(name: str, shape: tuple) -> torch.Tensor:
+    """A bfloat16 tensor of ``shape`` kept for this thread under ``name``: overwritten by the
+    next call with the same name and shape, so only for values used up before then (never
+    one a forward returns, a hook may keep, or the cache holds)."""
+    return _scratch_pair(name, shape)[0]
+
+
+def _kernel_weights(attn, mlp, rows: int) -> tuple | None:
+    """The weight arrays of a layer's q | k | v, o, gate | up and down products where every
+    one of them runs the few-row kernel's bfloat16 product for ``rows`` rows
+    (``shared_product``, ``bfloat16_kernel_weight``), else None."""
+    # the children through ``_modules``: ``nn.Module.__getattr__`` costs ~1 us a name
+    am, mm = attn._modules, mlp._modules
+    qkv = shared_product(am["q_proj"], am["k_proj"], am["v_proj"])
+    gate_up = shared_product(mm["gate_proj"], mm["up_proj"])
+    if qkv is None or gate_up is None:
+        return None
+    arrays = (bfloat16_kernel_weight(qkv, rows), bfloat16_kernel_weight(am["o_proj"], rows),
+              bfloat16_kernel_weight(gate_up, rows), bfloat16_kernel_weight(mm["down_proj"], rows))
+    for a in arrays:
+        if a is None:
+            return None
+    return arrays
+
+
+def _product_into(x: torch.Tensor, w: np.ndarray, name: str) -> torch.Tensor:
+    """``x [..., K]`` (bfloat16, contiguous) times the kernel weight ``w [N, K]``
+    (``_kernel_weights``), into this thread's scratch tensor ``name`` of shape ``[..., N]``:
+    the kernel call of the module's ``forward`` (``bfloat16_rows_into``), the same bits,
+    without its per-call conversions and allocation (~15 us of a product's ~20 outside
+    the kernel, four products a layer)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out, out_bits = _scratch_pair(name, (*x.shape[:-1], w.shape[0]))
+    bfloat16_rows_into(x.view(torch.int16).numpy().view(np.uint16).reshape(-1, x.shape[-1]), w, out_bits)
+    return out

@@ -63,6 +63,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from rheoplan.costmodel import cache_key, cache_read, cache_write, remeasure_requested
@@ -256,10 +257,28 @@ def shared_product(*parts: torch.nn.Module) -> PackedLinear | None:
     if type(first) is not FusedPart:
         return None
     shared = first._shared
-    if len(shared.spans) != len(parts) or any(
-            type(p) is not FusedPart or p._shared is not shared or p._index != i for i, p in enumerate(parts)):
+    if len(shared.spans) != len(parts):
         return None
+    for i, p in enumerate(parts):  # a plain loop: asked per layer per forward (~1 us, ~5 as ``any`` over a generator)
+        if type(p) is not FusedPart or p._shared is not shared or p._index != i:
+            return None
     return shared.product
+
+
+def bfloat16_kernel_weight(module: torch.nn.Module, rows: int) -> np.ndarray | None:
+    """The weight array (``few_row_kernel.weight_array``) through which ``module.forward``
+    multiplies ``rows`` rows of bfloat16 activations where that is the few-row kernel's
+    bfloat16 product with nothing after it: ``module`` a ``PackedLinear`` (not a part of a
+    shared one: ``shared_product`` gives that) of a bfloat16 weight and no bias, the kernel
+    on, ``rows`` in its span, no gradient recorded; else None. A caller holding its
+    operands as arrays then gets ``forward``'s bits from
+    ``few_row_kernel.bfloat16_rows_into`` (``rheoplan.models.lean_llama``)."""
+    if type(module) is not PackedLinear or module.bias is not None or torch.is_grad_enabled():
+        return None
+    w = module._rows_w
+    if w is None or w.dtype != np.uint16 or not module.few_rows <= rows <= module._most:
+        return None
+    return w
 
 
 def pack_linears(model: torch.nn.Module, onednn: bool = True, few_rows: int = 0, prefill: bool = False,

@@ -137,6 +137,24 @@ def test_a_bfloat16_rows_float32_sums_do_not_depend_on_the_other_rows():
     assert torch.equal(sums([4, 5]), every[4:6])
 
 
+def test_rows_into_writes_the_kernels_bits_into_the_given_output():
+    """``bfloat16_rows_into`` writes every row into the caller's array: the float32
+    kernel's sums on the widened operands rounded once (every path: a lone row, a pair,
+    the widened buffer), as ``rows_times`` returns them."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(1543, 576, generator=g).bfloat16()
+    wn = cpu.weight_array(w)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        out = np.full((rows, wn.shape[0]), 7, np.uint16)
+        cpu.bfloat16_rows_into(x.view(torch.int16).numpy().view(np.uint16), wn, out)
+        got = torch.from_numpy(out).view(torch.bfloat16)
+        assert torch.equal(got, cpu.linear(x.float(), w.float()).bfloat16())
+        assert torch.equal(got, cpu.rows_times(x, wn))
+
+
 def test_leading_dims_and_strided_inputs():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 40, generator=g)

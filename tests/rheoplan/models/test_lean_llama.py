@@ -14,11 +14,11 @@ from rheoplan.models._hf_common import new_cache, prefix_and_block_mask, run_bas
 from rheoplan.models.packed_linear import pack_linears, packing_available
 
 
-def _llama(dtype: torch.dtype, packed: bool | str, seed: int = 0):
+def _llama(dtype: torch.dtype, packed: bool | str, seed: int = 0, few_rows: int = 1, **config):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=256)
+                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=256, **config)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # norms start at ones: tell them apart
@@ -26,7 +26,9 @@ def _llama(dtype: torch.dtype, packed: bool | str, seed: int = 0):
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model = model.to(dtype)
-    if packed == "fused":  # fused products on any CPU: oneDNN's where it packs, else the few-row kernel's
+    if packed == "kernel":  # fused products through the few-row kernel from ``few_rows`` rows, on any CPU
+        pack_linears(model, onednn=False, few_rows=few_rows, fuse=True)
+    elif packed == "fused":  # fused products on any CPU: oneDNN's where it packs, else the few-row kernel's
         onednn = packing_available(dtype, torch.device("cpu"))
         pack_linears(model, onednn=onednn, few_rows=0 if onednn else 1, fuse=True)
     elif packed:
@@ -322,6 +324,111 @@ def test_the_fused_glue_of_several_rows_with_features_is_transformers_forward_bi
     assert calls.count("rope_qkv_append") == model.config.num_hidden_layers  # the 12-token verify ran fused
     assert torch.equal(a0, b0) and torch.equal(a1, b1)
     assert len(fa) == len(fb) == 4 and all(torch.equal(x, y) for x, y in zip(fa, fb))
+    for (ka, va), (kb, vb) in zip(ca, cb):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def _count_products(monkeypatch) -> list[str]:
+    """The names of the products ``_fused_layers`` runs straight through the kernel."""
+    names = []
+    real = lean._product_into
+    monkeypatch.setattr(lean, "_product_into", lambda x, w, name: names.append(name) or real(x, w, name))
+    return names
+
+
+@pytest.mark.parametrize("parents", [[-1], [-1, 0, 0, 1, 1, 2, 3]])
+def test_products_straight_through_the_kernel_give_transformers_outputs_bit_for_bit(monkeypatch, parents):
+    """Few-row kernel products (the AVX2-only hosts' loaders): with the glue fused, each
+    layer's four products run through ``_product_into`` into reused outputs, and a
+    one-token step or a tree verify still gives transformers' hidden states and cache."""
+    from rheoplan.kernels.decoder_glue import cpu
+
+    if not cpu.norm_applies():
+        pytest.skip("torch's summation order not found on this CPU")
+    model = _llama(torch.bfloat16, packed="kernel")
+    lean.fuse_glue(model.model)
+    try:
+        names = _count_products(monkeypatch)
+        (a0, a1, ca), (b0, b1, cb) = _both(monkeypatch, lambda: _one_row(model, parents, prefix_len=lean.GLUE_MAX_ROWS + 1))
+    finally:
+        lean.fuse_glue(model.model, False)
+    assert names == ["qkv", "o", "gate_up", "down"] * model.config.num_hidden_layers  # the step's, not the prefill's
+    assert torch.equal(a0, b0) and torch.equal(a1, b1)
+    for (ka, va), (kb, vb) in zip(ca, cb):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_products_into_reused_outputs_leave_earlier_results_and_features_alone(monkeypatch):
+    """The outputs ``_product_into`` reuses never reach the caller: the hidden states of
+    four chain steps of a 2-row batch, kept across the steps, and the layer inputs the
+    feature capture kept are transformers' bits at the end."""
+    from rheoplan.kernels.decoder_glue import cpu
+
+    if not cpu.norm_applies():
+        pytest.skip("torch's summation order not found on this CPU")
+    model = _llama(torch.bfloat16, packed="kernel")
+    base = model.model
+    B, P, q = 2, 5, 2
+    ids = torch.randint(0, 97, (B, P + 4 * q), generator=torch.Generator().manual_seed(8))
+    seen = []
+
+    @lean.capture_hook
+    def capture(layer, args, kwargs):
+        seen.append(args[0])  # kept as handed over, not copied
+
+    hook = base.layers[1].register_forward_pre_hook(capture, with_kwargs=True)
+
+    def run():
+        seen.clear()
+        cache = new_cache(model)
+        with torch.no_grad():
+            outs = [run_base_rows(base, cache, ids[:, :P], torch.arange(P).expand(B, P),
+                                  torch.ones(B, P, P, dtype=torch.bool).tril())]
+            for n in range(P, P + 4 * q, q):
+                allowed = torch.ones(B, q, n + q, dtype=torch.bool)
+                allowed[:, :, n:] = torch.ones(q, q, dtype=torch.bool).tril()
+                outs.append(run_base_rows(base, cache, ids[:, n:n + q], (n + torch.arange(q)).expand(B, q), allowed))
+        return outs, list(seen)
+
+    lean.fuse_glue(base)
+    try:
+        names = _count_products(monkeypatch)
+        (a, fa), (b, fb) = _both(monkeypatch, run)
+    finally:
+        lean.fuse_glue(base, False)
+        hook.remove()
+    # the prefill of 10 tokens is fused too (its cache layers have no buffer yet: q / k / v apart)
+    layers = model.config.num_hidden_layers
+    assert names == ["o", "gate_up", "down"] * layers + ["qkv", "o", "gate_up", "down"] * layers * 4
+    assert len(a) == len(b) == 5 and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert len(fa) == len(fb) == 5 and all(torch.equal(x, y) for x, y in zip(fa, fb))
+
+
+@pytest.mark.parametrize("why", ["a bias", "one row below the kernel's span", "oneDNN's products"])
+def test_products_step_aside_where_the_module_would_not_run_the_kernel_alone(monkeypatch, why):
+    """Where a layer's module would compute otherwise (a bias added after the sums, a row
+    count outside the kernel's span, a oneDNN product) its products go through the
+    modules, with transformers' bits."""
+    from rheoplan.kernels.decoder_glue import cpu
+
+    if not cpu.norm_applies():
+        pytest.skip("torch's summation order not found on this CPU")
+    if why == "a bias":
+        model = _llama(torch.bfloat16, packed="kernel", attention_bias=True, mlp_bias=True)
+    elif why == "one row below the kernel's span":
+        model = _llama(torch.bfloat16, packed="kernel", few_rows=2)
+    else:
+        if not packing_available(torch.bfloat16, torch.device("cpu")):
+            pytest.skip("no oneDNN packing for bfloat16 here")
+        model = _llama(torch.bfloat16, packed=True)
+    lean.fuse_glue(model.model)
+    try:
+        names = _count_products(monkeypatch)
+        (a0, a1, ca), (b0, b1, cb) = _both(monkeypatch, lambda: _one_row(model, [-1], prefix_len=lean.GLUE_MAX_ROWS + 1))
+    finally:
+        lean.fuse_glue(model.model, False)
+    assert names == []
+    assert torch.equal(a0, b0) and torch.equal(a1, b1)
     for (ka, va), (kb, vb) in zip(ca, cb):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 

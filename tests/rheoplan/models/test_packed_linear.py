@@ -508,6 +508,29 @@ def test_the_fusing_decision_is_measured_cached_and_reported(monkeypatch, tmp_pa
     assert not any(isinstance(m, pl.FusedPart) for m in model.modules())
 
 
+def test_the_kernel_weight_is_named_only_where_forward_runs_the_bfloat16_kernel_alone():
+    """``bfloat16_kernel_weight``: the weight array of a bfloat16 ``PackedLinear`` without a
+    bias whose kernel serves these rows, while no gradient is recorded; None for anything
+    ``forward`` would compute otherwise."""
+    from rheoplan.kernels.linear import cpu as kernel
+    from rheoplan.models.packed_linear import bfloat16_kernel_weight
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(16, 8, bias=False).bfloat16()
+    from_two = PackedLinear(plain, onednn=False, few_rows=2)
+    with torch.no_grad():
+        assert bfloat16_kernel_weight(from_two, 2) is from_two._rows_w
+        assert bfloat16_kernel_weight(from_two, kernel.MAX_ROWS) is from_two._rows_w
+        assert bfloat16_kernel_weight(from_two, 1) is None  # below the span
+        assert bfloat16_kernel_weight(from_two, kernel.MAX_ROWS + 1) is None  # above it, no prefill
+        assert bfloat16_kernel_weight(PackedLinear(plain, onednn=False, few_rows=1, prefill=True), 100) is not None
+        biased = torch.nn.Linear(16, 8).bfloat16()
+        assert bfloat16_kernel_weight(PackedLinear(biased, onednn=False, few_rows=1), 1) is None
+        assert bfloat16_kernel_weight(PackedLinear(plain.float(), onednn=False, few_rows=1), 1) is None
+        assert bfloat16_kernel_weight(plain, 1) is None
+    assert bfloat16_kernel_weight(from_two, 2) is None  # gradients recorded: forward may take torch's
+
+
 def test_siblings_that_cannot_share_a_product_stay_apart():
     """Siblings with another input width, or a bias where the others have none, are packed
     each on its own (and ``fusing_pays`` finds nothing to time)."""
