@@ -249,6 +249,31 @@ def test_modules_swapped_after_a_first_forward_are_the_ones_checked(monkeypatch)
         assert not lean.lean_ok(base) and not lean.lean_capable(base)
 
 
+def _fused_step_both(monkeypatch, model, parents, count) -> tuple:
+    """``(count's record, lean result, transformers' result)`` of ``_one_row`` with the glue
+    fused (a prefill longer than ``GLUE_MAX_ROWS``, then the step), ``count(monkeypatch)``
+    installed first; skips where the norm kernels do not sum as torch does."""
+    from rheoplan.kernels.decoder_glue import cpu
+
+    if not cpu.norm_applies():
+        pytest.skip("torch's summation order not found on this CPU")
+    lean.fuse_glue(model.model)
+    try:
+        seen = count(monkeypatch)
+        ours, theirs = _both(monkeypatch, lambda: _one_row(model, parents, prefix_len=lean.GLUE_MAX_ROWS + 1))
+    finally:
+        lean.fuse_glue(model.model, False)
+    return seen, ours, theirs
+
+
+def _assert_same_row(ours, theirs) -> None:
+    """Two ``_one_row`` results are the same bits: hidden states and every cache tensor."""
+    (a0, a1, ca), (b0, b1, cb) = ours, theirs
+    assert torch.equal(a0, b0) and torch.equal(a1, b1)
+    for (ka, va), (kb, vb) in zip(ca, cb):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
 def _count_glue_calls(monkeypatch) -> list[str]:
     calls = []
     for name in ("rms_norm", "add_rms_norm", "rope", "rope_qkv_append"):
@@ -263,24 +288,13 @@ def test_the_fused_glue_gives_transformers_outputs_and_cache_bit_for_bit(monkeyp
     ``GLUE_MAX_ROWS`` tokens: torch's operators) then a one-token step or a tree verify (the
     kernels; the queries, keys and values of each layer in one call that appends to the
     cache), against transformers' forward."""
-    from rheoplan.kernels.decoder_glue import cpu
-
-    if not cpu.norm_applies():
-        pytest.skip("torch's summation order not found on this CPU")
     model = _llama(torch.bfloat16, packed="fused")
-    lean.fuse_glue(model.model)
-    try:
-        calls = _count_glue_calls(monkeypatch)
-        (a0, a1, ca), (b0, b1, cb) = _both(monkeypatch, lambda: _one_row(model, parents, prefix_len=lean.GLUE_MAX_ROWS + 1))
-    finally:
-        lean.fuse_glue(model.model, False)
+    calls, ours, theirs = _fused_step_both(monkeypatch, model, parents, _count_glue_calls)
     # the step ran fused (2 norms and one rotary-and-append call a layer, the final norm),
     # the prefill did not
     layers = model.config.num_hidden_layers
     assert calls.count("rope_qkv_append") == layers and len(calls) == 3 * layers + 1
-    assert torch.equal(a0, b0) and torch.equal(a1, b1)
-    for (ka, va), (kb, vb) in zip(ca, cb):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    _assert_same_row(ours, theirs)
 
 
 def test_the_fused_glue_of_several_rows_with_features_is_transformers_forward_bit_for_bit(monkeypatch):
@@ -341,21 +355,10 @@ def test_products_straight_through_the_kernel_give_transformers_outputs_bit_for_
     """Few-row kernel products (the AVX2-only hosts' loaders): with the glue fused, each
     layer's four products run through ``_product_into`` into reused outputs, and a
     one-token step or a tree verify still gives transformers' hidden states and cache."""
-    from rheoplan.kernels.decoder_glue import cpu
-
-    if not cpu.norm_applies():
-        pytest.skip("torch's summation order not found on this CPU")
     model = _llama(torch.bfloat16, packed="kernel")
-    lean.fuse_glue(model.model)
-    try:
-        names = _count_products(monkeypatch)
-        (a0, a1, ca), (b0, b1, cb) = _both(monkeypatch, lambda: _one_row(model, parents, prefix_len=lean.GLUE_MAX_ROWS + 1))
-    finally:
-        lean.fuse_glue(model.model, False)
+    names, ours, theirs = _fused_step_both(monkeypatch, model, parents, _count_products)
     assert names == ["qkv", "o", "gate_up", "down"] * model.config.num_hidden_layers  # the step's, not the prefill's
-    assert torch.equal(a0, b0) and torch.equal(a1, b1)
-    for (ka, va), (kb, vb) in zip(ca, cb):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    _assert_same_row(ours, theirs)
 
 
 def test_products_into_reused_outputs_leave_earlier_results_and_features_alone(monkeypatch):
@@ -409,10 +412,6 @@ def test_products_step_aside_where_the_module_would_not_run_the_kernel_alone(mon
     """Where a layer's module would compute otherwise (a bias added after the sums, a row
     count outside the kernel's span, a oneDNN product) its products go through the
     modules, with transformers' bits."""
-    from rheoplan.kernels.decoder_glue import cpu
-
-    if not cpu.norm_applies():
-        pytest.skip("torch's summation order not found on this CPU")
     if why == "a bias":
         model = _llama(torch.bfloat16, packed="kernel", attention_bias=True, mlp_bias=True)
     elif why == "one row below the kernel's span":
@@ -421,16 +420,9 @@ def test_products_step_aside_where_the_module_would_not_run_the_kernel_alone(mon
         if not packing_available(torch.bfloat16, torch.device("cpu")):
             pytest.skip("no oneDNN packing for bfloat16 here")
         model = _llama(torch.bfloat16, packed=True)
-    lean.fuse_glue(model.model)
-    try:
-        names = _count_products(monkeypatch)
-        (a0, a1, ca), (b0, b1, cb) = _both(monkeypatch, lambda: _one_row(model, [-1], prefix_len=lean.GLUE_MAX_ROWS + 1))
-    finally:
-        lean.fuse_glue(model.model, False)
+    names, ours, theirs = _fused_step_both(monkeypatch, model, [-1], _count_products)
     assert names == []
-    assert torch.equal(a0, b0) and torch.equal(a1, b1)
-    for (ka, va), (kb, vb) in zip(ca, cb):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    _assert_same_row(ours, theirs)
 
 
 def _chain_steps(model, cache, steps: int, q: int, prefix_len: int) -> list[torch.Tensor]:
