@@ -49,8 +49,8 @@ strided view, instead of ~20 small calls a layer. Where each of a layer's four p
 | v, o, gate | up, down) is the few-row kernel's bfloat16 product alone
 (``packed_linear.bfloat16_kernel_weight``), ``_product_into`` launches the kernel itself
 (``kernels.linear.cpu.bfloat16_rows_into``) into an output this thread reuses, without
-``PackedLinear.forward``'s checks and conversions (~15 us a product outside a 3-4 us launch,
-120 products a forward): the same kernel call, the same bits.
+``PackedLinear.forward``'s checks and conversions (a one-row call took 20 us in a tight loop,
+4 of them the launch; 120 products a forward): the same kernel call, the same bits.
 """
 
 from __future__ import annotations
@@ -383,7 +383,6 @@ def _rope_into_cache(attn, h: torch.Tensor, product, cos: torch.Tensor, signed_s
     return q.view(*shape, -1, d).transpose(1, 2), k, v
 
 
-
 # -- products straight through the kernel ------------------------------------------------------
 
 #: set to False to run the fused glue's products through the modules' ``forward`` instead of
@@ -391,7 +390,8 @@ def _rope_into_cache(attn, h: torch.Tensor, product, cos: torch.Tensor, signed_s
 DIRECT_PRODUCTS = True
 
 #: per Python thread: ``{(name, shape): (tensor, its bits as a [rows, width] uint16 array)}``,
-#: the outputs ``_product_into`` and the MLP write and the next call overwrites
+#: the outputs ``_product_into`` and the MLP write and the next call overwrites; one entry
+#: per name and shape met (fused forwards: at most ``GLUE_MAX_ROWS`` tokens, ~100 KB each)
 _SCRATCH = threading.local()
 
 
@@ -435,8 +435,8 @@ def _product_into(x: torch.Tensor, w: np.ndarray, name: str) -> torch.Tensor:
     """``x [..., K]`` (bfloat16, contiguous) times the kernel weight ``w [N, K]``
     (``_kernel_weights``), into this thread's scratch tensor ``name`` of shape ``[..., N]``:
     the kernel call of the module's ``forward`` (``bfloat16_rows_into``), the same bits,
-    without its per-call conversions and allocation (~15 us of a product's ~20 outside
-    the kernel, four products a layer)."""
+    without ``PackedLinear.forward``'s checks, conversions and allocation (16 of a one-row
+    call's 20 us in a tight loop; four products a layer)."""
     if not x.is_contiguous():
         x = x.contiguous()
     out, out_bits = _scratch_pair(name, (*x.shape[:-1], w.shape[0]))
