@@ -17,9 +17,18 @@ its ``MAX_ROWS`` too), torch's product and oneDNN's packed one; where torch over
 kernel is where ``MAX_ROWS`` belongs on this machine (``PackedLinear(prefill=True)`` where
 it never does).
 
+``--hot-cold`` (bfloat16) times the kernel's launch alone (``bfloat16_rows_into``) over the
+same matrices at 1-16 rows, each product twice in a row: the first call reads its weight
+from memory, as a forward does ("cold": the other matrices streamed through the caches
+since), the second from the caches ("hot"). Cold minus hot is the memory time the kernel
+does not hide behind its arithmetic; hot gives the arithmetic rate (GMAC/s), cold the
+rate at which a pass streams the weights (GB/s). docs/results.md, "Thirty-ninth round",
+quotes it.
+
 Usage:
     python examples/measure_few_row_products.py [--rounds 7] [--ctx 150] [--threads 2] [--products]
         [--dtype float32|bfloat16]
+    python examples/measure_few_row_products.py --hot-cold --dtype bfloat16 [--rounds 7]
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import argparse
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from rheoplan.models._hf_common import _cache_kwarg, additive_mask, crop_cache
@@ -59,10 +69,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=150)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--products", action="store_true", help="time the matrices alone (see the module doc)")
+    ap.add_argument("--hot-cold", action="store_true",
+                    help="time the bfloat16 kernel with its weights from memory and from the caches (module doc)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     a = ap.parse_args(argv)
     if a.rounds < 1 or a.ctx < 1 or a.threads < 1:
         raise SystemExit(f"--rounds={a.rounds}, --ctx={a.ctx}, --threads={a.threads}: allowed >= 1 each")
+    if a.hot_cold and a.dtype != "bfloat16":
+        raise SystemExit("--hot-cold times the kernel's bfloat16 launch: pass --dtype bfloat16")
     torch.set_num_threads(a.threads)
     from transformers import DynamicCache
 
@@ -70,6 +84,8 @@ def main(argv=None) -> int:
     model, _ = load_smollm2(dtype)
     if a.products:
         return time_products(model, a.rounds)
+    if a.hot_cold:
+        return time_hot_cold(model, a.rounds)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model.model(input_ids=torch.arange(a.ctx)[None] + 100, use_cache=True, **{_cache_kwarg(model.model): cache})
@@ -128,6 +144,45 @@ def time_products(model, rounds: int) -> int:
     print("|---|" + "---|" * len(PRODUCT_ROWS))
     for k in kinds:
         print(f"| {k} | " + " | ".join(f"{statistics.median(ms[(k, n)]):.1f}" for n in PRODUCT_ROWS) + " |")
+    return 0
+
+
+HOT_COLD_ROWS = (1, 2, 3, 4, 6, 8, 16)
+
+
+def time_hot_cold(model, rounds: int) -> int:
+    """``--hot-cold``: ms per pass over the body's bfloat16 matrices, each product launched
+    twice in a row (the first call's weight from memory, the second's from the caches)."""
+    body = [m for m in model.model.modules() if type(m) is torch.nn.Linear]
+    arrays = [few_row_kernel.weight_array(m.weight) for m in body]
+    macs = sum(w.shape[0] * w.shape[1] for w in arrays)  # per row
+    nbytes = sum(w.nbytes for w in arrays)
+    cold = {n: [] for n in HOT_COLD_ROWS}
+    hot = {n: [] for n in HOT_COLD_ROWS}
+    for _ in range(rounds):
+        for n in HOT_COLD_ROWS:
+            xs = {k: torch.randn(n, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+                  .view(torch.int16).numpy().view(np.uint16) for k in {w.shape[1] for w in arrays}}
+            outs = {m: np.empty((n, m), np.uint16) for m in {w.shape[0] for w in arrays}}
+            first = second = 0.0
+            for w in arrays:  # in a forward's order: each weight streamed in after the others
+                x, out = xs[w.shape[1]], outs[w.shape[0]]
+                t0 = time.perf_counter()
+                few_row_kernel.bfloat16_rows_into(x, w, out)
+                t1 = time.perf_counter()
+                few_row_kernel.bfloat16_rows_into(x, w, out)
+                second += time.perf_counter() - t1
+                first += t1 - t0
+            cold[n].append(1e3 * first)
+            hot[n].append(1e3 * second)
+    print(f"{len(body)} bfloat16 matrices of the decoder stack ({nbytes / 2**20:.0f} MiB), the kernel's launch "
+          f"alone, ms per pass (median of {rounds}); each product twice in a row: cold (weight from memory), "
+          f"hot (from the caches)")
+    print("| rows | cold | hot | cold - hot | hot GMAC/s | cold GB/s |")
+    print("|---|---|---|---|---|---|")
+    for n in HOT_COLD_ROWS:
+        c, h = statistics.median(cold[n]), statistics.median(hot[n])
+        print(f"| {n} | {c:.1f} | {h:.1f} | {c - h:.1f} | {n * macs / h / 1e6:.1f} | {nbytes / c / 1e6:.1f} |")
     return 0
 
 
