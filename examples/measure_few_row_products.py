@@ -75,6 +75,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.rounds < 1 or a.ctx < 1 or a.threads < 1:
         raise SystemExit(f"--rounds={a.rounds}, --ctx={a.ctx}, --threads={a.threads}: allowed >= 1 each")
+    if a.hot_cold and a.products:
+        raise SystemExit("--hot-cold and --products are two measurements: pass one of them")
     if a.hot_cold and a.dtype != "bfloat16":
         raise SystemExit("--hot-cold times the kernel's bfloat16 launch: pass --dtype bfloat16")
     torch.set_num_threads(a.threads)
