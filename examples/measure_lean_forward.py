@@ -18,6 +18,11 @@ into reused outputs ("lean") against the modules' ``forward``:
   step) and how many prompts got the same tokens.
 * ``--what batch``: static batches of ``--rows`` prompts, alternating batch by batch;
   prints tokens/s and how many batches got the same tokens.
+* ``--what parts``: the lean forward alone, a timer around each of its parts (the norms,
+  the products straight through the kernel, the rotary-and-append call with its q | k | v
+  product, the attention, the kernel weights' lookup) over ``--calls`` forwards of each
+  ``--sizes``: ms a forward and us a call, as the parts run inside forwards (a part's cost
+  in a tight loop of its own is lower: its code and data come warm there).
 
 docs/results.md, "Twenty-eighth round", quotes it:
 
@@ -26,6 +31,7 @@ docs/results.md, "Twenty-eighth round", quotes it:
     python examples/measure_lean_forward.py --what batch [--rows 4] [--batches 6] [--temperature 1]
     python examples/measure_lean_forward.py --against separate-qkv --what decode [--prompts 10]
     python examples/measure_lean_forward.py --against module-products --what forward [--sizes 1 3 4 8]
+    python examples/measure_lean_forward.py --what parts [--sizes 1 4 8] [--calls 40]
 """
 
 from __future__ import annotations
@@ -65,30 +71,47 @@ def switch(args):
     return (lambda on: setattr(lean, "ENABLED", on)), "transformers"
 
 
-def forward(args, model, tok) -> None:
-    import rheoplan.models.lean_llama as lean
+def prompt_cache(model, tok) -> tuple[list[int], object]:
+    """A held-out prompt's ids and a cache holding its prefill."""
     from rheoplan.bench.decode import load_prompts
     from rheoplan.loading import encode_prompt
-    from rheoplan.models._hf_common import crop_cache, new_cache, prefix_and_block_mask, run_base
+    from rheoplan.models._hf_common import new_cache, run_base
 
-    base = model.model
-    set_on, other = switch(args)
     ids = encode_prompt(tok, load_prompts(1)[0][1], chat=True)
     n0 = len(ids)
     cache = new_cache(model)
     with torch.no_grad():
-        run_base(base, cache, torch.tensor(ids), torch.arange(n0), torch.ones(n0, n0, dtype=torch.bool).tril())
+        run_base(model.model, cache, torch.tensor(ids), torch.arange(n0), torch.ones(n0, n0, dtype=torch.bool).tril())
+    return ids, cache
+
+
+def tree_inputs(n: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token ids, positions, allowed mask) of an ``n``-token bushy tree after ``ids``."""
+    from rheoplan.models._hf_common import prefix_and_block_mask
+
+    anc, depth = tree(parents_of(n))
+    tok_ids = torch.tensor([ids[-1]] + [100 + j for j in range(n - 1)])
+    return tok_ids, len(ids) + depth, prefix_and_block_mask(len(ids), anc)
+
+
+def forward(args, model, tok) -> None:
+    import rheoplan.models.lean_llama as lean
+    from rheoplan.models._hf_common import crop_cache, run_base
+
+    base = model.model
+    set_on, other = switch(args)
+    ids, cache = prompt_cache(model, tok)
+    n0 = len(ids)
+    with torch.no_grad():
         for n in args.sizes:
-            anc, depth = tree(parents_of(n))
-            tok_ids = torch.tensor([ids[-1]] + [100 + j for j in range(n - 1)])
-            allowed = prefix_and_block_mask(n0, anc)
+            tok_ids, positions, allowed = tree_inputs(n, ids)
             times = {True: [], False: []}
             outs = {}
             for _ in range(args.calls):
                 for enabled in (True, False):
                     set_on(enabled)
                     t = time.perf_counter()
-                    outs[enabled] = run_base(base, cache, tok_ids, n0 + depth, allowed, all_allowed=n == 1)
+                    outs[enabled] = run_base(base, cache, tok_ids, positions, allowed, all_allowed=n == 1)
                     times[enabled].append(time.perf_counter() - t)
                     crop_cache(cache, n0)
             set_on(True)
@@ -99,16 +122,67 @@ def forward(args, model, tok) -> None:
             from torch.profiler import ProfilerActivity, profile
 
             n = max(args.sizes)
-            anc, depth = tree(parents_of(n))
-            tok_ids = torch.tensor([ids[-1]] + [100 + j for j in range(n - 1)])
-            allowed = prefix_and_block_mask(n0, anc)
+            tok_ids, positions, allowed = tree_inputs(n, ids)
             lean.ENABLED = not args.hf
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(5):
-                    run_base(base, cache, tok_ids, n0 + depth, allowed, all_allowed=n == 1)
+                    run_base(base, cache, tok_ids, positions, allowed, all_allowed=n == 1)
                     crop_cache(cache, n0)
             lean.ENABLED = True
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def parts(args, model, tok) -> None:
+    """``--what parts``: the lean forward's parts timed where they run (see the docstring)."""
+    import collections
+
+    import rheoplan.models.lean_llama as lean
+    from rheoplan.models._hf_common import crop_cache, run_base
+
+    spent, calls = collections.Counter(), collections.Counter()
+
+    def timed(fn, part):
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[part] += time.perf_counter() - t
+                calls[part] += 1
+        return run
+
+    ml = lean._llama_classes()
+    attention = ml.ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, ml.eager_attention_forward)
+    wrapped = [(lean.glue, "add_rms_norm", "residual sum and norm"),
+               (lean, "_product_into", "products through the kernel (q | k | v too)"),
+               (lean, "_rope_into_cache", "q | k | v product, rotary, cache append"),
+               (lean, "_kernel_weights", "kernel weights' lookup")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in wrapped]
+    saved_interface = ml.ALL_ATTENTION_FUNCTIONS.get_interface
+    for obj, name, part in wrapped:
+        setattr(obj, name, timed(getattr(obj, name), part))
+    ml.ALL_ATTENTION_FUNCTIONS.get_interface = lambda *a, **k: timed(attention, "attention")
+    try:
+        ids, cache = prompt_cache(model, tok)
+        with torch.no_grad():
+            for n in args.sizes:
+                tok_ids, positions, allowed = tree_inputs(n, ids)
+                for i in range(args.calls + 5):
+                    if i == 5:  # the first five warm up
+                        spent.clear()
+                        calls.clear()
+                        t0 = time.perf_counter()
+                    run_base(model.model, cache, tok_ids, positions, allowed, all_allowed=n == 1)
+                    crop_cache(cache, len(ids))
+                whole = (time.perf_counter() - t0) / args.calls
+                print(f"{n} tokens: {1e3 * whole:.2f} ms a forward")
+                for part, s in spent.most_common():
+                    print(f"  {part:44s} {1e3 * s / args.calls:6.2f} ms a forward, {calls[part] / args.calls:5.1f} calls, "
+                          f"{1e6 * s / calls[part]:6.1f} us a call")
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+        ml.ALL_ATTENTION_FUNCTIONS.get_interface = saved_interface
 
 
 def decodes(args, model, tok, draft) -> None:
@@ -151,9 +225,9 @@ def decodes(args, model, tok, draft) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--what", choices=("forward", "decode", "batch"), default="forward")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 3, 9], help="tree tokens per forward (forward)")
-    ap.add_argument("--calls", type=int, default=60, help="calls per size and side (forward)")
+    ap.add_argument("--what", choices=("forward", "decode", "batch", "parts"), default="forward")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 3, 9], help="tree tokens per forward (forward, parts)")
+    ap.add_argument("--calls", type=int, default=60, help="calls per size and side (forward, parts)")
     ap.add_argument("--profile", action="store_true", help="also profile five forwards (forward)")
     ap.add_argument("--against", choices=("transformers", "separate-qkv", "module-products"), default="transformers",
                     help="what the lean forward alternates with (see the docstring)")
@@ -180,6 +254,8 @@ def main() -> None:
     model, tok, draft = load_default(dtype="bfloat16", draft_dtype="bfloat16")
     if args.what == "forward":
         forward(args, model, tok)
+    elif args.what == "parts":
+        parts(args, model, tok)
     else:
         decodes(args, model, tok, draft)
 

@@ -47,7 +47,7 @@ and writes the roped keys and the values straight into the cache's buffers
 (``_rope_into_cache``, ``glue.rope_qkv_append``): the same entries, the queries in the same
 strided view, instead of ~20 small calls a layer. Where each of a layer's four products (q | k
 | v, o, gate | up, down) is the few-row kernel's bfloat16 product alone
-(``packed_linear.bfloat16_kernel_weight``), ``_product_into`` launches the kernel itself
+(``packed_linear.bfloat16_kernel_span``), ``_product_into`` launches the kernel itself
 (``kernels.linear.cpu.bfloat16_rows_into``) into an output this thread reuses, without
 ``PackedLinear.forward``'s checks and conversions (a one-row call took 20 us in a tight loop,
 4 of them the launch; 120 products a forward): the same kernel call, the same bits.
@@ -67,7 +67,7 @@ from torch.nn.modules import module as torch_module
 from rheoplan.kernels import decoder_glue as glue
 from rheoplan.kernels.linear.cpu import bfloat16_rows_into
 from rheoplan.models.growing_cache import growing_layers
-from rheoplan.models.packed_linear import bfloat16_kernel_weight, shared_product
+from rheoplan.models.packed_linear import bfloat16_kernel_span, pack_count, shared_product
 
 #: set to False to run every forward through transformers (A/B measurements, debugging)
 ENABLED = True
@@ -413,22 +413,50 @@ def _scratch(name: str, shape: tuple) -> torch.Tensor:
     return _scratch_pair(name, shape)[0]
 
 
+#: per attention module: ``(pack_count(), its layer's seven linears, fewest rows, most rows,
+#: the four weight arrays)`` as ``_kernel_weights`` last read them
+_KERNEL_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _kernel_weights(attn, mlp, rows: int) -> tuple | None:
     """The weight arrays of a layer's q | k | v, o, gate | up and down products where every
     one of them runs the few-row kernel's bfloat16 product for ``rows`` rows
-    (``shared_product``, ``bfloat16_kernel_weight``), else None."""
+    (``shared_product``, ``bfloat16_kernel_span``) and no gradient is recorded, else None.
+
+    Why kept per layer: read afresh (two ``shared_product`` and four span checks) this
+    took 14 us a layer inside forwards on the AVX2-only AMD EPYC, 0.42 ms a forward
+    (docs/results.md, "Fortieth round"). What was read stays right while the layer holds
+    the same seven linears and nothing was repacked since (``pack_count``): a repack may
+    replace an array, and only a repack or another module does (the few-row spans are
+    fixed when a ``PackedLinear`` is made)."""
+    if torch.is_grad_enabled():
+        return None
     # the children through ``_modules``: ``nn.Module.__getattr__`` costs ~1 us a name
     am, mm = attn._modules, mlp._modules
-    qkv = shared_product(am["q_proj"], am["k_proj"], am["v_proj"])
-    gate_up = shared_product(mm["gate_proj"], mm["up_proj"])
-    if qkv is None or gate_up is None:
+    mods = (am["q_proj"], am["k_proj"], am["v_proj"], am["o_proj"], mm["gate_proj"], mm["up_proj"], mm["down_proj"])
+    packs = pack_count()
+    got = _KERNEL_WEIGHTS.get(attn)
+    if got is None or got[0] != packs or got[1] != mods:  # a tuple of modules compares them by identity
+        got = _KERNEL_WEIGHTS[attn] = (packs, mods, *_layer_spans(mods))
+    arrays = got[4]
+    if arrays is None or not got[2] <= rows <= got[3]:
         return None
-    arrays = (bfloat16_kernel_weight(qkv, rows), bfloat16_kernel_weight(am["o_proj"], rows),
-              bfloat16_kernel_weight(gate_up, rows), bfloat16_kernel_weight(mm["down_proj"], rows))
-    for a in arrays:
-        if a is None:
-            return None
     return arrays
+
+
+def _layer_spans(mods: tuple) -> tuple[int, int, tuple | None]:
+    """``(fewest rows, most rows, arrays)`` for ``_kernel_weights`` from a layer's q, k, v,
+    o, gate, up and down linears: the rows for which all four products run the kernel."""
+    q, k, v, o, gate, up, down = mods
+    qkv = shared_product(q, k, v)
+    gate_up = shared_product(gate, up)
+    if qkv is None or gate_up is None:
+        return 0, -1, None
+    spans = [bfloat16_kernel_span(m) for m in (qkv, o, gate_up, down)]
+    if any(span is None for span in spans):
+        return 0, -1, None
+    return (max(span[1] for span in spans), min(span[2] for span in spans),
+            tuple(span[0] for span in spans))
 
 
 def _product_into(x: torch.Tensor, w: np.ndarray, name: str) -> torch.Tensor:

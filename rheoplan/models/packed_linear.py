@@ -98,6 +98,17 @@ def _packs(dtype: torch.dtype) -> bool:
         return False
 
 
+#: how many times a ``PackedLinear`` (re)packed its weight in this process (``pack_count``)
+_PACKS = [0]
+
+
+def pack_count() -> int:
+    """How many times a ``PackedLinear`` was packed or repacked in this process so far: a
+    caller that keeps weight arrays across calls (``rheoplan.models.lean_llama``) reads
+    them again when this moved (a repack may replace an array, a shared product too)."""
+    return _PACKS[0]
+
+
 class PackedLinear(torch.nn.Module):
     """``nn.Linear`` whose product runs faster than the eager one (see the module doc):
     its weight packed for oneDNN once (``onednn``) and/or few-row products through the
@@ -127,6 +138,7 @@ class PackedLinear(torch.nn.Module):
     def repack(self) -> None:
         """Pack the current weight again (after the weights were changed in place or
         replaced)."""
+        _PACKS[0] += 1
         with torch.no_grad():
             if self.onednn:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
@@ -265,20 +277,34 @@ def shared_product(*parts: torch.nn.Module) -> PackedLinear | None:
     return shared.product
 
 
+def bfloat16_kernel_span(module: torch.nn.Module) -> tuple[np.ndarray, int, int] | None:
+    """``(weight array, fewest rows, most rows)``: the array (``few_row_kernel.weight_array``)
+    through which ``module.forward`` multiplies bfloat16 activations by the few-row kernel's
+    bfloat16 product with nothing after it, and the rows it does so for (gradients aside:
+    see ``bfloat16_kernel_weight``); ``module`` a ``PackedLinear`` (not a part of a shared
+    one: ``shared_product`` gives that) of a bfloat16 weight and no bias, the kernel on;
+    else None."""
+    if type(module) is not PackedLinear or module.bias is not None:
+        return None
+    w = module._rows_w
+    if w is None or w.dtype != np.uint16:
+        return None
+    return w, module.few_rows, module._most
+
+
 def bfloat16_kernel_weight(module: torch.nn.Module, rows: int) -> np.ndarray | None:
     """The weight array (``few_row_kernel.weight_array``) through which ``module.forward``
     multiplies ``rows`` rows of bfloat16 activations where that is the few-row kernel's
-    bfloat16 product with nothing after it: ``module`` a ``PackedLinear`` (not a part of a
-    shared one: ``shared_product`` gives that) of a bfloat16 weight and no bias, the kernel
-    on, ``rows`` in its span, no gradient recorded; else None. A caller holding its
-    operands as arrays then gets ``forward``'s bits from
-    ``few_row_kernel.bfloat16_rows_into`` (``rheoplan.models.lean_llama``)."""
-    if type(module) is not PackedLinear or module.bias is not None or torch.is_grad_enabled():
+    bfloat16 product with nothing after it: ``bfloat16_kernel_span`` gives one, ``rows`` in
+    its span, no gradient recorded; else None. A caller holding its operands as arrays
+    then gets ``forward``'s bits from ``few_row_kernel.bfloat16_rows_into``
+    (``rheoplan.models.lean_llama``)."""
+    if torch.is_grad_enabled():
         return None
-    w = module._rows_w
-    if w is None or w.dtype != np.uint16 or not module.few_rows <= rows <= module._most:
+    span = bfloat16_kernel_span(module)
+    if span is None or not span[1] <= rows <= span[2]:
         return None
-    return w
+    return span[0]
 
 
 def pack_linears(model: torch.nn.Module, onednn: bool = True, few_rows: int = 0, prefill: bool = False,

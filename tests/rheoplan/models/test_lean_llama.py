@@ -425,6 +425,35 @@ def test_products_step_aside_where_the_module_would_not_run_the_kernel_alone(mon
     _assert_same_row(ours, theirs)
 
 
+def test_the_kept_kernel_weights_follow_a_repack_and_a_swapped_module(monkeypatch):
+    """``_kernel_weights`` keeps each layer's weight arrays from one forward to the next.
+    After a projection's weight changed and was repacked, and after one was swapped for a
+    plain ``nn.Linear`` of other weights, a verify still gives transformers' bits (arrays
+    kept from before would give the old weights' products)."""
+    model = _llama(torch.bfloat16, packed="kernel")
+    parents = [-1, 0, 0, 1]
+    layers = model.config.num_hidden_layers
+    every = ["qkv", "o", "gate_up", "down"] * layers
+    names, ours, theirs = _fused_step_both(monkeypatch, model, parents, _count_products)
+    assert names == every  # the arrays are kept from here on
+    _assert_same_row(ours, theirs)
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        layer.self_attn.q_proj.weight.mul_(-1.5)  # its shared product holds a copy: repacked
+        layer.self_attn.q_proj.repack()
+    names, ours, theirs = _fused_step_both(monkeypatch, model, parents, _count_products)
+    assert names == every
+    _assert_same_row(ours, theirs)
+    old = layer.mlp.down_proj
+    plain = torch.nn.Linear(old.in_features, old.out_features, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        plain.weight.copy_(old.weight.flip(0))
+    layer.mlp.down_proj = plain  # nothing repacked: only the module differs
+    names, ours, theirs = _fused_step_both(monkeypatch, model, parents, _count_products)
+    assert names == every[:4] + every[8:]  # layer 1's four products through its modules
+    _assert_same_row(ours, theirs)
+
+
 def _chain_steps(model, cache, steps: int, q: int, prefix_len: int) -> list[torch.Tensor]:
     """Hidden states of a ``prefix_len``-token prefill, then ``steps`` forwards of ``q`` chain
     tokens each into ``cache`` (nothing cropped: the cache fills)."""
