@@ -20,8 +20,9 @@ The rows of several shards are sampled together with continuous refill
 schedule, and a shard is written when its last row finishes. Shards already present are
 skipped (``tokens.shard_done``), so ``rheoplan train-draft --stages generate`` picks up
 after a kill (rows of unfinished shards are resampled from their streams). Progress
-(tokens done of the plan's estimate, tokens/s, ETA) goes to stdout, one line per shard
-and at least one a minute.
+(tokens done of the plan's estimate, tokens/s over the run and over the last ten minutes,
+the ETA at the latter, ``RecentRate``) goes to stdout, one line per shard and at least one
+a minute.
 
 Shards written before the refill sampler (their index has no ``rng`` key) were sampled
 32 rows in lockstep from one stream per shard (``shard_seed``); they hold samples of the
@@ -149,6 +150,55 @@ def row_seed(seed: int, name: str, row: int) -> int:
 
 #: the progress line's period when no shard finished (seconds)
 PROGRESS_EVERY = 60.0
+#: the window of the progress line's recent rate, which the ETA uses (seconds)
+RATE_WINDOW = 600.0
+
+
+class RecentRate:
+    """Tokens per second over about the last ``window`` seconds, from ``(time, total)``
+    readings: what the ETA should use. The run's average does not serve there: a job
+    paused with ``kill -STOP`` (as docs/train.md suggests, for a measurement beside it)
+    or slowed by other work keeps a low average for hours after it runs at full speed
+    again, and the ETA it gives is hours too long.
+
+    The rate spans from the newest reading at least ``window`` old (the oldest one
+    while the run is younger) to the latest one; None until two readings differ in time.
+
+    Example:
+        >>> r = RecentRate(window=60)
+        >>> for t, n in [(0, 0), (30, 10), (100, 10), (130, 910)]:  # stopped from 30 to 100 s
+        ...     r.add(t, n)
+        >>> r.rate(), r.span()  # from the reading at 30 s, the newest one at least 60 s old
+        (9.0, 100.0)
+        >>> 910 / 130  # the run's average
+        7.0
+    """
+
+    def __init__(self, window: float = RATE_WINDOW) -> None:
+        if not window > 0:
+            raise ValueError(f"window={window}: allowed > 0 seconds")
+        self.window = float(window)
+        self._readings: list[tuple[float, float]] = []
+
+    def add(self, t: float, total: float) -> None:
+        """A reading: ``total`` tokens counted by time ``t`` (seconds, not decreasing)."""
+        if self._readings and t < self._readings[-1][0]:
+            raise ValueError(f"t={t}: readings must not go back in time (last {self._readings[-1][0]})")
+        self._readings.append((float(t), float(total)))
+        # keep the newest reading at least a window old, and everything after it
+        old = [i for i, (ti, _) in enumerate(self._readings) if t - ti >= self.window]
+        if old:
+            del self._readings[:old[-1]]
+
+    def span(self) -> float:
+        """Seconds between the readings ``rate`` spans."""
+        return self._readings[-1][0] - self._readings[0][0] if self._readings else 0.0
+
+    def rate(self) -> float | None:
+        if not self.span() > 0:
+            return None
+        (_, n0), (_, n1) = self._readings[0], self._readings[-1]
+        return (n1 - n0) / self.span()
 
 
 def run_jobs(model: torch.nn.Module, tokenizer, jobs: Sequence[Job], directory: str, *, seed: int,
@@ -205,18 +255,25 @@ def run_jobs(model: torch.nn.Module, tokenizer, jobs: Sequence[Job], directory: 
         return out
 
     sampler: dict = {}
+    recent = RecentRate()
+    recent.add(t_run, 0)
 
     def progress(extra: str) -> None:
-        el = max(time.time() - t_run, 1e-9)
-        rate = sampler.get("drawn", 0) / el  # every sampled token, rows still running included
+        now = time.time()
+        drawn = sampler.get("drawn", 0)  # every sampled token, rows still running included
+        rate = drawn / max(now - t_run, 1e-9)
+        recent.add(now, drawn)
+        last = recent.rate()
+        last = rate if last is None else last
         per_row = done_tok / max(done_rows, 1)  # what is left, from the mean tokens per row so far
         rows_left = sum(x.expected_rows for x in jobs if not tk.shard_done(directory, x.name))
-        eta = rows_left * per_row / max(rate, 1e-9)
+        eta = f"{rows_left * per_row / last / 3600:.1f} h" if last > 0 else "unknown (no token in the last minutes)"
         print(f"[generate] {time.strftime('%H:%M:%S')} {extra} | total {done_tok} sampled tokens, {done_rows} rows | "
-              f"run {rate:.1f} tok/s ({sampler.get('live', 0)} live rows, cache {sampler.get('width', 0)} columns) | "
-              f"about {rows_left * per_row / 1e6:.2f} M tokens left, ETA {eta / 3600:.1f} h",
+              f"run {rate:.1f} tok/s, last {recent.span() / 60:.0f} min {last:.1f} tok/s "
+              f"({sampler.get('live', 0)} live rows, cache {sampler.get('width', 0)} columns) | "
+              f"about {rows_left * per_row / 1e6:.2f} M tokens left, ETA {eta}",
               file=log, flush=True)
-        last_line[0] = time.time()
+        last_line[0] = now
 
     for req, row in tk.sample_refill(model, feed, live_rows=live_rows, eos_id=eos_id, stats=sampler):
         name, r = req.key

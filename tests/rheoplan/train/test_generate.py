@@ -69,6 +69,7 @@ def test_a_killed_job_resumes_to_the_same_shards(tiny_target, tiny_tokenizer, tm
     gen.run_jobs(tiny_target, tiny_tokenizer, _jobs(tiny_tokenizer, part)[1], part, seed=0, vocab_size=100,
                  eos_id=2, dtype_name="float32", log=log)
     assert "3 present" in log.getvalue() and "tok/s" in log.getvalue() and "ETA" in log.getvalue()
+    assert " min " in log.getvalue().splitlines()[-1]  # the recent rate beside the run's
     assert sorted(os.listdir(full)) == sorted(os.listdir(part))
     for f in os.listdir(full):
         if f.endswith(".npy"):
@@ -108,3 +109,29 @@ def test_more_prompts_get_shards_of_their_own_after_the_plan_and_only_append(tin
     full = [(j.name, [pid for pid, _ in j.prompts()]) for j in grown if j.name.startswith("train_x_r1")]
     assert full[:len(half)] == half
     assert [j.parents for j in grown if j.name == "train_x_fu_00000"] == [tuple(names[len(base):][:4])]
+
+
+def test_the_recent_rate_forgets_a_pause_once_a_window_has_passed():
+    """The ETA's rate: a job stopped for a while reads its running speed again once a
+    window of readings has passed since it resumed, while the run's average stays low."""
+    r = gen.RecentRate(window=60)
+    assert r.rate() is None
+    r.add(0, 0)
+    assert r.rate() is None and r.span() == 0
+    for t in range(10, 70, 10):  # running at 10 tok/s
+        r.add(t, 10 * t)
+    assert r.rate() == 10 and r.span() == 60
+    r.add(1000, 600)  # stopped from 60 s to 1000 s
+    assert r.rate() == 0 and r.span() == 940
+    for t in range(1010, 1070, 10):  # running again
+        r.add(t, 600 + 10 * (t - 1000))
+    assert r.rate() == 10 and r.span() == 60
+
+
+def test_the_recent_rate_rejects_a_bad_window_and_time_going_back():
+    with pytest.raises(ValueError, match="window"):
+        gen.RecentRate(window=0)
+    r = gen.RecentRate(window=60)
+    r.add(5, 0)
+    with pytest.raises(ValueError, match="back in time"):
+        r.add(4, 1)
