@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head
+from rheoplan.train.progress import RecentRate
 
 
 # --------------------------------------------------------------------------------------
@@ -566,6 +567,8 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
     end = total if max_steps is None else min(total, max_steps)
     bar = tqdm(range(start, end), desc="train", unit="chunk", disable=not progress, dynamic_ncols=True,
                initial=start, total=end)
+    recent = RecentRate()  # steps a second lately: a later epoch reads cached features, a pause ends
+    recent.add(t0, start)
     for step in bar:
         epoch, chunk = schedule[step]
         b = collate(src.get(chunk), scale)
@@ -586,11 +589,14 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
         gn = torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
         opt.step()
         pairs += int(b.tokens.numel())
-        el = time.time() - t0
+        now = time.time()
+        el = now - t0
+        recent.add(now, step + 1)
+        steps_per_s = recent.rate() or (step + 1 - start) / max(el, 1e-9)
         rec = {"step": step + 1, "epoch": epoch, "loss": loss.item(), "grad_norm": float(gn),
                "lr": opt.param_groups[0]["lr"], **{f"loss_step{k}": l.item() for k, l in enumerate(losses, 1)},
                "elapsed_s": el, "tokens_per_s": pairs / max(el, 1e-9),
-               "eta_s": el / (step + 1 - start) * (end - step - 1)}
+               "eta_s": (end - step - 1) / steps_per_s}
         history.append(rec)
         bar.set_postfix(ep=epoch, loss=f"{rec['loss']:.3f}", l1=f"{rec['loss_step1']:.3f}")
         if (step + 1) % cfg.log_every == 0:
