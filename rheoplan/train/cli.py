@@ -31,6 +31,7 @@ import platform
 import random
 import sys
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -41,6 +42,7 @@ from rheoplan.models.packed_linear import pack_if_it_pays
 from rheoplan.models.smollm import DTYPES
 from rheoplan.train import features as ft
 from rheoplan.train import generate as gen
+from rheoplan.train import precision as hp
 from rheoplan.train import prompts as pr
 from rheoplan.train import selfdistill as sd
 from rheoplan.train import tokens as tk
@@ -136,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exclude-shards", default=None, metavar="FILE",
                    help="leave these shards out (same formats as --shards): e.g. train a head further on the "
                         "rows it has not seen")
-    g.add_argument("--no-bf16", action="store_true", help="train the head in fp32 instead of bf16 autocast")
+    g.add_argument("--head-precision", choices=("auto", *hp.PRECISIONS), default="auto",
+                   help="the head's training precision: bf16 autocast or fp32; auto (the default) times a "
+                        "training step in each on this machine (seconds, cached) and takes the faster: on an "
+                        "AVX2-only CPU bf16 autocast ran 25 times slower than fp32 (rheoplan.train.precision)")
+    g.add_argument("--no-bf16", action="store_true", help="the same as --head-precision fp32")
     g.add_argument("--ckpt-every", type=int, default=50, help="checkpoint every N optimiser steps")
     g.add_argument("--resume", action="store_true", help="continue training from WORK/ckpt.pt (same rows)")
     g.add_argument("--max-steps", type=int, default=None, help="stop after N optimiser steps (smoke runs)")
@@ -175,6 +181,8 @@ def _check_args(a: argparse.Namespace) -> list[str]:
                          f"(--batch-size {a.batch_size} x {gen.FOLLOWUP_GROUP} first-turn shards per follow-up shard)")
     if not a.feature_cache_gb >= 0:
         raise SystemExit(f"--feature-cache-gb={a.feature_cache_gb}: allowed >= 0 (0 = no cache)")
+    if a.no_bf16 and a.head_precision == "bf16":
+        raise SystemExit("--no-bf16 with --head-precision bf16: allowed one of them (--no-bf16 means fp32)")
     if a.ttt_steps < 1:
         raise SystemExit(f"--ttt-steps={a.ttt_steps}: allowed >= 1 (2 or more recommended)")
     if not 0 < a.step_decay <= 1:
@@ -386,6 +394,24 @@ def read_init_head(a, model) -> tr.Eagle3Head:
     return head
 
 
+def head_precision(a, head: tr.Eagle3Head, embed: torch.Tensor, cfg: tr.TrainConfig) -> dict:
+    """The head's training precision: ``--head-precision`` (``--no-bf16``: fp32), or with
+    ``auto`` the faster one here (``precision.choose``), printed with its timings."""
+    asked = "fp32" if a.no_bf16 else a.head_precision
+    if asked != "auto":
+        return {"precision": asked, "asked": asked}
+    rec = hp.choose(head, embed, cfg)
+    times = " and ".join(f"{rec['step_s'][k]:.2f} s in {NAMES[k]}" for k in hp.PRECISIONS)
+    print(f"[train] the head trains in {NAMES[rec['precision']]}: a step of {rec['pairs']} pairs took {times} "
+          f"on this machine ({'cached' if rec['cached'] else 'measured now, cached'}; --head-precision to choose)",
+          flush=True)
+    return {**rec, "asked": asked}
+
+
+#: the precisions' names in the progress lines and the model card
+NAMES = {"bf16": "bf16 autocast", "fp32": "fp32"}
+
+
 def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     d = tokens_dir(a)
     names = _train_shards(a)
@@ -459,8 +485,9 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     t2d_index = tr.target_to_draft_index(draft_ids, V)
     tcfg = tr.TrainConfig(epochs=a.epochs, lr=a.lr, chunk_tokens=a.chunk_tokens, ttt_steps=a.ttt_steps,
                           step_decay=a.step_decay, prompt_weight=a.prompt_weight, tv_weight=a.tv_weight,
-                          autocast_bf16=not a.no_bf16,
                           seed=a.seed, ckpt_every=a.ckpt_every)
+    precision = head_precision(a, head, embed, tcfg)
+    tcfg = replace(tcfg, autocast_bf16=hp.PRECISIONS[precision["precision"]])
     depths = max(a.eval_depths, a.ttt_steps)
     if init is not None and held_rows and not (a.resume and os.path.exists(os.path.join(a.work_dir, "ckpt.pt"))):
         # where this run starts from, measured by the same evaluation as its epochs
@@ -483,7 +510,7 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
                             progress=not a.no_progress, max_steps=a.max_steps, on_epoch_end=heldout_eval,
                             scale=scale)
     summary.pop("history")
-    report["train"] = {**summary, "config": tcfg.__dict__, "shared_prefix_tokens": shared,
+    report["train"] = {**summary, "config": tcfg.__dict__, "shared_prefix_tokens": shared, "head_precision": precision,
                        "target_dtype": a.train_dtype, "topk": a.topk,
                        "feature_cache": {"gb": a.feature_cache_gb, "rows": train_src.cached_rows(),
                                          "of_rows": len(train_rows), "dir": a.feature_cache_dir,
@@ -616,7 +643,8 @@ def model_card(r: dict) -> str:
         "",
         f"- {cfg.get('epochs')} epochs, {trn.get('steps_done')} of {trn.get('steps_total')} AdamW steps of "
         f"{cfg.get('chunk_tokens')} packed positions, lr {cfg.get('lr')} (cosine, {cfg.get('warmup_frac')} "
-        f"warmup), {'bf16 autocast' if cfg.get('autocast_bf16') else 'fp32'}, "
+        f"warmup), {NAMES['bf16' if cfg.get('autocast_bf16') else 'fp32']}"
+        + (" (the faster here, measured)" if trn.get("head_precision", {}).get("asked") == "auto" else "") + ", "
         f"{r.get('machine', {}).get('cpu_threads')} CPU thread(s)",
         "- loss: soft cross-entropy to the target's top-k distribution restricted to the draft vocabulary"
         + (f" plus {cfg['tv_weight']:g} x the total-variation term `mass - sum_x min(p(x), q(x))` over that top-k "

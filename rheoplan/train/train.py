@@ -519,6 +519,38 @@ def _total(earlier_s: float | None, t0: float) -> float | None:
     return None if earlier_s is None else earlier_s + time.time() - t0
 
 
+def make_optimizer(head: Eagle3Head, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over ``head``'s parameters, weight decay on its matrices only."""
+    params = [p for _, p in head.named_parameters()]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def train_step(head: Eagle3Head, embed: torch.Tensor, opt: torch.optim.Optimizer, batch: Batch,
+               cfg: TrainConfig, t2d_index: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """One optimiser step on ``batch`` at the optimiser's current learning rate: the
+    training-time test's ``cfg.ttt_steps`` forwards (in bfloat16 autocast when
+    ``cfg.autocast_bf16``), their losses weighted by ``cfg.step_decay``, backward, gradient
+    clipping, ``opt.step()``. Returns the loss, each step's loss and the gradient norm."""
+    d, p, mass = soft_targets(batch.topk_ids, batch.topk_logp, t2d_index)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+        outs = ttt_forward(head, embed, batch, cfg.ttt_steps)
+        losses = []
+        for k, h in enumerate(outs, 1):
+            w = batch.weight * (batch.local >= k - 1)
+            sel = w > 0
+            logits = head.draft_logits(h[sel])
+            losses.append(step_loss(logits, d[sel], p[sel], mass[sel], w[sel], cfg.tv_weight))
+    loss = sum(cfg.step_decay ** k * l for k, l in enumerate(losses))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gn = torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+    opt.step()
+    return loss, losses, gn
+
+
 def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig, *,
                ckpt_path: str | None = None, resume: bool = False, log_path: str | None = None,
                progress: bool = True, max_steps: int | None = None,
@@ -544,11 +576,7 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
     epochs_chunks = [pack(lengths, cfg.chunk_tokens, seed=cfg.seed + e) for e in range(cfg.epochs)]
     schedule = [(e, c) for e, chunks in enumerate(epochs_chunks) for c in chunks]
     total = len(schedule)
-    params = [p for n, p in head.named_parameters()]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = make_optimizer(head, cfg)
     start = 0
     earlier_s = 0.0  # training wall time of the earlier sittings this run resumes
     if resume and ckpt_path and os.path.exists(ckpt_path):
@@ -574,20 +602,7 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
         b = collate(src.get(chunk), scale)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, cfg)
-        d, p, mass = soft_targets(b.topk_ids, b.topk_logp, t2d_index)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-            outs = ttt_forward(head, embed, b, cfg.ttt_steps)
-            losses = []
-            for k, h in enumerate(outs, 1):
-                w = b.weight * (b.local >= k - 1)
-                sel = w > 0
-                logits = head.draft_logits(h[sel])
-                losses.append(step_loss(logits, d[sel], p[sel], mass[sel], w[sel], cfg.tv_weight))
-        loss = sum(cfg.step_decay ** k * l for k, l in enumerate(losses))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
-        opt.step()
+        loss, losses, gn = train_step(head, embed, opt, b, cfg, t2d_index)
         pairs += int(b.tokens.numel())
         now = time.time()
         el = now - t0

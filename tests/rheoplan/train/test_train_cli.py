@@ -48,6 +48,8 @@ def test_help_lists_the_main_flags(capsys):
     (["--more-prompts", "64", "--batch-size", "16"], None),
     (["--shards", "/nonexistent.txt"], "--shards"),
     (["--exclude-shards", "/nonexistent.json"], "--exclude-shards"),
+    (["--no-bf16", "--head-precision", "bf16"], "--no-bf16 with --head-precision bf16"),
+    (["--no-bf16", "--head-precision", "fp32"], None),
 ])
 def test_bad_arguments_are_rejected_before_any_work(argv, msg, tmp_path):
     a = cli.build_parser().parse_args(["--work-dir", str(tmp_path)] + argv)
@@ -199,9 +201,14 @@ def test_init_from_continues_an_exported_head(tiny_target_dir, tmp_path):
     with pytest.raises(SystemExit, match="--draft-vocab=30 .* allowed 40"):
         cli.main(base + ["--work-dir", second, "--stages", "train", "--init-from", exported, "--draft-vocab", "30"])
     # a larger --draft-vocab grows the head's vocabulary (rheoplan.train.train.extend_vocab)
+    # (and, without --no-bf16, trains in the precision measured faster here)
     grown = str(tmp_path / "grown")
-    assert cli.main(base + ["--work-dir", grown, "--stages", "train,export", "--init-from", exported,
-                            "--draft-vocab", "50", "--max-steps", "1"]) == 0
+    assert cli.main([x for x in base if x != "--no-bf16"] + [
+        "--work-dir", grown, "--stages", "train,export", "--init-from", exported, "--draft-vocab", "50",
+        "--max-steps", "1"]) == 0
+    chosen = json.load(open(os.path.join(grown, "export", "report.json")))["train"]["head_precision"]
+    assert chosen["asked"] == "auto" and chosen["precision"] in ("bf16", "fp32") and set(chosen["step_s"]) == {"bf16", "fp32"}
+    assert "(the faster here, measured)" in open(os.path.join(grown, "export", "MODEL_CARD.md")).read()
     g = read_eagle3(os.path.join(grown, "export"))
     assert g.config.draft_vocab_size == 50
     assert set(read_eagle3(exported).target_ids().tolist()) < set(g.target_ids().tolist())
