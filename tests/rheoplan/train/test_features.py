@@ -126,3 +126,22 @@ def test_cache_dir_files_belong_to_one_target_and_topk(tiny_target, tmp_path):
     assert ft.model_digest(changed) != ft.model_digest(tiny_target)
     assert len(list(tmp_path.rglob("*.pt"))) == 3
     assert got[0].topk_ids.shape[-1] == 4
+
+
+def test_forward_groups_keep_padding_and_size_within_bounds():
+    """Every row in exactly one forward; a forward of several rows within ``batch_tokens``
+    padded positions and its padding within the share; rows of equal length batch, rows of
+    other lengths do not (the 32% of padding that filled forwards carried)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 700, (300,), generator=g).tolist() + [256] * 8 + [5000]
+    groups = ft.forward_groups(lengths, batch_tokens=2048)
+    assert sorted(i for b in groups for i in b) == list(range(len(lengths)))
+    for b in groups:
+        longest, real = max(lengths[i] for i in b), sum(lengths[i] for i in b)
+        assert len(b) == 1 or (longest * len(b) <= 2048 and longest * len(b) - real <= ft.PAD_SHARE * longest * len(b))
+    assert [b for b in groups if lengths[b[0]] == 256 and len(b) > 1]  # equal lengths share forwards
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in groups)
+    assert padded - sum(lengths) <= ft.PAD_SHARE * padded
+    assert ft.forward_groups([], batch_tokens=8) == []
+    with pytest.raises(ValueError, match="pad_share"):
+        ft.forward_groups([3], batch_tokens=8, pad_share=1.0)
