@@ -394,6 +394,10 @@ def read_init_head(a, model) -> tr.Eagle3Head:
     return head
 
 
+#: the precisions' names in the progress lines and the model card
+NAMES = {"bf16": "bf16 autocast", "fp32": "fp32"}
+
+
 def head_precision(a, head: tr.Eagle3Head, embed: torch.Tensor, cfg: tr.TrainConfig) -> dict:
     """The head's training precision: ``--head-precision`` (``--no-bf16``: fp32), or with
     ``auto`` the faster one here (``precision.choose``), printed with its timings."""
@@ -406,10 +410,6 @@ def head_precision(a, head: tr.Eagle3Head, embed: torch.Tensor, cfg: tr.TrainCon
           f"on this machine ({'cached' if rec['cached'] else 'measured now, cached'}; --head-precision to choose)",
           flush=True)
     return {**rec, "asked": asked}
-
-
-#: the precisions' names in the progress lines and the model card
-NAMES = {"bf16": "bf16 autocast", "fp32": "fp32"}
 
 
 def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:

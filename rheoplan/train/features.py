@@ -127,8 +127,9 @@ class RowExamples:
 
     ``lengths()`` (pairs per row) is all that packing needs; ``get(indices)`` runs the
     target over those rows (rows of nearly equal length together, at most ``batch_tokens``
-    padded tokens a forward: ``forward_groups``) and returns their ``Example`` objects. ``cache=True`` keeps what was made (small sets,
-    e.g. the held-out rows evaluated after every epoch).
+    padded tokens a forward: ``forward_groups``) and returns their ``Example`` objects.
+    ``cache=True`` keeps what was made (small sets, e.g. the held-out rows evaluated after
+    every epoch).
 
     ``cache_gb`` keeps made examples in memory until they take that many GB (rows made
     after that are made again when asked for): a training run's later epochs then skip
@@ -231,8 +232,7 @@ class RowExamples:
                     made[i] = self._example(row)
                     self.disk_hits += 1
             want = [i for i in want if i not in made]
-        lens = {i: int(self.rows[i]["tokens"].numel()) for i in want}
-        for b in forward_groups([lens[i] for i in want], self.batch_tokens):
+        for b in forward_groups([int(self.rows[i]["tokens"].numel()) for i in want], self.batch_tokens):
             b = [want[k] for k in b]
             for j, row in zip(b, teacher_forced(self.model, [self.rows[k] for k in b], topk=self.topk)):
                 if self._dir is not None:

@@ -151,6 +151,8 @@ def row_seed(seed: int, name: str, row: int) -> int:
 
 #: the progress line's period when no shard finished (seconds)
 PROGRESS_EVERY = 60.0
+
+
 def run_jobs(model: torch.nn.Module, tokenizer, jobs: Sequence[Job], directory: str, *, seed: int,
              vocab_size: int, eos_id: int, dtype_name: str, log=None, max_shards: int | None = None,
              live_rows: int = 64) -> dict:
