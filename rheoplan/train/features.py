@@ -96,11 +96,12 @@ def forward_groups(lengths: Sequence[int], batch_tokens: int, pad_share: float =
 
     Why not fill each forward up to ``batch_tokens``: the rows of a training chunk differ in
     length, and padded to the longest, 32% of the positions such forwards computed were
-    padding over the shipped shards' rows (1,024-pair chunks, 2,048-token forwards), and a
-    forward of one row multiplies as fast per position (a product of 100 rows and more
-    runs at the few-row kernel's full rate). On the 2-core AVX2-only AMD EPYC (bfloat16,
-    12 training chunks, two rounds alternating) features came at 302-325 pairs/s with these
-    groups against 187-194 filling each forward (docs/train.md, "Time on a 2-core machine").
+    padding (6,268 rows of the first 200 training shards, 1,024-pair chunks, 2,048-token
+    forwards), while a forward of one row multiplies as fast per position (the few-row
+    kernel's products ran at 42-65 GMAC/s from 32 to 2,048 rows here). On the 2-core
+    AVX2-only AMD EPYC (bfloat16, 12 training chunks, two rounds alternating) features came
+    at 302-325 pairs/s with these groups against 187-194 filling each forward (docs/train.md,
+    "Time on a 2-core machine").
 
     Example:
         >>> forward_groups([300, 120, 300, 290, 118, 40], batch_tokens=1024)

@@ -3,7 +3,7 @@
 Why measure: what a training step costs in each precision depends on the CPU far more
 than its flags suggest. On the 2-core AVX2-only AMD EPYC (Zen 3, no AVX-512, no AMX;
 2026-12-06) a step of the shipped head's shape (1,024 pairs, the training-time test's 2
-steps) ran at 35 pairs/s in bfloat16 autocast and at 880-950 in float32, 25 times faster:
+steps) ran at 34-35 pairs/s in bfloat16 autocast and at 880-950 in float32, about 25 times faster:
 torch's bfloat16 products there have no native instructions to run on. On the Zen 5 AMD
 EPYC (AVX-512 with bf16), where the shipped head was trained in bfloat16 autocast, its
 later epochs (the head's steps over cached features) ran at 2,290-2,560 pairs/s
