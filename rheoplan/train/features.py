@@ -45,6 +45,36 @@ def capture_indices(model: torch.nn.Module) -> list[int]:
     return eagle3_layers(int(model.config.num_hidden_layers))
 
 
+#: positions per block in ``top_log_probs``
+SOFT_BLOCK = 16
+
+
+def top_log_probs(logits: torch.Tensor, k: int, block: int = SOFT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of ``log_softmax(logits.float())`` over the last dimension,
+    and their indices (``topk``'s pair), computed ``block`` positions at a time.
+
+    Why in blocks: over a whole forward's logits (hundreds of positions x 49,152 entries)
+    the float copy, the log-softmax and the top-k each stream hundreds of MB through memory;
+    a block of 16 positions (3 MB in float32) stays in cache. On the 2-core AVX2-only AMD
+    EPYC, 620 positions of SmolLM2 logits took 173-178 ms whole and 59-64 ms in blocks of
+    8-16; the whole-tensor way was 9% of a teacher-forced forward's time (torch.profiler).
+
+    Example:
+        >>> x = torch.tensor([[[0.0, 1.0, 2.0]], [[3.0, 0.0, 0.0]]])
+        >>> lp, ids = top_log_probs(x, 2, block=1)
+        >>> ids.tolist(), torch.allclose(lp, torch.log_softmax(x, -1).topk(2, -1).values)
+        ([[[2, 1]], [[0, 1]]], True)
+    """
+    if block < 1:
+        raise ValueError(f"block={block}: allowed >= 1")
+    flat = logits.reshape(-1, logits.shape[-1])
+    lp = torch.empty(flat.shape[0], k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(flat.shape[0], k, dtype=torch.int64, device=logits.device)
+    for s in range(0, flat.shape[0], block):
+        torch.topk(torch.log_softmax(flat[s:s + block].float(), dim=-1), k, dim=-1, out=(lp[s:s + block], ids[s:s + block]))
+    return lp.reshape(*logits.shape[:-1], k), ids.reshape(*logits.shape[:-1], k)
+
+
 @torch.no_grad()
 def teacher_forced(model: torch.nn.Module, rows: Sequence[dict], *, topk: int) -> list[dict]:
     """Each row (``tokens`` int tensor, ``prompt_len``) with ``feats`` float32 ``[m, 3H]``,
@@ -63,7 +93,7 @@ def teacher_forced(model: torch.nn.Module, rows: Sequence[dict], *, topk: int) -
         ids[i, :lens[i]] = r["tokens"].long()
     out = model(input_ids=ids.to(dev), output_hidden_states=True, use_cache=False)
     feats = torch.cat([out.hidden_states[i] for i in idx], dim=-1).float().cpu()
-    lp, tk = torch.log_softmax(out.logits.float(), dim=-1).topk(min(topk, out.logits.shape[-1]), dim=-1)
+    lp, tk = top_log_probs(out.logits, min(topk, out.logits.shape[-1]))
     lp, tk = lp.cpu(), tk.cpu()
     return [{**r, "feats": feats[i, :n], "topk_ids": tk[i, :n], "topk_logp": lp[i, :n]}
             for i, (r, n) in enumerate(zip(rows, lens))]

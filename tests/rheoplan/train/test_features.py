@@ -30,6 +30,21 @@ def test_padded_batch_matches_single_row_forwards(tiny_target):
         assert r["feats"].shape == (r["tokens"].numel(), 3 * tiny_target.config.hidden_size)
 
 
+@pytest.mark.parametrize("block", [1, 3, 16, 100])
+def test_top_log_probs_in_blocks_equal_the_whole_tensor_way(block):
+    logits = (torch.randn(2, 7, 50, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    lp, ids = ft.top_log_probs(logits, 5, block=block)
+    want = torch.log_softmax(logits.float(), -1).topk(5, -1)
+    assert lp.shape == ids.shape == (2, 7, 5) and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, want.values)
+    assert torch.equal(ids, want.indices)
+
+
+def test_top_log_probs_rejects_an_empty_block():
+    with pytest.raises(ValueError, match="block=0"):
+        ft.top_log_probs(torch.zeros(1, 2, 4), 2, block=0)
+
+
 def test_row_examples_make_the_same_examples_as_in_memory_rows(tiny_target):
     rows = _rows()
     src = ft.RowExamples(tiny_target, rows, topk=8, shared_prefix=1, prompt_weight=0.3, batch_tokens=12)
