@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from rheoplan.models.eagle3 import Eagle3Config, Eagle3Head
+from rheoplan.models.eagle3.head import RowBlocks
 from rheoplan.train.progress import RecentRate
 
 
@@ -374,7 +375,9 @@ def ttt_forward(head: Eagle3Head, embed: torch.Tensor, batch: Batch, steps: int)
     hidden_in = batch.feats
     outs = []
     for k in range(1, steps + 1):
-        allowed = ttt_mask(batch.seq, batch.local, k)
+        # each row attends only within itself: one attention per row (``RowBlocks``), not one
+        # over the whole chunk's dense mask
+        allowed = RowBlocks.from_dense(ttt_mask(batch.seq, batch.local, k), batch.seq, batch.seq.repeat(k))
         h, past = head(emb, hidden_in, batch.positions, past, allowed)
         outs.append(h)
         hidden_in = shift_within_rows(h, batch.local)

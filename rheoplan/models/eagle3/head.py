@@ -233,6 +233,53 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
 
 
+@dataclass(frozen=True)
+class RowBlocks:
+    """A block-diagonal attention mask kept as its blocks: ``(start, stop, cols, mask)``
+    each, query rows ``start:stop`` attending only to the key columns ``cols`` (int64), as
+    the bool ``mask [stop - start, len(cols)]`` says. An ``Eagle3Head`` takes it wherever it
+    takes a dense ``allowed`` and computes the same attention, one
+    ``scaled_dot_product_attention`` per block.
+
+    Why: training packs several rows into one sequence, each attending within itself. torch's
+    CPU attention computes every entry of a dense mask, so a 1,024-pair chunk of four rows
+    did four times the attention it needed. Forward and backward of the training-time
+    test's two steps over rows of 300, 250, 200 and 274 pairs (the shipped head's shape,
+    float32, 2 threads, the AVX2-only AMD EPYC) took 246-291 ms packed and 72-90 ms a block
+    per row.
+    """
+
+    blocks: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...]
+
+    @classmethod
+    def from_dense(cls, allowed: torch.Tensor, query_seq: torch.Tensor, key_seq: torch.Tensor) -> "RowBlocks":
+        """The blocks of ``allowed [n, S]``: one per run of equal ids in ``query_seq [n]``, over
+        the key columns whose ``key_seq [S]`` id is the same. Raises ``ValueError`` when
+        ``allowed`` lets a query see a key of another id (the blocks would lose it).
+
+        Example: two rows of two pairs, causal within each.
+            >>> seq = torch.tensor([0, 0, 1, 1])
+            >>> causal = (seq[:, None] == seq[None, :]) & (torch.arange(4)[None, :] <= torch.arange(4)[:, None])
+            >>> [(a, b, c.tolist(), m.int().tolist()) for a, b, c, m in RowBlocks.from_dense(causal, seq, seq).blocks]
+            [(0, 2, [0, 1], [[1, 0], [1, 1]]), (2, 4, [2, 3], [[1, 0], [1, 1]])]
+        """
+        if allowed.dim() != 2 or tuple(allowed.shape) != (query_seq.numel(), key_seq.numel()):
+            raise ValueError(f"allowed has shape {tuple(allowed.shape)}: allowed "
+                             f"({query_seq.numel()}, {key_seq.numel()}), query_seq by key_seq")
+        ids, counts = torch.unique_consecutive(query_seq, return_counts=True)
+        blocks, start, kept = [], 0, 0
+        for i, c in zip(ids.tolist(), counts.tolist()):
+            cols = torch.nonzero(key_seq == i).flatten()
+            mask = allowed[start:start + c][:, cols]
+            blocks.append((start, start + c, cols, mask))
+            kept += int(mask.sum())
+            start += c
+        if kept != int(allowed.sum()):
+            raise ValueError(f"allowed lets {int(allowed.sum()) - kept} (query, key) pairs of different ids "
+                             "attend: allowed a mask that is block diagonal by query_seq and key_seq")
+        return cls(tuple(blocks))
+
+
 class Eagle3Attention(nn.Module):
     """Self-attention whose q/k/v read the 2H concatenation and whose output is H.
     ``in_width``: another input width (default 2H; H for a plain decoder layer stacked on
@@ -250,8 +297,9 @@ class Eagle3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None,
-                allowed: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """``x [n, in_width]``, ``cos/sin [n, hd]``, ``past`` k/v ``[kv, S, hd]``, ``allowed [n, S+n]``."""
+                allowed: torch.Tensor | RowBlocks) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """``x [n, in_width]``, ``cos/sin [n, hd]``, ``past`` k/v ``[kv, S, hd]``, ``allowed [n, S+n]``
+        (or its ``RowBlocks``)."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.n_heads, self.head_dim).transpose(0, 1)
         k = self.k_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
@@ -262,7 +310,7 @@ class Eagle3Attention(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                       past: tuple[torch.Tensor, torch.Tensor] | None,
-                      allowed: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                      allowed: torch.Tensor | RowBlocks) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """``forward`` with the rotary embedding of the queries and of the keys in one
         ``decoder_glue.rope`` call each, over the projections' rows (``signed_sin``:
         ``sin`` with its first half negated, as the kernel takes it). The same bits:
@@ -275,13 +323,23 @@ class Eagle3Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None,
-                allowed: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                allowed: torch.Tensor | RowBlocks) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The attention of rotated ``q [heads, n, hd]`` over ``past`` and the new ``k`` /
         ``v [kv, n, hd]``, through ``o_proj``; returns it and the whole k/v."""
         n = q.shape[1]
         if past is not None:
             k = torch.cat([past[0], k], dim=1)
             v = torch.cat([past[1], v], dim=1)
+        if isinstance(allowed, RowBlocks):
+            out = torch.cat([self._sdpa(q[:, a:b], k[:, cols], v[:, cols], m) for a, b, cols, m in allowed.blocks], 1)
+        else:
+            out = self._sdpa(q, k, v, allowed)
+        out = out.transpose(0, 1).reshape(n, self.n_heads * self.head_dim)
+        return self.o_proj(out), (k, v)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """``[heads, n, hd]``: the attention of ``q [heads, n, hd]`` over ``k``/``v [kv, S, hd]``
+        where the bool ``allowed [n, S]`` is true."""
         # Each key/value head serves ``rep`` query heads (h -> h // rep): fold them into its
         # query axis, one attention per key/value head, rather than copying the whole cache
         # ``rep`` times per call (``repeat_interleave``). On the 2-core CPU in bfloat16 the
@@ -291,12 +349,11 @@ class Eagle3Attention(nn.Module):
         # kernel only for 4-D inputs, 3-D ones go to the unfused math path. In bfloat16 on
         # the 2-core AMD EPYC, 3 queries over 150 entries took 29 us against 77 (docs/results.md,
         # "Lean steps, twenty-first round").
-        rep = self.n_heads // self.n_kv
+        n, rep = q.shape[1], self.n_heads // self.n_kv
         out = F.scaled_dot_product_attention(
             q.reshape(1, self.n_kv, rep * n, self.head_dim), k[None], v[None],
             attn_mask=(allowed if rep == 1 else allowed.repeat(rep, 1))[None, None])  # rows (group member, query)
-        out = out.view(self.n_heads, n, self.head_dim).transpose(0, 1).reshape(n, self.n_heads * self.head_dim)
-        return self.o_proj(out), (k, v)
+        return out.view(self.n_heads, n, self.head_dim)
 
 
 class Eagle3MLP(nn.Module):
@@ -429,7 +486,7 @@ class Eagle3Head(nn.Module):
                          f"or {H} (the head's own hidden)")
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                past: tuple[torch.Tensor, torch.Tensor] | None, allowed: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None, allowed: torch.Tensor | RowBlocks,
                 max_position: int | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One midlayer pass over ``n`` pairs.
 
@@ -438,7 +495,8 @@ class Eagle3Head(nn.Module):
             hidden: ``[n, 3*H_t]`` target features or ``[n, H]`` own hiddens.
             positions: ``[n]`` int64 RoPE positions.
             past: cached k/v ``[kv_heads, S, head_dim]`` or None.
-            allowed: bool ``[n, S + n]``, row i may attend to column j.
+            allowed: bool ``[n, S + n]``, row i may attend to column j, or the same mask as
+                ``RowBlocks`` when it is block diagonal (training's packed rows).
             max_position: a bound the caller knows on the host (no device read) of every
                 position, or None; with it, ``cos_sin`` may read a table.
         Returns:

@@ -1,5 +1,5 @@
-"""The head's attention: grouped key/value heads without copying the cache; its rotary
-embedding read from a table."""
+"""The head's attention: grouped key/value heads without copying the cache; a block-diagonal
+mask as its blocks; its rotary embedding read from a table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rheoplan.models.eagle3.head import Eagle3Attention, Eagle3Config, Eagle3Head, _rotate_half
+from rheoplan.models.eagle3.head import Eagle3Attention, Eagle3Config, Eagle3Head, RowBlocks, _rotate_half
 
 
 def _repeated_heads(attn: Eagle3Attention, x, cos, sin, past, allowed) -> torch.Tensor:
@@ -22,6 +22,51 @@ def _repeated_heads(attn: Eagle3Attention, x, cos, sin, past, allowed) -> torch.
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0),
                                          attn_mask=allowed[None])
     return attn.o_proj(out.transpose(0, 1).reshape(n, attn.n_heads * attn.head_dim))
+
+
+def _packed_rows(lens, steps):
+    """Query and key ids and a block-diagonal mask of rows packed as training packs them:
+    keys ``[step 1 | ... | step k]``, a random pattern within each row, the diagonal kept."""
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    key_seq = seq.repeat(steps)
+    allowed = (seq[:, None] == key_seq[None, :]) & (torch.rand(len(seq), len(key_seq)) < 0.5)
+    allowed[torch.arange(len(seq)), torch.arange(len(seq))] = True
+    return seq, key_seq, allowed
+
+
+@pytest.mark.parametrize("kv_heads", [1, 3])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_row_blocks_give_the_dense_masks_attention_and_gradients(kv_heads, steps):
+    torch.manual_seed(kv_heads + 10 * steps)
+    cfg = Eagle3Config(vocab_size=50, draft_vocab_size=20, hidden_size=48, intermediate_size=64,
+                       num_attention_heads=6, num_key_value_heads=kv_heads)
+    attn, hd = Eagle3Attention(cfg), cfg.head_dim
+    lens = [4, 1, 6, 3]
+    seq, key_seq, allowed = _packed_rows(lens, steps)
+    n = len(seq)
+    past = None if steps == 1 else (torch.randn(kv_heads, (steps - 1) * n, hd), torch.randn(kv_heads, (steps - 1) * n, hd))
+    x = torch.randn(n, 2 * cfg.hidden_size, requires_grad=True)
+    ang = torch.rand(n, hd)
+    outs, grads = [], []
+    for mask in (allowed, RowBlocks.from_dense(allowed, seq, key_seq)):
+        out, kv = attn(x, ang.cos(), ang.sin(), past, mask)
+        (gx,) = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), x)
+        outs.append(out.detach())
+        grads.append(gx)
+        assert kv[0].shape == (kv_heads, steps * n, hd)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-5)
+
+
+def test_row_blocks_refuse_a_mask_that_crosses_rows():
+    seq, key_seq, allowed = _packed_rows([3, 2], 1)
+    blocks = RowBlocks.from_dense(allowed, seq, key_seq).blocks
+    assert [(a, b, c.tolist()) for a, b, c, _ in blocks] == [(0, 3, [0, 1, 2]), (3, 5, [3, 4])]
+    allowed[4, 0] = True  # the second row's last pair sees the first row's first
+    with pytest.raises(ValueError, match="1 \\(query, key\\) pairs of different ids"):
+        RowBlocks.from_dense(allowed, seq, key_seq)
+    with pytest.raises(ValueError, match="allowed has shape \\(5, 5\\): allowed \\(5, 4\\)"):
+        RowBlocks.from_dense(allowed, seq, key_seq[:4])
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 6])
