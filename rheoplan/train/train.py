@@ -579,6 +579,7 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
     epochs_chunks = [pack(lengths, cfg.chunk_tokens, seed=cfg.seed + e) for e in range(cfg.epochs)]
     schedule = [(e, c) for e, chunks in enumerate(epochs_chunks) for c in chunks]
     total = len(schedule)
+    epoch_stop = [sum(len(c) for c in epochs_chunks[:e + 1]) for e in range(cfg.epochs)]  # step each ends at
     opt = make_optimizer(head, cfg)
     start = 0
     earlier_s = 0.0  # training wall time of the earlier sittings this run resumes
@@ -614,7 +615,8 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
         rec = {"step": step + 1, "epoch": epoch, "loss": loss.item(), "grad_norm": float(gn),
                "lr": opt.param_groups[0]["lr"], **{f"loss_step{k}": l.item() for k, l in enumerate(losses, 1)},
                "elapsed_s": el, "tokens_per_s": pairs / max(el, 1e-9),
-               "eta_s": (end - step - 1) / steps_per_s}
+               "eta_s": (end - step - 1) / steps_per_s,
+               "epoch_eta_s": (min(epoch_stop[epoch], end) - step - 1) / steps_per_s}
         history.append(rec)
         bar.set_postfix(ep=epoch, loss=f"{rec['loss']:.3f}", l1=f"{rec['loss_step1']:.3f}")
         if (step + 1) % cfg.log_every == 0:
@@ -624,7 +626,8 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
             if not progress:  # background runs: one readable line per log_every steps
                 print(f"[train] {time.strftime('%H:%M:%S')} step {step + 1}/{end} epoch {epoch} "
                       f"loss {rec['loss']:.3f} (step-1 {rec['loss_step1']:.3f}) | {rec['tokens_per_s']:.0f} tok/s "
-                      f"| ETA {rec['eta_s'] / 3600:.2f} h", flush=True)
+                      f"| this epoch ends in {rec['epoch_eta_s'] / 3600:.2f} h, the run in {rec['eta_s'] / 3600:.2f} h "
+                      "at this rate", flush=True)
         if ckpt_path and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
             save_checkpoint(ckpt_path, head, opt, step + 1,
                             {"train_config": asdict(cfg), "wall_s_total": _total(earlier_s, t0)})

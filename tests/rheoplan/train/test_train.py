@@ -137,6 +137,20 @@ def test_a_few_steps_reduce_the_loss(setup):
     assert 0 <= after["accept_lo_step1"] <= after["accept_hi_step1"] <= 1 + 1e-6
 
 
+def test_progress_lines_give_the_epochs_end_and_the_runs(setup, capsys):
+    cfg = tr.TrainConfig(epochs=2, lr=3e-3, chunk_tokens=96, autocast_bf16=False, log_every=1)
+    head = tr.init_head(setup["cfg"], setup["ids"])
+    out = tr.train_head(head, setup["embed"], setup["ex"], cfg, progress=False, scale=setup["scale"])
+    hist, lines = out["history"], capsys.readouterr().out.splitlines()
+    first_epoch = sum(r["epoch"] == 0 for r in hist)  # (each epoch packs its chunks anew)
+    assert 2 <= first_epoch < len(hist) == len(lines)
+    last0 = hist[first_epoch - 1]  # an epoch's last step: it ends now, the run has the other epoch to go
+    assert last0["epoch_eta_s"] == 0 and last0["eta_s"] > 0
+    first = hist[0]  # both at the same rate: steps left in the epoch against steps left in the run
+    assert first["epoch_eta_s"] == pytest.approx(first["eta_s"] * (first_epoch - 1) / (len(hist) - 1))
+    assert "this epoch ends in 0.00 h, the run in" in lines[first_epoch - 1]
+
+
 def test_tv_term_is_the_mass_the_acceptance_proxy_misses():
     # two positions over a 4-token draft vocabulary; p known on its top-3, one of them out of vocab
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]], requires_grad=True)
