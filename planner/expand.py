@@ -136,7 +136,7 @@ def expand(tree: DraftTree, ctx: PassContext) -> DraftTree:
     for b, f in enumerate(frontiers):
         nodes[b, :len(f)] = torch.tensor(f, dtype=torch.int64)
     logits, ids = draft_columns(ctx.draft(tree, nodes))
-    V = check_draft_logits(logits, B, width, K, cfg.support)
+    check_draft_logits(logits, B, width, K, cfg.support)
 
     t = tree.clone()
     for b, frontier in enumerate(frontiers):

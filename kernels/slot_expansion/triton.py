@@ -229,7 +229,6 @@ def slot_expansion_kernel(logits_ptr, ctok_ptr, cq_ptr, parent_score_ptr, noise_
     z = tl.sum(tl.where(tail, sq64, 0.0), axis=0)
     tl.store(z_ptr + row, z.to(tl.float32))
     base = tl.load(parent_score_ptr + row).to(tl.float64)
-    ki = tl.arange(0, S_BLOCK)
     if M < K:
         n_tail = S - M
         qt = tl.where(z > 0, sq64 / z, 1.0 / n_tail)
