@@ -477,7 +477,7 @@ def stage_train(a, model, eos: int, report: dict) -> tr.Eagle3Head:
     if a.feature_cache_dir:
         print(f"[train] feature files: {a.feature_cache_dir} (rows already there are read, not made)", flush=True)
     if a.feature_cache_gb and a.epochs > 1:
-        need = sum(train_src.lengths()) * train_src.pair_bytes() / 2**30
+        need = train_src.features_bytes() / 2**30
         print(f"[train] feature cache: the training rows' features take ~{need:.1f} GB; up to "
               f"{a.feature_cache_gb:g} GB kept in memory ({min(1.0, a.feature_cache_gb / max(need, 1e-9)):.0%} of them), "
               "so epochs after the first skip their target forwards", flush=True)

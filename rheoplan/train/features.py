@@ -187,6 +187,7 @@ class RowExamples:
         self.batch_tokens = batch_tokens
         self._cache = {} if (cache or cache_gb) else None
         self._cache_left = None if cache_gb is None else int(cache_gb * 2**30)
+        self._cache_budget = self._cache_left
         self._store_dtype = next(model.parameters()).dtype
         self._dir = None if cache_dir is None else os.fspath(cache_dir)
         self._digest = None
@@ -200,6 +201,23 @@ class RowExamples:
         token, weight, flag): what ``cache_gb`` is spent on."""
         feat = 3 * int(self.model.config.hidden_size) * torch.finfo(self._store_dtype).bits // 8
         return feat + self.topk * (8 + 4) + 8 + 4 + 1
+
+    def features_bytes(self) -> int:
+        """Memory the features of all rows take once made (``pair_bytes`` a pair): what a
+        ``cache_gb`` budget is weighed against."""
+        return sum(self.lengths()) * self.pair_bytes()
+
+    def made_again_share(self) -> float:
+        """The share of a later epoch's pairs whose features it makes again, by target
+        forwards: 0 with a ``cache_dir`` (every row is read back) or an unbounded cache, 1
+        with neither cache, and with ``cache_gb`` the share of the features that budget
+        does not hold. What a training run's ETA prices its later epochs with
+        (``train.run_eta_s``)."""
+        if self._dir is not None or (self._cache is not None and self._cache_budget is None):
+            return 0.0
+        if self._cache is None:
+            return 1.0
+        return 1.0 - min(1.0, self._cache_budget / max(self.features_bytes(), 1))
 
     def cached_rows(self) -> int:
         return 0 if self._cache is None else len(self._cache)

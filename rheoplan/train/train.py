@@ -277,6 +277,11 @@ class ExampleList:
     def get(self, indices: Sequence[int]) -> list[Example]:
         return [self.examples[i] for i in indices]
 
+    def made_again_share(self) -> None:
+        """None: these examples are made already, so every epoch runs at one pace
+        (``features.RowExamples`` makes its rows in the first epoch)."""
+        return None
+
 
 def as_source(data) -> "ExampleList":
     """``data`` itself when it has ``lengths``/``get``, else an ``ExampleList`` over it."""
@@ -554,6 +559,37 @@ def train_step(head: Eagle3Head, embed: torch.Tensor, opt: torch.optim.Optimizer
     return loss, losses, gn
 
 
+def run_eta_s(step: int, end: int, epoch_end: int, steps_per_s: float, *, first_epoch: bool = False,
+              made_again: float | None = None, head_steps_per_s: float | None = None) -> float:
+    """Seconds a training run has left after step ``step`` (1-based, done) of ``end``: the
+    steps to ``epoch_end`` (where the current epoch ends) at ``steps_per_s``, the pace of
+    late, and the later epochs' steps at that pace too, except in the first epoch of a
+    source that makes its features then (``made_again``: the share of a later epoch's
+    pairs made again, ``RowExamples.made_again_share``; None for a source that makes
+    nothing). A later step then costs that share at this pace, which includes the target's
+    forwards, and the rest at ``head_steps_per_s``, the pace of the head's steps alone
+    (the features read back from memory or disk; reading them is not counted, so this is
+    a lower bound there). Why: on the 2-core AVX2-only AMD EPYC a first-epoch step spent
+    three quarters of its time in the target's forwards (py-spy, 2026-12-07), so an ETA
+    that priced every later step at the first epoch's pace was hours too long.
+
+    Example:
+        >>> run_eta_s(10, 30, 10, 0.25, first_epoch=True, made_again=0.0, head_steps_per_s=1.0)
+        20.0
+        >>> run_eta_s(10, 30, 10, 0.25)  # one pace throughout
+        80.0
+    """
+    if not steps_per_s > 0:
+        raise ValueError(f"steps_per_s={steps_per_s}: allowed > 0")
+    this_epoch, later = max(epoch_end - step, 0), max(end - max(epoch_end, step), 0)
+    if not first_epoch or made_again is None or head_steps_per_s is None:
+        return (this_epoch + later) / steps_per_s
+    if not 0 <= made_again <= 1 or not head_steps_per_s > 0:
+        raise ValueError(f"made_again={made_again}, head_steps_per_s={head_steps_per_s}: "
+                         "allowed 0 <= made_again <= 1 and head_steps_per_s > 0")
+    return this_epoch / steps_per_s + later * (made_again / steps_per_s + (1 - made_again) / head_steps_per_s)
+
+
 def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig, *,
                ckpt_path: str | None = None, resume: bool = False, log_path: str | None = None,
                progress: bool = True, max_steps: int | None = None,
@@ -601,22 +637,34 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
                initial=start, total=end)
     recent = RecentRate()  # steps a second lately: a later epoch reads cached features, a pause ends
     recent.add(t0, start)
+    # the head's steps alone (their time added up, as the clock of a RecentRate): what a
+    # later epoch costs once the features are read back rather than made (``run_eta_s``)
+    head_recent, head_s = RecentRate(), 0.0
+    head_recent.add(head_s, start)
+    made_again = src.made_again_share() if hasattr(src, "made_again_share") else 1.0
     for step in bar:
         epoch, chunk = schedule[step]
         b = collate(src.get(chunk), scale)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, cfg)
+        t_head = time.time()
         loss, losses, gn = train_step(head, embed, opt, b, cfg, t2d_index)
         pairs += int(b.tokens.numel())
         now = time.time()
         el = now - t0
         recent.add(now, step + 1)
+        head_s += now - t_head
+        head_recent.add(head_s, step + 1)
         steps_per_s = recent.rate() or (step + 1 - start) / max(el, 1e-9)
+        head_steps_per_s = head_recent.rate() or (step + 1 - start) / max(head_s, 1e-9)
         rec = {"step": step + 1, "epoch": epoch, "loss": loss.item(), "grad_norm": float(gn),
                "lr": opt.param_groups[0]["lr"], **{f"loss_step{k}": l.item() for k, l in enumerate(losses, 1)},
                "elapsed_s": el, "tokens_per_s": pairs / max(el, 1e-9),
-               "eta_s": (end - step - 1) / steps_per_s,
+               "steps_per_s": steps_per_s, "head_steps_per_s": head_steps_per_s,
+               "eta_s": run_eta_s(step + 1, end, min(epoch_stop[epoch], end), steps_per_s, first_epoch=epoch == 0,
+                                  made_again=made_again, head_steps_per_s=head_steps_per_s),
                "epoch_eta_s": (min(epoch_stop[epoch], end) - step - 1) / steps_per_s}
+        later_at_head_pace = epoch == 0 and made_again is not None and made_again < 1 and end > epoch_stop[0]
         history.append(rec)
         bar.set_postfix(ep=epoch, loss=f"{rec['loss']:.3f}", l1=f"{rec['loss_step1']:.3f}")
         if (step + 1) % cfg.log_every == 0:
@@ -627,7 +675,8 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
                 print(f"[train] {time.strftime('%H:%M:%S')} step {step + 1}/{end} epoch {epoch} "
                       f"loss {rec['loss']:.3f} (step-1 {rec['loss_step1']:.3f}) | {rec['tokens_per_s']:.0f} tok/s "
                       f"| this epoch ends in {rec['epoch_eta_s'] / 3600:.2f} h, the run in {rec['eta_s'] / 3600:.2f} h "
-                      "at this rate", flush=True)
+                      + (f"(the later epochs' pairs {1 - made_again:.0%} at the head steps' pace, their features "
+                         "read back)" if later_at_head_pace else "at this rate"), flush=True)
         if ckpt_path and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
             save_checkpoint(ckpt_path, head, opt, step + 1,
                             {"train_config": asdict(cfg), "wall_s_total": _total(earlier_s, t0)})

@@ -91,6 +91,20 @@ def test_cache_budget_keeps_rows_until_full_and_remakes_the_rest(tiny_target, mo
         torch.testing.assert_close(g.feats.float(), w.feats, atol=1e-5, rtol=1e-5)
 
 
+def test_made_again_share_follows_the_caches(tiny_target, tmp_path):
+    rows, kw = _rows(), dict(topk=4, shared_prefix=1, prompt_weight=0.3)
+    probe = ft.RowExamples(tiny_target, rows, **kw)
+    assert probe.features_bytes() == sum(probe.lengths()) * probe.pair_bytes() > 0
+    assert probe.made_again_share() == 1.0  # no cache: a later epoch makes every row again
+    assert ft.RowExamples(tiny_target, rows, cache=True, **kw).made_again_share() == 0.0
+    assert ft.RowExamples(tiny_target, rows, cache_dir=tmp_path, **kw).made_again_share() == 0.0
+    quarter = probe.features_bytes() / 4 / 2**30
+    assert ft.RowExamples(tiny_target, rows, cache_gb=quarter, **kw).made_again_share() == pytest.approx(0.75)
+    assert ft.RowExamples(tiny_target, rows, cache_gb=1.0, **kw).made_again_share() == 0.0
+    # a budget on disk-backed rows: every row is read back from its file all the same
+    assert ft.RowExamples(tiny_target, rows, cache_gb=quarter, cache_dir=tmp_path, **kw).made_again_share() == 0.0
+
+
 def test_cached_features_are_stored_in_the_target_dtype_without_loss(tiny_target):
     model = copy.deepcopy(tiny_target).to(torch.bfloat16)  # a copy: the fixture is shared by the module
     src = ft.RowExamples(model, _rows(), topk=4, shared_prefix=1, prompt_weight=0.3, cache_gb=1.0)

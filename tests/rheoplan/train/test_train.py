@@ -151,6 +151,48 @@ def test_progress_lines_give_the_epochs_end_and_the_runs(setup, capsys):
     assert "this epoch ends in 0.00 h, the run in" in lines[first_epoch - 1]
 
 
+def test_run_eta_prices_later_epochs_at_the_head_steps_pace_after_a_making_first_epoch():
+    # 10 steps done of 30, the first epoch ends at 12: 2 steps at 0.5 / s, then 18 later steps
+    kw = dict(first_epoch=True, head_steps_per_s=2.0)
+    assert tr.run_eta_s(10, 30, 12, 0.5, made_again=0.0, **kw) == pytest.approx(2 / 0.5 + 18 / 2.0)
+    assert tr.run_eta_s(10, 30, 12, 0.5, made_again=1.0, **kw) == pytest.approx(20 / 0.5)
+    assert tr.run_eta_s(10, 30, 12, 0.5, made_again=0.25, **kw) == pytest.approx(4 + 18 * (0.25 / 0.5 + 0.75 / 2))
+    # one pace throughout: a later epoch, a source that makes nothing, no head pace yet
+    for other in (dict(first_epoch=False, made_again=0.0, head_steps_per_s=2.0),
+                  dict(first_epoch=True, made_again=None, head_steps_per_s=2.0),
+                  dict(first_epoch=True, made_again=0.0, head_steps_per_s=None)):
+        assert tr.run_eta_s(10, 30, 12, 0.5, **other) == pytest.approx(20 / 0.5)
+    assert tr.run_eta_s(30, 30, 30, 0.5, made_again=0.0, **kw) == 0.0
+    with pytest.raises(ValueError, match="steps_per_s"):
+        tr.run_eta_s(1, 2, 2, 0.0)
+    with pytest.raises(ValueError, match="made_again"):
+        tr.run_eta_s(1, 2, 2, 1.0, made_again=1.5, **kw)
+
+
+class _MadeFirst(tr.ExampleList):
+    """In-memory examples that claim to be made in the first epoch and read back later."""
+
+    def made_again_share(self) -> float:
+        return 0.0
+
+
+def test_progress_lines_price_later_epochs_at_the_head_steps_pace(setup, capsys):
+    cfg = tr.TrainConfig(epochs=3, lr=3e-3, chunk_tokens=96, autocast_bf16=False, log_every=1)
+    head = tr.init_head(setup["cfg"], setup["ids"])
+    out = tr.train_head(head, setup["embed"], _MadeFirst(setup["ex"]), cfg, progress=False, scale=setup["scale"])
+    hist, lines = out["history"], capsys.readouterr().out.splitlines()
+    first_epoch = sum(r["epoch"] == 0 for r in hist)
+    for r in hist[:first_epoch]:
+        assert r["eta_s"] == pytest.approx(tr.run_eta_s(r["step"], len(hist), first_epoch, r["steps_per_s"],
+                                                        first_epoch=True, made_again=0.0,
+                                                        head_steps_per_s=r["head_steps_per_s"]))
+        assert r["head_steps_per_s"] >= r["steps_per_s"] * 0.999  # the head's steps are part of a step
+    for r in hist[first_epoch:]:
+        assert r["eta_s"] == pytest.approx((len(hist) - r["step"]) / r["steps_per_s"])
+    assert all("100% at the head steps' pace" in line for line in lines[:first_epoch])
+    assert all(line.endswith("at this rate") for line in lines[first_epoch:])
+
+
 def test_tv_term_is_the_mass_the_acceptance_proxy_misses():
     # two positions over a 4-token draft vocabulary; p known on its top-3, one of them out of vocab
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]], requires_grad=True)
