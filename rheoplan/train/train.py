@@ -656,14 +656,15 @@ def train_head(head: Eagle3Head, embed: torch.Tensor, train_ex, cfg: TrainConfig
         head_s += now - t_head
         head_recent.add(head_s, step + 1)
         steps_per_s = recent.rate() or (step + 1 - start) / max(el, 1e-9)
+        epoch_end = min(epoch_stop[epoch], end)
         head_steps_per_s = head_recent.rate() or (step + 1 - start) / max(head_s, 1e-9)
         rec = {"step": step + 1, "epoch": epoch, "loss": loss.item(), "grad_norm": float(gn),
                "lr": opt.param_groups[0]["lr"], **{f"loss_step{k}": l.item() for k, l in enumerate(losses, 1)},
                "elapsed_s": el, "tokens_per_s": pairs / max(el, 1e-9),
                "steps_per_s": steps_per_s, "head_steps_per_s": head_steps_per_s,
-               "eta_s": run_eta_s(step + 1, end, min(epoch_stop[epoch], end), steps_per_s, first_epoch=epoch == 0,
+               "eta_s": run_eta_s(step + 1, end, epoch_end, steps_per_s, first_epoch=epoch == 0,
                                   made_again=made_again, head_steps_per_s=head_steps_per_s),
-               "epoch_eta_s": (min(epoch_stop[epoch], end) - step - 1) / steps_per_s}
+               "epoch_eta_s": run_eta_s(step + 1, epoch_end, epoch_end, steps_per_s)}
         later_at_head_pace = epoch == 0 and made_again is not None and made_again < 1 and end > epoch_stop[0]
         history.append(rec)
         bar.set_postfix(ep=epoch, loss=f"{rec['loss']:.3f}", l1=f"{rec['loss_step1']:.3f}")
