@@ -411,6 +411,16 @@ class Timings:
         slope = (self.verify(b, lo) - self.verify(a, lo)) / (b - a)
         return self.verify(1, lo) / slope if slope > 0 else float("inf")
 
+    def verify_growth(self) -> tuple[int, float]:
+        """``(n, r)``: the largest measured tree ``n`` (tokens) and what its verify forward
+        costs against a one-token forward, ``c_v(n) / c_v(1)``, the larger ratio of the two
+        measured contexts. About 3 on the 2-core CPUs at 64 tokens (SmolLM2, bfloat16);
+        about 1 where a forward's time does not grow with its tokens, as a small target's on
+        a GPU (``rheoplan.loading.large_tree_note``)."""
+        n = self.sizes[-1]
+        return n, max(self.at_ctx(*self.verify_ends(n), c) / max(self.at_ctx(*self.verify_ends(1), c), 1e-9)
+                      for c in (self.ctx_lo, self.ctx_hi))
+
     def one_row(self) -> "Timings":
         """These latencies less the batched ones: what a decode of one prompt reads (a
         batch priced with it counts as one row of all its tokens, ``verify_batch``)."""

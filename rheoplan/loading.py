@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from rheoplan.config import SamplingConfig, TreeConfig
-from rheoplan.costmodel import (PRIORS_FILE, Calibration, CostModel, cache_key, cache_read, cache_write, load_priors,
-                                remeasure_requested)
+from rheoplan.costmodel import (PRIORS_FILE, Calibration, CostModel, Timings, cache_key, cache_read, cache_write,
+                                load_priors, remeasure_requested)
 from rheoplan.decode import plan_and_decode
 from rheoplan.kernels import source_digest
 from rheoplan.kernels.decoder_glue import cpu as glue_kernels
@@ -267,6 +267,35 @@ def fuse_glue_if_it_pays(model, what: str, log=None) -> bool:
     return pays
 
 
+#: a verify forward of the largest measured tree (64 tokens) that costs at most this many
+#: one-token forwards counts as flat (``large_tree_note``). On the 2-core CPUs it costs about
+#: 3 (SmolLM2, bfloat16), and there the default caps are what pays: wider ones planned trees
+#: about as large and ran 0.5% slower at T = 1 and 8% slower at T = 0 on the Zen 4 EPYC. Where
+#: the price is flat, the caps bind: with this machine's price made flat the default caps
+#: accepted 2.30 tokens a step at T = 1 and 12 / 12 / 128 accepted 2.56 (docs/results.md, "The
+#: cost model's trees where a verify forward is flat").
+FLAT_VERIFY_RATIO = 1.25
+#: what ``large_tree_note`` suggests: frontier, slots, budget
+LARGE_TREE = (12, 12, 128)
+
+
+def large_tree_note(timings: Timings, tree: TreeConfig) -> str | None:
+    """A line for stderr where this machine's verify forward is flat (``FLAT_VERIFY_RATIO``)
+    beyond the largest tree the cost model may plan (``tree``: its budget, the nodes each
+    depth expands and their children), saying that larger caps may pay; None elsewhere. A
+    suggestion, not a change: the caps stay what the user asked for."""
+    n, r = timings.verify_growth()
+    f, k, b = LARGE_TREE
+    if tree.frontier == 1 and tree.slots == 1:
+        return None  # a chain: no width to widen
+    if r > FLAT_VERIFY_RATIO or (tree.budget + 1 >= n and tree.frontier >= f and tree.slots >= k):
+        return None
+    return (f"cost model: a {n}-token verify forward costs {r:.2f}x a one-token one here, so trees larger than "
+            f"the {tree.budget} nodes ({tree.frontier} expanded a depth, {tree.slots} children each) it may plan "
+            f"could pay: try --frontier {f} --slots {k} --budget {b} and compare tokens/s (docs/cli.md, \"Where a "
+            "large tree costs what a small one does\")")
+
+
 def auto_tree(tree: TreeConfig, depth, budget) -> TreeConfig:
     """The largest tree the cost model may plan: ``depth`` / ``budget`` ints or ``'auto'``
     (AUTO_DEPTH levels; AUTO_BUDGET nodes, at most what the tree can hold)."""
@@ -321,6 +350,9 @@ def load_cost_model(model, tok, draft, tree: TreeConfig, *, draft_id: str = "",
         tm = (measure_timings(model, draft, ids, batch_sizes=(), cached_only=True, **kw)
               or measure_timings(model, draft, ids, cached_only=True, **kw)
               or measure_timings(model, draft, ids, batch_sizes=(), **kw))
+    note = large_tree_note(tm, tree)
+    if note is not None:
+        print(note, file=sys.stderr)
     return CostModel(tm, prior, priors)
 
 

@@ -680,3 +680,11 @@ def test_forward_overhead_tokens_is_the_fixed_cost_over_the_slope():
     flat = tm(sizes=(1, 32, 64), verify_lo=(18.8, 28.7, 28.7), verify_hi=(20.0, 30.0, 45.0))
     assert flat.forward_overhead_tokens() == float("inf")
     assert tm(sizes=(1,), verify_lo=(3.0,), verify_hi=(4.0,)).forward_overhead_tokens() == float("inf")
+
+
+def test_verify_growth_is_the_largest_trees_price_over_one_tokens_at_the_steeper_context():
+    t = tm(sizes=(1, 32, 64), verify_lo=(20.0, 40.0, 60.0), verify_hi=(25.0, 50.0, 100.0))
+    assert t.verify_growth() == (64, pytest.approx(4.0))  # ctx_hi: 100 / 25, steeper than 60 / 20
+    t = tm(sizes=(1, 64), verify_lo=(10.0, 11.0), verify_hi=(10.0, 10.5))
+    assert t.verify_growth() == (64, pytest.approx(1.1))
+    assert tm(sizes=(1,), verify_lo=(3.0,), verify_hi=(4.0,)).verify_growth() == (1, 1.0)

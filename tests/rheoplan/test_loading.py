@@ -233,3 +233,37 @@ def test_warm_up_decodes_and_leaves_later_decodes_as_they_were(rows, monkeypatch
     assert (made, streamed) == (([loading.WARM_UP_TOKENS], []) if rows == 1 else ([], [loading.WARM_UP_TOKENS] * rows))
     after = plan_and_decode(target, draft, [1, 2, 3], max_new_tokens=8, sampling=sampling, tree=tree, seed=4).tokens
     assert after == before
+
+
+def _curve(*ms):
+    from rheoplan.costmodel import Timings
+    sizes = (1, 8, 16, 32, 64)
+    return Timings(sizes, ms, tuple(1.05 * m for m in ms), 64, 512, (1,), (2.0,), 5.0, 3.0)
+
+
+#: the 2-core Zen 4 EPYC's record (bfloat16, ctx 64) and a flat one, as a GPU's for a small target
+CPU_CURVE = _curve(23.5, 24.9, 31.7, 46.1, 75.4)
+FLAT_CURVE = _curve(10.0, 10.0, 10.2, 10.5, 11.0)
+DEFAULT_TREE = loading.auto_tree(TreeConfig(frontier=3, slots=3, rheostat=1, verifier="rheo"), "auto", "auto")
+
+
+def test_large_tree_note_where_the_verify_price_is_flat_and_the_caps_bind():
+    note = loading.large_tree_note(FLAT_CURVE, DEFAULT_TREE)
+    assert note is not None and "64-token verify forward costs 1.10x" in note
+    assert "--frontier 12 --slots 12 --budget 128" in note and "the 32 nodes (3 expanded a depth" in note
+
+
+@pytest.mark.parametrize("curve, tree", [
+    (CPU_CURVE, DEFAULT_TREE),  # the price grows: the default caps are what pays
+    (_curve(10.0, 10.5, 11.0, 11.8, 12.6), DEFAULT_TREE),  # 1.26x: just past flat
+    (FLAT_CURVE, DEFAULT_TREE.with_(frontier=12, slots=12, budget=128)),  # already as large
+    (FLAT_CURVE, TreeConfig.chain(depth=6)),  # a chain has no width to widen
+])
+def test_no_large_tree_note_where_the_price_grows_or_the_caps_are_large(curve, tree):
+    assert loading.large_tree_note(curve, tree) is None
+
+
+@pytest.mark.parametrize("frontier, slots, budget", [(3, 3, 128), (12, 3, 128), (3, 12, 128), (12, 12, 32)])
+def test_large_tree_note_where_any_one_cap_binds(frontier, slots, budget):
+    tree = DEFAULT_TREE.with_(frontier=frontier, slots=slots, budget=budget)
+    assert loading.large_tree_note(FLAT_CURVE, tree) is not None
