@@ -4,21 +4,14 @@ keeps its own draft and bookkeeping latencies and its calibration."""
 
 from __future__ import annotations
 
-import importlib.util
+import runpy
 from pathlib import Path
 
 import pytest
 
 from rheoplan.costmodel import Calibration, CostModel, Timings
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flat_verify_trees.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("flat_verify_trees", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+EX = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "flat_verify_trees.py"), run_name="example")
 
 
 REF = CostModel(Timings((1, 8, 64), (20.0, 24.0, 75.0), (22.0, 27.0, 90.0), 64, 512, (1,), (2.0,), 5.0, 3.0))
@@ -28,7 +21,7 @@ OWN = CostModel(Timings((1, 2), (34.0, 35.0), (36.0, 37.0), 32, 256, (1, 12), (2
 
 
 def test_flat_curve_is_the_one_token_latency_up_to_flat():
-    out = _load().priced(OWN, REF, 128)
+    out = EX["priced"](OWN, REF, 128)
     t = out.timings
     assert t.sizes == (1, 2, 4, 8, 16, 32, 64, 128)
     assert set(t.verify_lo) == {20.0} and set(t.verify_hi) == {22.0}
@@ -41,7 +34,7 @@ def test_flat_curve_is_the_one_token_latency_up_to_flat():
 
 
 def test_flat_zero_keeps_the_reference_curve():
-    t = _load().priced(OWN, REF, 0).timings
+    t = EX["priced"](OWN, REF, 0).timings
     assert (t.sizes, t.verify_lo, t.verify_hi) == ((1, 8, 64), (20.0, 24.0, 75.0), (22.0, 27.0, 90.0))
     assert t.verify(64, 64) == 75.0
 
@@ -49,8 +42,8 @@ def test_flat_zero_keeps_the_reference_curve():
 @pytest.mark.parametrize("text", ["6/3/3/32", "6/3/3/32/0/1", "6/3/x/32/0", "0/3/3/32/0", "6/3/3/32/-1"])
 def test_a_bad_configuration_is_refused(text):
     with pytest.raises(ValueError, match="depth/frontier/slots/budget/flat"):
-        _load().parse_config(text)
+        EX["parse_config"](text)
 
 
 def test_a_configuration_parses():
-    assert _load().parse_config("10/12/12/128/64") == (10, 12, 12, 128, 64)
+    assert EX["parse_config"]("10/12/12/128/64") == (10, 12, 12, 128, 64)
