@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import replace
 
 import torch
 
@@ -121,9 +120,7 @@ def main() -> None:
 
 def shared_curve(cost: CostModel, ref: CostModel) -> CostModel:
     """``cost`` with ``ref``'s verify curve (the target's), its own draft and bookkeeping."""
-    t = ref.timings
-    return CostModel(replace(cost.timings, sizes=t.sizes, verify_lo=t.verify_lo, verify_hi=t.verify_hi,
-                             ctx_lo=t.ctx_lo, ctx_hi=t.ctx_hi), cost.calibration, cost.priors)
+    return CostModel(cost.timings.with_verify_of(ref.timings), cost.calibration, cost.priors)
 
 
 if __name__ == "__main__":

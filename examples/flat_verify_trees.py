@@ -58,13 +58,11 @@ def priced(cost: CostModel, curve: CostModel, flat: int) -> CostModel:
     """``cost`` with ``curve``'s verify latencies (the target's), made flat up to ``flat``
     tokens at its one-token latency when ``flat`` > 0; its own draft and bookkeeping
     latencies and calibration kept."""
-    t = curve.timings
-    sizes, lo, hi = t.sizes, t.verify_lo, t.verify_hi
+    t = cost.timings.with_verify_of(curve.timings)
     if flat:
         sizes = tuple(s for s in FLAT_SIZES if s <= flat) or (1,)
-        lo, hi = (t.verify_lo[0],) * len(sizes), (t.verify_hi[0],) * len(sizes)
-    return CostModel(replace(cost.timings, sizes=sizes, verify_lo=lo, verify_hi=hi, ctx_lo=t.ctx_lo,
-                             ctx_hi=t.ctx_hi), cost.calibration, cost.priors)
+        t = replace(t, sizes=sizes, verify_lo=(t.verify_lo[0],) * len(sizes), verify_hi=(t.verify_hi[0],) * len(sizes))
+    return CostModel(t, cost.calibration, cost.priors)
 
 
 def main() -> None:

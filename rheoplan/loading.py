@@ -268,8 +268,8 @@ def fuse_glue_if_it_pays(model, what: str, log=None) -> bool:
 
 
 #: a verify forward of the largest measured tree (64 tokens) that costs at most this many
-#: one-token forwards counts as flat (``large_tree_note``). On the 2-core CPUs it costs about
-#: 3 (SmolLM2, bfloat16), and there the default caps are what pays: wider ones planned trees
+#: one-token forwards counts as flat (``large_tree_note``). On the 2-core Zen 4 EPYC it costs
+#: 3.2 (SmolLM2, bfloat16), and there the default caps are what pays: wider ones planned trees
 #: about as large and ran 0.5% slower at T = 1 and 8% slower at T = 0 on the Zen 4 EPYC. Where
 #: the price is flat, the caps bind: with this machine's price made flat the default caps
 #: accepted 2.30 tokens a step at T = 1 and 12 / 12 / 128 accepted 2.56 (docs/results.md, "The
@@ -281,14 +281,15 @@ LARGE_TREE = (12, 12, 128)
 
 def large_tree_note(timings: Timings, tree: TreeConfig) -> str | None:
     """A line for stderr where this machine's verify forward is flat (``FLAT_VERIFY_RATIO``)
-    beyond the largest tree the cost model may plan (``tree``: its budget, the nodes each
-    depth expands and their children), saying that larger caps may pay; None elsewhere. A
+    and a cap of the largest tree the cost model may plan (``tree``: its budget, the nodes
+    each depth expands and their children) is below ``LARGE_TREE``, saying that larger
+    caps may pay; None elsewhere. A
     suggestion, not a change: the caps stay what the user asked for."""
     n, r = timings.verify_growth()
     f, k, b = LARGE_TREE
     if tree.frontier == 1 and tree.slots == 1:
         return None  # a chain: no width to widen
-    if r > FLAT_VERIFY_RATIO or (tree.budget + 1 >= n and tree.frontier >= f and tree.slots >= k):
+    if r > FLAT_VERIFY_RATIO or (tree.budget >= b and tree.frontier >= f and tree.slots >= k):
         return None
     return (f"cost model: a {n}-token verify forward costs {r:.2f}x a one-token one here, so trees larger than "
             f"the {tree.budget} nodes ({tree.frontier} expanded a depth, {tree.slots} children each) it may plan "

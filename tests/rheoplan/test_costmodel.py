@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -688,3 +689,12 @@ def test_verify_growth_is_the_largest_trees_price_over_one_tokens_at_the_steeper
     t = tm(sizes=(1, 64), verify_lo=(10.0, 11.0), verify_hi=(10.0, 10.5))
     assert t.verify_growth() == (64, pytest.approx(1.1))
     assert tm(sizes=(1,), verify_lo=(3.0,), verify_hi=(4.0,)).verify_growth() == (1, 1.0)
+
+
+def test_with_verify_of_takes_the_reference_curve_and_keeps_the_rest():
+    own = tm(sizes=(1, 2), verify_lo=(34.0, 35.0), verify_hi=(36.0, 37.0))
+    ref = Timings((1, 16), (20.0, 30.0), (25.0, 40.0), 8, 1024, (1,), (9.0,), 9.0, 9.0)
+    out = own.with_verify_of(ref)
+    assert (out.sizes, out.verify_lo, out.verify_hi, out.ctx_lo, out.ctx_hi) == \
+        ((1, 16), (20.0, 30.0), (25.0, 40.0), 8, 1024)
+    assert out == replace(own, sizes=(1, 16), verify_lo=(20.0, 30.0), verify_hi=(25.0, 40.0), ctx_lo=8, ctx_hi=1024)
